@@ -1,0 +1,14 @@
+"""The one attention entry point: `attention(q, k, v, *, backend=..., ...)`.
+
+q [B, Sq, H, D], k and v [B, Skv, H, D] -> [B, Sq, H, D]. Backends register themselves by name;
+call sites pass a name (or "auto") and never import a backend. `kv_lens` (int32 [B]) masks keys
+at positions >= kv_lens[b]: the valid keys are a prefix, which is what padding to whole tiles and
+text padding produce, and what cuDNN and the sparse kernels support without a dense mask.
+"""
+
+from __future__ import annotations
+
+from dsv_jax.attention.registry import attention, available_backends, register_backend, resolve_backend
+from dsv_jax.attention import dense as _dense  # noqa: F401  (registers "xla" and "cudnn")
+
+__all__ = ["attention", "available_backends", "register_backend", "resolve_backend"]

@@ -1,0 +1,61 @@
+"""Backend registry behind `dsv_jax.attention.attention`."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+
+
+class Backend(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lens: jax.Array | None,
+                 sm_scale: float, **options) -> jax.Array: ...
+
+
+_BACKENDS: dict[str, Backend] = {}
+_AUTO_RULES: list[Callable[[jax.Array], str | None]] = []
+
+
+def register_backend(name: str, *, auto_rule: Callable[[jax.Array], str | None] | None = None):
+    """Decorator registering `fn` as backend `name`. `auto_rule(q)` may claim "auto" for inputs it suits."""
+
+    def wrap(fn: Backend) -> Backend:
+        _BACKENDS[name] = fn
+        if auto_rule is not None:
+            _AUTO_RULES.append(auto_rule)
+        return fn
+
+    return wrap
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve_backend(backend: str, q: jax.Array) -> str:
+    if backend == "auto":
+        for rule in _AUTO_RULES:
+            name = rule(q)
+            if name is not None:
+                return name
+        return "xla"
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; available: {['auto'] + available_backends()}")
+    return backend
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto",
+              kv_lens: jax.Array | None = None, sm_scale: float | None = None, **options) -> jax.Array:
+    """softmax(q k^T * sm_scale) v over heads; q [B, Sq, H, D], k/v [B, Skv, H, D].
+
+    backend: "auto" (cuDNN on GPU for 16-bit inputs, else XLA) or a registered name.
+    kv_lens: optional int32 [B]; keys at positions >= kv_lens[b] are ignored.
+    sm_scale: defaults to D ** -0.5. Other keyword options go to the backend (e.g. a sparse plan).
+    """
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, heads or head dim")
+    name = resolve_backend(backend, q)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    return _BACKENDS[name](q, k, v, kv_lens=kv_lens, sm_scale=scale, **options)

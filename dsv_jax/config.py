@@ -1,0 +1,290 @@
+"""Typed configs and named presets.
+
+A config is a tree of frozen dataclasses. Presets are plain functions returning one; command-line
+overrides (`model.depth=8`, `train.lr=3e-4`) are merged by OmegaConf, which type-checks each value
+against the dataclass field and rejects unknown keys. `__post_init__` checks the choices and ranges
+that types alone cannot express.
+
+    cfg = get_config("2.7b-mmdit", ["train.steps=1000", "attention=dsv"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A preset name or override that cannot be applied; the message says which and why."""
+
+
+def _choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name}={value!r} must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "dit"  # dit: cross-attention to text (Wan-like); mmdit: joint text+video attention (SD3-like)
+    in_channels: int = 3  # latent channels C of [B, T, H, W, C]
+    hidden: int = 128
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    text_mlp_ratio: float = 2.0  # MMDiT text stream only
+    # per_block: each block projects the conditioning to its own (shift, scale, gate) (DiT's AdaLN-Zero).
+    # single: one shared projection plus a learned per-block offset (PixArt-alpha's adaLN-single, Wan).
+    adaln: str = "per_block"
+    adaln_impl: str = "auto"  # auto | pallas | xla: which AdaLN kernel the blocks call
+    patch: tuple[int, int, int] = (1, 2, 2)  # (pt, ph, pw) latent voxels per token
+    tile: tuple[int, int, int] = (2, 4, 4)  # tokens per 3D tile in tile-major order
+    text_dim: int = 128  # width of the text embeddings the model receives
+    qk_norm: bool = True
+    rope_theta: float = 10000.0
+    dtype: str = "auto"  # compute dtype: auto (bfloat16 on accelerators, float32 on CPU) | bfloat16 | float32
+    remat: bool = True  # jax.checkpoint per block
+    scan_layers: bool = True  # lax.scan over blocks when all blocks share one static attention plan
+
+    def __post_init__(self):
+        _choice("model.arch", self.arch, ("dit", "mmdit"))
+        _choice("model.adaln", self.adaln, ("per_block", "single"))
+        _choice("model.adaln_impl", self.adaln_impl, ("auto", "pallas", "xla"))
+        _choice("model.dtype", self.dtype, ("auto", "bfloat16", "float32"))
+        for name in ("in_channels", "hidden", "depth", "heads", "text_dim"):
+            _positive(f"model.{name}", getattr(self, name))
+        _positive("model.mlp_ratio", self.mlp_ratio)
+        _positive("model.text_mlp_ratio", self.text_mlp_ratio)
+        if self.hidden % self.heads:
+            raise ConfigError(f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} must be even for rotary embeddings")
+        for name in ("patch", "tile"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def patch_dim(self) -> int:
+        pt, ph, pw = self.patch
+        return pt * ph * pw * self.in_channels
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    encoder: str = "builtin"  # builtin: learned token embeddings; precomputed: embeddings come with the data
+    max_len: int = 16  # tokens per caption (the built-in tokenizer pads or truncates to this)
+    hash_buckets: int = 256  # out-of-vocabulary words hash into this many extra embeddings
+
+    def __post_init__(self):
+        _choice("text.encoder", self.encoder, ("builtin", "precomputed"))
+        _positive("text.max_len", self.max_len)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic: the embedded moving-shapes dataset
+    seed: int = 0
+    # Bucket shapes (T, H, W) in latent voxels, with their sampling weights. Images are T = 1.
+    buckets: tuple[tuple[int, int, int], ...] = ((1, 32, 32), (4, 32, 32), (8, 32, 32), (8, 32, 48))
+    bucket_weights: tuple[float, ...] = (0.25, 0.25, 0.3, 0.2)
+    tokens_per_batch: int = 2048  # equal-token batching: B = tokens_per_batch // S (at least 1)
+    max_batch: int = 64
+
+    def __post_init__(self):
+        _choice("data.source", self.source, ("synthetic",))
+        if not self.buckets:
+            raise ConfigError("data.buckets is empty")
+        if len(self.bucket_weights) != len(self.buckets):
+            raise ConfigError(
+                f"data.bucket_weights has {len(self.bucket_weights)} entries for {len(self.buckets)} buckets"
+            )
+        if any(w < 0 for w in self.bucket_weights) or sum(self.bucket_weights) <= 0:
+            raise ConfigError(f"data.bucket_weights={self.bucket_weights} must be >= 0 with a positive sum")
+        for shape in self.buckets:
+            if len(shape) != 3 or any(v < 1 for v in shape):
+                raise ConfigError(f"data.buckets entry {shape} must be (T, H, W) with positive sizes")
+        _positive("data.tokens_per_batch", self.tokens_per_batch)
+        _positive("data.max_batch", self.max_batch)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.99
+    grad_clip: float = 1.0
+    caption_dropout: float = 0.1  # share of captions replaced by the empty caption (for guidance)
+    t_logit_mean: float = 0.0  # logit-normal timestep distribution
+    t_logit_std: float = 1.0
+    log_every: int = 10
+    ckpt_every: int = 100
+    keep_checkpoints: int = 3
+    eval_every: int = 0  # held-out loss every N steps (0: only at the end)
+    eval_batches: int = 2
+    sample_at_end: bool = True
+    sample_steps: int = 30
+    guidance: float = 3.0
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ConfigError(f"train.steps={self.steps} must be >= 0")
+        _positive("train.lr", self.lr)
+        _positive("train.ckpt_every", self.ckpt_every)
+        _positive("train.keep_checkpoints", self.keep_checkpoints)
+        _positive("train.log_every", self.log_every)
+        if not 0 <= self.caption_dropout < 1:
+            raise ConfigError(f"train.caption_dropout={self.caption_dropout} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # Mesh axis sizes; -1 takes the remaining devices. All explicit and smaller than the device count:
+    # the mesh uses the first data * fsdp * context devices.
+    data: int = 1
+    fsdp: int = -1
+    context: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.context)
+        if sum(s == -1 for s in sizes) > 1:
+            raise ConfigError(f"at most one of parallel.data/fsdp/context may be -1, got {sizes}")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ConfigError(f"parallel sizes must be positive or -1, got {sizes}")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "tiny"
+    attention: str = "auto"  # attention backend of the video self-attention: auto | xla | cudnn | ...
+    model: ModelConfig = field(default_factory=ModelConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """Rebuild a config saved by `to_dict` (e.g. from a checkpoint), type-checked like overrides."""
+        return _to_config(OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(d)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets. Paper sizes (DSV): 0.8B = 28 x 12 heads x 96; 2.7B = 32 x 16 x 128; 30B = 42 x 24 x 256.
+# MLP widths are chosen so that each preset lands within a few percent of its name; the MMDiT
+# variants use adaLN-single and a narrower text-stream MLP to stay parameter-matched to the DiT.
+
+def _tiny() -> Config:
+    return Config(
+        name="tiny",
+        model=ModelConfig(hidden=128, depth=4, heads=4, patch=(1, 4, 4), tile=(2, 4, 4), text_dim=64,
+                          in_channels=3, mlp_ratio=4.0),
+    )
+
+
+def _paper(name: str, depth: int, heads: int, head_dim: int, mlp_ratio: float) -> Config:
+    return Config(
+        name=name,
+        model=ModelConfig(hidden=heads * head_dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
+                          in_channels=16, patch=(1, 2, 2), tile=(4, 4, 4), text_dim=4096),
+        text=TextConfig(max_len=64),
+        data=DataConfig(buckets=((1, 64, 64), (13, 48, 80), (21, 60, 104)), bucket_weights=(0.3, 0.4, 0.3),
+                        tokens_per_batch=32768),
+        train=TrainConfig(lr=1e-4, warmup_steps=1000, steps=100_000, ckpt_every=1000, log_every=10),
+    )
+
+
+def _mmdit(cfg: Config, text_mlp_ratio: float) -> Config:
+    model = dataclasses.replace(cfg.model, arch="mmdit", adaln="single", text_mlp_ratio=text_mlp_ratio)
+    return dataclasses.replace(cfg, name=f"{cfg.name}-mmdit", model=model)
+
+
+PRESETS: dict[str, Callable[[], Config]] = {
+    "tiny": _tiny,
+    "tiny-mmdit": lambda: _mmdit(_tiny(), 2.0),
+    "0.8b": lambda: _paper("0.8b", 28, 12, 96, 4.0),
+    "0.8b-mmdit": lambda: _mmdit(_paper("0.8b", 28, 12, 96, 4.0), 2.5),
+    "2.7b": lambda: _paper("2.7b", 32, 16, 128, 3.5),
+    "2.7b-mmdit": lambda: _mmdit(_paper("2.7b", 32, 16, 128, 4.0), 2.0),
+    "30b": lambda: _paper("30b", 42, 24, 256, 3.0),
+    "30b-mmdit": lambda: _mmdit(_paper("30b", 42, 24, 256, 4.0), 1.5),
+}
+# "<size>-dit" names the default architecture explicitly.
+PRESETS.update({f"{k}-dit": v for k, v in list(PRESETS.items()) if not k.endswith("-mmdit")})
+
+
+def _valid_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in node.items():
+        if OmegaConf.is_dict(v):
+            keys += _valid_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def _to_config(node: Any) -> Config:
+    try:
+        return OmegaConf.to_object(node)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def get_config(name: str, overrides: Sequence[str] = ()) -> Config:
+    """The preset `name` with `key=value` overrides applied, type-checked."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    base = OmegaConf.structured(PRESETS[name]())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except ConfigKeyError as e:
+        raise ConfigError(
+            f"{str(e).splitlines()[0]}\nvalid keys: {', '.join(_valid_keys(base))}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad override: {str(e).splitlines()[0]}\nvalid keys: {', '.join(_valid_keys(base))}") from None
+    return _to_config(merged)
+
+
+# Fields that change how a model runs but not its parameters: a checkpoint restores across them.
+RUNTIME_FIELDS = frozenset({"model.adaln_impl", "model.dtype", "model.remat", "model.scan_layers"})
+
+
+def architecture_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """Parameter-shaping fields (model.*, text.*) that differ, as (key, a_value, b_value)."""
+    diffs = []
+    for section in ("model", "text"):
+        da, db = getattr(a, section), getattr(b, section)
+        for f in dataclasses.fields(da):
+            key = f"{section}.{f.name}"
+            if key not in RUNTIME_FIELDS and getattr(da, f.name) != getattr(db, f.name):
+                diffs.append((key, getattr(da, f.name), getattr(db, f.name)))
+    return diffs

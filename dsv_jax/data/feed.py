@@ -1,0 +1,88 @@
+"""Batches for training: one bucket shape per step, the same schedule on every host.
+
+A feed is an iterator of host-local batches (numpy dicts) with `get_state()` / `set_state()` so the
+checkpoint can resume it exactly. Batch keys:
+    latents    float32 [b, T, H, W, C]
+    text_ids   int32 [b, L]      (built-in text encoder)   or   text_emb float32 [b, L, Dt]
+    text_mask  bool [b, L]       valid tokens are a prefix
+where b is this host's share of the global batch B (B / process_count rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsv_jax.config import Config
+from dsv_jax.data.synthetic import render
+from dsv_jax.data.text import tokenize_batch
+
+
+def tokens_per_sample(shape: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
+    return int(np.prod([s // p for s, p in zip(shape, patch)]))
+
+
+def equal_token_batch_size(seq_len: int, tokens_per_batch: int, max_batch: int, multiple: int) -> int:
+    """B x S ~ const: the baseline rule. Rounded down to a multiple of the data-parallel size."""
+    b = min(max(1, tokens_per_batch // seq_len), max_batch)
+    return max(multiple, b // multiple * multiple)
+
+
+class SyntheticFeed:
+    """The embedded dataset as an infinite, deterministic stream of bucketed batches.
+
+    Step s draws its bucket from (seed, s) and renders sample j of that step from (seed, s, j): the
+    position in the stream is the whole state, and every host computes the same bucket schedule.
+    """
+
+    def __init__(self, cfg: Config, *, batch_multiple: int = 1, process_index: int = 0, process_count: int = 1,
+                 split: str = "train"):
+        self.cfg = cfg
+        self.shapes = [tuple(s) for s in cfg.data.buckets]
+        weights = np.asarray(cfg.data.bucket_weights, np.float64)
+        self.probs = weights / weights.sum()
+        self.seed = cfg.data.seed + (0 if split == "train" else 1_000_003)
+        self.batch_multiple = max(batch_multiple, process_count)
+        self.process_index, self.process_count = process_index, process_count
+        self.position = 0
+        for shape in self.shapes:
+            if any(s % p for s, p in zip(shape, cfg.model.patch)):
+                raise ValueError(f"data.buckets entry {shape} is not divisible by model.patch {cfg.model.patch}")
+
+    def batch_size(self, shape) -> int:
+        seq = tokens_per_sample(shape, self.cfg.model.patch)
+        return equal_token_batch_size(seq, self.cfg.data.tokens_per_batch, self.cfg.data.max_batch, self.batch_multiple)
+
+    def bucket_at(self, position: int) -> tuple[int, int, int]:
+        rng = np.random.default_rng([self.seed, position, 0x5EED])
+        return self.shapes[int(rng.choice(len(self.shapes), p=self.probs))]
+
+    def batch_at(self, position: int, shape=None) -> dict[str, np.ndarray]:
+        shape = shape or self.bucket_at(position)
+        b = self.batch_size(shape)
+        per_host = b // self.process_count
+        rows = range(self.process_index * per_host, (self.process_index + 1) * per_host)
+        clips = [render(self.seed, (position, j), shape) for j in rows]
+        latents = np.stack([c[0] for c in clips])
+        ids, mask = tokenize_batch([c[1] for c in clips], self.cfg.text.max_len, self.cfg.text.hash_buckets)
+        return {"latents": latents, "text_ids": ids, "text_mask": mask}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def make_feed(cfg: Config, *, batch_multiple: int, process_index: int, process_count: int, split: str = "train"):
+    if cfg.data.source == "synthetic":
+        return SyntheticFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
+                             process_count=process_count, split=split)
+    raise ValueError(f"unknown data.source {cfg.data.source!r}")

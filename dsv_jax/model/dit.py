@@ -1,0 +1,185 @@
+"""VideoDiT: a diffusion transformer on video latents, as DiT (cross-attention to text) or MMDiT.
+
+    latents [B,T,H,W,C] -> patchify (tile-major tokens) -> N x block -> final AdaLN + linear -> unpatchify
+
+    DiT block (Wan-like)                         MMDiT block (SD3-like), video and text streams
+      y = AdaLN(x; shift1, scale1)                 y_s = AdaLN(x_s; shift1_s, scale1_s)   per stream s
+      h = x + gate1 * SelfAttn(y)                  q, k, v = concat_s QKV_s(y_s)
+      h = h + CrossAttn(LN(h), text)               o_s = JointAttn(q, k, v)[s]
+      y = AdaLN(h; shift2, scale2)                 h_s = x_s + gate1_s * Out_s(o_s)
+      x = h + gate2 * MLP(y)                       x_s = h_s + gate2_s * MLP_s(AdaLN(h_s; shift2_s, scale2_s))
+
+The gated residual and the AdaLN that follows it are one call (`gated_modulate`), which the fused
+kernel implements in one pass. Blocks are created stacked (a leading layer axis on every parameter),
+so the forward can `lax.scan` over them (one compiled block) or loop over them when blocks need
+different static attention plans; checkpoints are the same either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv_jax.attention import attention
+from dsv_jax.config import ModelConfig
+from dsv_jax.model.layers import (MLP, BlockContext, CrossAttention, Modulation, QKV, SelfAttention,
+                                  TimestepEmbedder, compute_dtype, gated_modulate, linear, merge_heads, modulate)
+from dsv_jax.model.rope import apply_rope, rope_angles
+from dsv_jax.model.tokens import patchify, unpatchify
+
+
+class DiTBlock(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.modulation = Modulation(cfg, 6, rngs)
+        self.attn = SelfAttention(cfg, rngs)
+        self.cross = CrossAttention(cfg, rngs)
+        self.mlp = MLP(cfg, cfg.mlp_ratio, rngs)
+
+    def __call__(self, x, ctx: BlockContext, plan):
+        shift1, scale1, gate1, shift2, scale2, gate2 = jnp.unstack(self.modulation(ctx.cond), axis=1)
+        y = modulate(x, scale1, shift1, self.cfg)
+        no_mod = jnp.zeros_like(scale1)
+        h, y = gated_modulate(x, self.attn(y, ctx, plan), gate1, no_mod, no_mod, self.cfg)
+        h = h + self.cross(y, ctx)
+        y = modulate(h, scale2, shift2, self.cfg)
+        return h + (gate2[:, None] * self.mlp(y)).astype(h.dtype)
+
+
+class MMDiTBlock(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.mod_video, self.mod_text = Modulation(cfg, 6, rngs), Modulation(cfg, 6, rngs)
+        self.qkv_video, self.qkv_text = QKV(cfg, rngs), QKV(cfg, rngs)
+        self.out_video = linear(cfg.hidden, cfg.hidden, cfg, rngs)
+        self.out_text = linear(cfg.hidden, cfg.hidden, cfg, rngs)
+        self.mlp_video, self.mlp_text = MLP(cfg, cfg.mlp_ratio, rngs), MLP(cfg, cfg.text_mlp_ratio, rngs)
+
+    def __call__(self, x, ctx: BlockContext, plan):
+        xv, xt = x
+        mv = jnp.unstack(self.mod_video(ctx.cond), axis=1)
+        mt = jnp.unstack(self.mod_text(ctx.text_cond), axis=1)
+        qv, kv, vv = self.qkv_video(modulate(xv, mv[1], mv[0], self.cfg))
+        qt, kt, vt = self.qkv_text(modulate(xt, mt[1], mt[0], self.cfg))
+        qv, kv = apply_rope(qv, ctx.rope), apply_rope(kv, ctx.rope)
+        ov, ot = joint_attention((qv, kv, vv), (qt, kt, vt), ctx, plan)
+        hv, yv = gated_modulate(xv, self.out_video(merge_heads(ov)), mv[2], mv[4], mv[3], self.cfg)
+        ht, yt = gated_modulate(xt, self.out_text(merge_heads(ot)), mt[2], mt[4], mt[3], self.cfg)
+        xv = hv + (mv[5][:, None] * self.mlp_video(yv)).astype(hv.dtype)
+        xt = ht + (mt[5][:, None] * self.mlp_text(yt)).astype(ht.dtype)
+        return xv, xt
+
+
+def joint_attention(video, text, ctx: BlockContext, plan):
+    """Attention over the joint video + text sequence, masked by lengths only.
+
+    The joint order is [real video tokens, text tokens, video padding]: since text padding is at the
+    end of the text, the valid keys of sample b are the prefix n_real + text_lens[b]. Attention is
+    invariant to the order of keys, so this costs two concatenations and no dense mask.
+    """
+    n = ctx.n_real
+    q, k, v = (jnp.concatenate([a[:, :n], b, a[:, n:]], axis=1) for a, b in zip(video, text))
+    o = attention(q, k, v, backend=plan, kv_lens=n + ctx.text_lens)
+    lt = text[0].shape[1]
+    return jnp.concatenate([o[:, :n], o[:, n + lt:]], axis=1), o[:, n:n + lt]
+
+
+class FinalLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.modulation = Modulation(cfg, 2, rngs)
+        self.proj = linear(cfg.hidden, cfg.patch_dim, cfg, rngs, zero_init=True)
+
+    def __call__(self, x, cond):
+        shift, scale = jnp.unstack(self.modulation(cond), axis=1)
+        return self.proj(modulate(x, scale, shift, self.cfg))
+
+
+class VideoDiT(nnx.Module):
+    """velocity = model(latents [B,T,H,W,C], timesteps [B] in [0,1], text [B,L,Dt], text_mask [B,L])."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d = cfg.hidden
+        self.patch_embed = linear(cfg.patch_dim, d, cfg, rngs)
+        self.time_embed = TimestepEmbedder(cfg, rngs)
+        self.text_in = linear(cfg.text_dim, d, cfg, rngs)
+        self.text_mlp = linear(d, d, cfg, rngs)
+        mmdit = cfg.arch == "mmdit"
+        if mmdit:
+            self.pooled_text = linear(d, d, cfg, rngs, dtype=jnp.float32)
+        if cfg.adaln == "single":  # the shared projection of adaLN-single (video, text, final)
+            self.shared_mod = linear(d, (14 if mmdit else 8) * d, cfg, rngs, zero_init=True, dtype=jnp.float32)
+        block_cls = MMDiTBlock if mmdit else DiTBlock
+
+        @nnx.split_rngs(splits=cfg.depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return block_cls(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final = FinalLayer(cfg, rngs)
+
+    def __call__(self, latents, timesteps, text, text_mask, *, attention: Any | Sequence[Any] = "auto"):
+        """`attention`: the video self-attention backend for every block, or one plan per block."""
+        cfg = self.cfg
+        dtype = compute_dtype(cfg)
+        if latents.ndim != 5 or latents.shape[-1] != cfg.in_channels:
+            raise ValueError(f"latents must be [B, T, H, W, {cfg.in_channels}], got {latents.shape}")
+        if text.ndim != 3 or text.shape[-1] != cfg.text_dim or text_mask.shape != text.shape[:2]:
+            raise ValueError(f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; got {text.shape}, {text_mask.shape}")
+        b = latents.shape[0]
+        tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile)
+        x = self.patch_embed(tokens)
+
+        text_lens = jnp.sum(text_mask.astype(jnp.int32), axis=1)
+        txt = self.text_mlp(nnx.gelu(self.text_in(text.astype(dtype)), approximate=True))
+        c = self.time_embed(timesteps)
+        ctx = BlockContext(cond=c, text=txt, text_lens=text_lens,
+                           rope=jnp.asarray(rope_angles(layout.coords, cfg.head_dim, cfg.rope_theta)),
+                           video_lens=jnp.full((b,), layout.n_real, jnp.int32) if layout.padded else None,
+                           n_real=layout.n_real)
+        if cfg.arch == "mmdit":
+            mask = text_mask.astype(jnp.float32)[..., None]
+            pooled = jnp.sum(txt.astype(jnp.float32) * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0)
+            c = c + self.pooled_text(pooled)
+            ctx.cond = c
+        final_cond = c
+        if cfg.adaln == "single":
+            shared = self.shared_mod(nnx.silu(c)).reshape(b, -1, cfg.hidden)
+            ctx.cond, final_cond = shared[:, :6], shared[:, 6:8]
+            ctx.text_cond = shared[:, 8:14] if cfg.arch == "mmdit" else None
+        else:
+            ctx.text_cond = c
+
+        h = (x, txt) if cfg.arch == "mmdit" else x
+        h = self._run_blocks(h, ctx, attention)
+        x = h[0] if cfg.arch == "mmdit" else h
+        out = self.final(x, final_cond)
+        return unpatchify(out, layout, cfg.patch, cfg.in_channels).astype(latents.dtype)
+
+    def _run_blocks(self, h, ctx, attention):
+        cfg = self.cfg
+        plans = list(attention) if isinstance(attention, (list, tuple)) else [attention] * cfg.depth
+        if len(plans) != cfg.depth:
+            raise ValueError(f"got {len(plans)} attention plans for {cfg.depth} blocks")
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def run(h, layer_state, plan):
+            return nnx.merge(graphdef, layer_state)(h, ctx, plan)
+
+        if cfg.scan_layers and all(p == plans[0] for p in plans):
+            def body(h, layer_state):
+                return run(h, layer_state, plans[0]), None
+
+            if cfg.remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            h, _ = jax.lax.scan(body, h, stacked)
+            return h
+        step = jax.checkpoint(run, static_argnums=(2,)) if cfg.remat else run
+        for i, plan in enumerate(plans):
+            h = step(h, jax.tree.map(lambda a: a[i], stacked), plan)
+        return h

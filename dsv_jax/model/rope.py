@@ -1,0 +1,40 @@
+"""3D rotary position embedding on each token's true (t, h, w) coordinate.
+
+The head dimension is split into three even parts rotated by the t, h and w coordinate (as in Wan:
+h and w get 2 * (D // 6) each, t the rest). Rotation pairs are the two halves of each part.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def axis_dims(head_dim: int) -> tuple[int, int, int]:
+    hw = 2 * (head_dim // 6)
+    return head_dim - 2 * hw, hw, hw
+
+
+def rope_angles(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> np.ndarray:
+    """Angles [S, head_dim // 2] for positions `coords` [S, 3] (numpy, computed once per shape)."""
+    parts = []
+    for axis, dim in enumerate(axis_dims(head_dim)):
+        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        parts.append(coords[:, axis, None].astype(np.float64) * freqs[None, :])
+    return np.concatenate(parts, axis=1).astype(np.float32)
+
+
+def apply_rope(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
+    """Rotate x [B, S, H, D] by angles [S, D // 2]; each axis part rotates its own halves."""
+    d = x.shape[-1]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    out, start_x, start_a = [], 0, 0
+    for dim in axis_dims(d):
+        part = xf[..., start_x:start_x + dim]
+        c, s = cos[..., start_a:start_a + dim // 2], sin[..., start_a:start_a + dim // 2]
+        a, b = part[..., : dim // 2], part[..., dim // 2:]
+        out += [a * c - b * s, a * s + b * c]
+        start_x += dim
+        start_a += dim // 2
+    return jnp.concatenate(out, axis=-1).astype(x.dtype)

@@ -1,0 +1,298 @@
+"""The training loop: mesh, state, checkpoints, one compiled step per bucket, metrics, samples.
+
+    trainer = Trainer(cfg, workdir)      # restores the latest checkpoint in workdir if there is one
+    trainer.run()                        # until cfg.train.steps, SIGTERM/Ctrl-C, or `stop_at`
+
+Every bucket shape's step is compiled before the first step (ahead of time, cached on disk by jax's
+persistent compilation cache), so the loop never compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dsv_jax.config import Config
+from dsv_jax.data.feed import make_feed, tokens_per_sample
+from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
+from dsv_jax.train.checkpoint import Checkpointer
+from dsv_jax.train.metrics import MetricsWriter
+from dsv_jax.train.optimizer import lr_at
+from dsv_jax.train.step import EVAL_T, TrainState, abstract_model, init_state, make_eval_step, make_train_step
+
+log = logging.getLogger("dsv_jax")
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+    path = path or os.environ.get("DSV_JAX_CACHE", os.path.expanduser("~/.cache/dsv-jax/xla"))
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except OSError as e:  # a read-only home must not stop training
+        log.warning("no persistent compilation cache (%s)", e)
+
+
+def check_writable(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag; the loop saves a checkpoint and exits at the next step boundary.
+    A second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Prefetcher:
+    """Produces batches on a background thread; `state` is the feed state after the last batch taken."""
+
+    def __init__(self, feed, depth: int = 2):
+        self.feed, self.state = feed, feed.get_state()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, daemon=True)
+        self._thread.start()
+
+    def _work(self):
+        try:
+            for batch in self.feed:
+                item = (batch, self.feed.get_state())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if self._stop.is_set():
+                    return
+        except Exception as e:  # surfaced on the consumer side
+            self._queue.put(e)
+
+    def next(self):
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        batch, self.state = item
+        return batch
+
+    def close(self):
+        self._stop.set()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True):
+        self.cfg, self.workdir, self.progress = cfg, os.path.abspath(workdir), progress
+        check_writable(self.workdir)
+        enable_compilation_cache()
+        self.mesh = make_mesh(cfg.parallel, devices)
+        self.is_main = jax.process_index() == 0
+        dp = data_parallel_size(self.mesh)
+        self.feed = make_feed(cfg, batch_multiple=dp, process_index=jax.process_index(),
+                              process_count=jax.process_count())
+        self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+        self.graphdef, abstract_params = abstract_model(cfg)
+        abstract = jax.eval_shape(lambda: init_state(cfg))
+        self.state_sharding = state_shardings(abstract, self.mesh)
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
+        self.attention = cfg.attention
+
+        latest = self.checkpointer.latest_step() if resume else None
+        if latest is not None:
+            self.checkpointer.check_compatible(latest, cfg)
+            self.state, data_state = self.checkpointer.restore(latest, self.abstract_state)
+            self.feed.set_state(data_state)
+            log.info("resumed from step %d in %s", latest, self.checkpointer.directory)
+        else:
+            self.state = jax.jit(lambda: init_state(cfg), out_shardings=self.state_sharding)()
+        self.start_step = int(self.state.step)
+        if self.is_main:
+            with open(os.path.join(self.workdir, "config.json"), "w") as f:
+                f.write(cfg.to_json())
+        self._compiled: dict[Any, Any] = {}
+
+    # -- compilation ------------------------------------------------------------------------
+    def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
+        b = self.feed.batch_size(shape)
+        t, h, w = shape
+        cfg = self.cfg
+        spec = {"latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
+                "text_mask": ((b, cfg.text.max_len), jnp.bool_)}
+        if cfg.text.encoder == "builtin":
+            spec["text_ids"] = ((b, cfg.text.max_len), jnp.int32)
+        else:
+            spec["text_emb"] = ((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32)
+        return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(self.mesh, len(s))) for k, (s, d) in spec.items()}
+
+    def compiled_step(self, shape):
+        key = (tuple(shape), self.attention)
+        if key not in self._compiled:
+            step = make_train_step(self.cfg, self.graphdef, self.attention)
+            jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(self.state_sharding, None))
+            lr = jax.ShapeDtypeStruct((), jnp.float32)
+            self._compiled[key] = jitted.lower(self.abstract_state, self.batch_spec(shape), lr).compile()
+        return self._compiled[key]
+
+    def precompile(self) -> float:
+        t0 = time.perf_counter()
+        shapes = self.feed.shapes
+        for shape in tqdm(shapes, desc="compiling buckets", disable=not (self.progress and self.is_main), leave=False):
+            self.compiled_step(shape)
+        return time.perf_counter() - t0
+
+    def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(batch_sharding(self.mesh, v.ndim), v)
+                for k, v in batch.items()}
+
+    # -- loop -------------------------------------------------------------------------------
+    def run(self, stop_at: int | None = None) -> list[dict[str, Any]]:
+        """Train until cfg.train.steps (or `stop_at`, or a signal). Returns the logged records."""
+        cfg = self.cfg
+        total = cfg.train.steps
+        end = min(total, stop_at) if stop_at is not None else total
+        writer = MetricsWriter(self.workdir, enabled=self.is_main)
+        records: list[dict[str, Any]] = []
+        step = self.start_step
+        if step >= end:
+            log.info("nothing to train: at step %d of %d", step, end)
+        else:
+            compile_s = self.precompile()
+            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes)})
+            prefetch = Prefetcher(self.feed)
+            bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
+                       dynamic_ncols=True)
+            pending, window_t0, window_tokens = [], time.perf_counter(), 0
+            try:
+                with StopRequest() as stop:
+                    while step < end and not stop.requested:
+                        batch = prefetch.next()
+                        shape = batch["latents"].shape[1:4]
+                        b_global = batch["latents"].shape[0] * jax.process_count()
+                        lr = np.float32(lr_at(cfg.train, step))
+                        self.state, metrics = self.compiled_step(shape)(self.state, self.to_global(batch), lr)
+                        step += 1
+                        window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
+                        pending.append((step, shape, b_global, metrics))
+                        if step % cfg.train.log_every == 0 or step == end:
+                            jax.block_until_ready(metrics)
+                            elapsed = time.perf_counter() - window_t0
+                            for rec in self._records(pending, elapsed, window_tokens):
+                                writer.write(rec["step"], rec)
+                                records.append(rec)
+                            bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
+                            pending, window_t0, window_tokens = [], time.perf_counter(), 0
+                        bar.update(1)
+                        if step % cfg.train.ckpt_every == 0 and step < end:
+                            self.save(prefetch.state)
+                        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                            writer.write(step, self.evaluate())
+                    for rec in self._records(pending, time.perf_counter() - window_t0, window_tokens):
+                        writer.write(rec["step"], rec)
+                        records.append(rec)
+                    self.save(prefetch.state)
+                    stopped = stop.requested
+            finally:
+                prefetch.close()
+                bar.close()
+            if not stopped and step == total:
+                writer.write(step, self.evaluate())
+        self.checkpointer.wait()
+        writer.close()
+        return records
+
+    def _records(self, pending, elapsed, tokens):
+        if not pending:
+            return []
+        host = jax.device_get([m for *_, m in pending])
+        per_step = elapsed / len(pending)
+        out = []
+        for (step, shape, b, _), m in zip(pending, host):
+            rec = {k: float(v) for k, v in m.items() if k != "finite"}
+            rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
+                       tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
+            if not m["finite"]:
+                log.warning("step %d: non-finite loss or gradient, update skipped", step)
+            out.append(rec)
+        return out
+
+    def save(self, data_state: dict) -> None:
+        step = int(self.state.step)
+        if step in self.checkpointer.all_steps():
+            return
+        self.checkpointer.save(step, self.state, data_state, self.cfg)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall."""
+        cfg = self.cfg
+        eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
+                              process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
+        fn = jax.jit(make_eval_step(cfg, self.graphdef, self.attention))
+        out, all_losses = {}, []
+        for shape in eval_feed.shapes:
+            losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
+                                    jax.random.key(i))) for i in range(cfg.train.eval_batches)]
+            mean = np.mean(losses, axis=0)
+            out[f"eval_loss/{'x'.join(map(str, shape))}"] = float(mean.mean())
+            all_losses.append(mean)
+        per_t = np.mean(all_losses, axis=0)
+        out.update({f"eval_loss/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
+        out["eval_loss"] = float(per_t.mean())
+        return out
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None, progress: bool = True,
+          sample: bool | None = None) -> list[dict[str, Any]]:
+    """Train (resuming from workdir), then write a sample GIF of the trained model if configured."""
+    trainer = Trainer(cfg, workdir, devices=devices, progress=progress)
+    try:
+        records = trainer.run(stop_at=stop_at)
+        done = int(trainer.state.step) >= cfg.train.steps
+        if (cfg.train.sample_at_end if sample is None else sample) and done and trainer.is_main:
+            from dsv_jax.sample import sample_from_state
+
+            path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
+            sample_from_state(cfg, trainer.graphdef, trainer.state.params, path, steps=cfg.train.sample_steps,
+                              guidance=cfg.train.guidance)
+            log.info("wrote %s", path)
+    finally:
+        trainer.close()
+    return records

@@ -1,0 +1,68 @@
+import jax
+import pytest
+from flax import nnx
+
+from dsv_jax.config import PRESETS, Config, ConfigError, architecture_diff, get_config
+from dsv_jax.model import VideoDiT
+
+PAPER = {"0.8b": (0.8e9, 28, 12, 96), "2.7b": (2.7e9, 32, 16, 128), "30b": (30e9, 42, 24, 256)}
+
+
+@pytest.mark.parametrize("name", [f"{size}{arch}" for size in PAPER for arch in ("", "-mmdit")])
+def test_preset_parameter_count_matches_name(name):
+    target, depth, heads, head_dim = PAPER[name.split("-")[0]]
+    cfg = get_config(name)
+    assert (cfg.model.depth, cfg.model.heads, cfg.model.head_dim) == (depth, heads, head_dim)
+    assert cfg.model.arch == ("mmdit" if name.endswith("mmdit") else "dit")
+    model = nnx.eval_shape(lambda: VideoDiT(cfg.model, rngs=nnx.Rngs(0)))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert abs(count / target - 1) < 0.10, f"{name}: {count / 1e9:.3f}B params"
+
+
+def test_dit_alias_and_every_preset_builds():
+    assert get_config("2.7b-dit").model == get_config("2.7b").model
+    for name in PRESETS:
+        assert isinstance(get_config(name), Config)
+
+
+def test_overrides_are_typed():
+    cfg = get_config("tiny", ["model.depth=7", "train.lr=3e-4", "model.patch=[1,2,2]", "attention=xla"])
+    assert cfg.model.depth == 7 and cfg.train.lr == 3e-4 and cfg.model.patch == (1, 2, 2)
+    assert cfg.attention == "xla"
+    assert isinstance(cfg.model.patch, tuple)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.depthh=3", "depthh"),
+    ("nosuch=1", "nosuch"),
+])
+def test_unknown_key_lists_valid_keys(override, needle):
+    with pytest.raises(ConfigError) as e:
+        get_config("tiny", [override])
+    msg = str(e.value)
+    assert needle in msg and "valid keys" in msg and "model.depth" in msg and "train.lr" in msg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.depth=abc", "abc"),
+    ("model.patch=[1,2]", "length"),
+    ("model.arch=transformer", "model.arch"),
+    ("model.heads=5", "divisible"),
+    ("train.caption_dropout=1.5", "caption_dropout"),
+    ("model.depth", "key=value"),
+])
+def test_bad_values_are_clear_errors(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        get_config("tiny", [override])
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset 'huge'.*tiny"):
+        get_config("huge")
+
+
+def test_roundtrip_and_architecture_diff():
+    cfg = get_config("tiny", ["model.depth=3"])
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    other = get_config("tiny", ["model.depth=5", "model.dtype=float32", "train.lr=1"])
+    assert architecture_diff(cfg, other) == [("model.depth", 3, 5)]
