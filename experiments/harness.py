@@ -1,0 +1,106 @@
+"""Shared measuring code of the benchmark scripts: timing, bandwidth, memory, results files.
+
+Method (see experiments/results/RESULTS.md): warm up, block on results, median of several runs on
+fresh random data, correctness against the reference before timing, FLOPs/bytes against ceilings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# Ceilings measured on the H200 (DESIGN.md); benchmarks also measure their own copy bandwidth.
+H200_BF16_TFLOPS = 659.0  # bf16 matmul 8192^3
+H200_COPY_TBPS = 2.8  # elementwise copy, read + write
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def device_info() -> dict[str, Any]:
+    d = jax.devices()[0]
+    return {"jax": jax.__version__, "backend": jax.default_backend(), "device": d.device_kind,
+            "device_count": jax.device_count(), "python": platform.python_version()}
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def time_fn(fn: Callable, *args, warmup: int = 2, iters: int = 10, make_args: Callable | None = None) -> dict:
+    """Median / min / max wall time (ms) of fn(*args), blocking on the result each run.
+
+    make_args(i), if given, supplies fresh inputs for run i (generated outside the timed region)."""
+    for i in range(warmup):
+        block(fn(*(make_args(i) if make_args else args)))
+    times = []
+    for i in range(iters):
+        a = make_args(warmup + i) if make_args else args
+        block(a)
+        t0 = time.perf_counter()
+        block(fn(*a))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "spread_pct": 100.0 * (max(times) - min(times)) / statistics.median(times), "runs": iters}
+
+
+def copy_bandwidth_tbps(n_bytes: int = 2 << 30) -> float:
+    """Achieved read+write bandwidth of an elementwise copy-like op (x + 1) over n_bytes of bf16."""
+    x = jax.random.normal(jax.random.key(0), (n_bytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t = time_fn(f, x, warmup=2, iters=10)["median_ms"]
+    return 2 * n_bytes / (t * 1e-3) / 1e12
+
+
+def compiled_memory(fn: Callable, *args) -> dict[str, int]:
+    """Compiled memory analysis of jit(fn)(*args): temp (activations), argument and output bytes."""
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if m is None:
+        return {}
+    return {"temp_bytes": int(m.temp_size_in_bytes), "argument_bytes": int(m.argument_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes)}
+
+
+def peak_memory_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def rel_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def write_results(name: str, payload: dict[str, Any]) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    out_dir = os.environ.get("OUT")  # the device tool brings $OUT back
+    payload = {"name": name, "env": device_info(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    text = json.dumps(payload, indent=2, default=float)
+    with open(path, "w") as f:
+        f.write(text)
+    if out_dir:
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+            f.write(text)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in columns))
