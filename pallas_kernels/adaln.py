@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,12 +141,13 @@ def _tile_mask(row_ok, col, cols: _Columns):
 
 
 def _load_tile(ref, b, row, row_ok, cols: _Columns):
-    tile = []
-    for k in range(cols.count):
-        col = cols.index(k)
-        tile.append(plgpu.load(ref.at[b, row[:, None], col[None, :]], mask=_tile_mask(row_ok, col, cols), other=0.0)
-                    .astype(jnp.float32))
-    return tile
+    """ref[b, row, :] as chunks [rows, width] in the ref's dtype."""
+    return [plgpu.load(ref.at[b, row[:, None], cols.index(k)[None, :]], mask=_tile_mask(row_ok, cols.index(k), cols),
+                       other=0.0) for k in range(cols.count)]
+
+
+def _f32(tile):
+    return [chunk.astype(jnp.float32) for chunk in tile]
 
 
 def _store_tile(ref, b, row, row_ok, cols: _Columns, tile):
@@ -154,9 +157,9 @@ def _store_tile(ref, b, row, row_ok, cols: _Columns, tile):
 
 
 def _load_vector(ref, b, cols: _Columns):
-    """ref[b, :] ([B, C]) as fp32 chunks [1, width], to broadcast over a row tile."""
-    return [plgpu.load(ref.at[b, cols.index(k)], mask=cols.index(k) < cols.size, other=0.0)
-            .astype(jnp.float32)[None, :] for k in range(cols.count)]
+    """ref[b, :] ([B, C]) as chunks [1, width], to broadcast over a row tile."""
+    return [plgpu.load(ref.at[b, cols.index(k)], mask=cols.index(k) < cols.size, other=0.0)[None, :]
+            for k in range(cols.count)]
 
 
 def _store_vector(ref, b, s, cols: _Columns, tile):
@@ -200,8 +203,8 @@ def _dnormalize(xhat, rstd, g, cols: _Columns):
 def _adaln_fwd_kernel(x_ref, scale_ref, shift_ref, y_ref, mean_ref, rstd_ref, *, cols, rows, eps):
     b = pl.program_id(1)
     row, row_ok = _rows(pl.program_id(0) * rows, rows, x_ref.shape[1])
-    mean, rstd, xhat = _normalize(_load_tile(x_ref, b, row, row_ok, cols), cols, eps)
-    scale, shift = _load_vector(scale_ref, b, cols), _load_vector(shift_ref, b, cols)
+    mean, rstd, xhat = _normalize(_f32(_load_tile(x_ref, b, row, row_ok, cols)), cols, eps)
+    scale, shift = _f32(_load_vector(scale_ref, b, cols)), _f32(_load_vector(shift_ref, b, cols))
     _store_tile(y_ref, b, row, row_ok, cols, [xc * (1.0 + sc) + sh for xc, sc, sh in zip(xhat, scale, shift)])
     plgpu.store(mean_ref.at[b, row], mean, mask=row_ok)
     plgpu.store(rstd_ref.at[b, row], rstd, mask=row_ok)
@@ -211,13 +214,13 @@ def _gated_fwd_kernel(r_ref, br_ref, gate_ref, scale_ref, shift_ref, h_ref, y_re
                       cols, rows, eps):
     b = pl.program_id(1)
     row, row_ok = _rows(pl.program_id(0) * rows, rows, r_ref.shape[1])
-    r, br = _load_tile(r_ref, b, row, row_ok, cols), _load_tile(br_ref, b, row, row_ok, cols)
-    gate = _load_vector(gate_ref, b, cols)
+    r, br = _f32(_load_tile(r_ref, b, row, row_ok, cols)), _f32(_load_tile(br_ref, b, row, row_ok, cols))
+    gate = _f32(_load_vector(gate_ref, b, cols))
     # h is rounded to its dtype before the statistics, as the reference normalises the stored h.
     h = [(rc + gc * bc).astype(h_ref.dtype) for rc, gc, bc in zip(r, gate, br)]
     _store_tile(h_ref, b, row, row_ok, cols, h)
     mean, rstd, hhat = _normalize([hc.astype(jnp.float32) for hc in h], cols, eps)
-    scale, shift = _load_vector(scale_ref, b, cols), _load_vector(shift_ref, b, cols)
+    scale, shift = _f32(_load_vector(scale_ref, b, cols)), _f32(_load_vector(shift_ref, b, cols))
     _store_tile(y_ref, b, row, row_ok, cols, [xc * (1.0 + sc) + sh for xc, sc, sh in zip(hhat, scale, shift)])
     plgpu.store(mean_ref.at[b, row], mean, mask=row_ok)
     plgpu.store(rstd_ref.at[b, row], rstd, mask=row_ok)
@@ -228,34 +231,46 @@ def _gated_fwd_kernel(r_ref, br_ref, gate_ref, scale_ref, shift_ref, h_ref, y_re
 # in registers. Rows outside the array load dy = 0, so they add nothing to any sum.
 
 
-def _walk(chunk_rows: int, rows: int, n: int, body, init):
-    """Runs body(row, row_ok, acc) over this program's chunk of the sequence, one row tile a step."""
+def _walk(chunk_rows: int, rows: int, n: int, load, body, init):
+    """acc = body(row, row_ok, load(row, row_ok), acc) over this program's chunk of the sequence, one
+    row tile a step. The next step's tiles are loaded before this step's arithmetic and carried
+    through the loop in their storage dtype, so a program keeps two tiles of loads in flight instead
+    of one (the last step's look-ahead reads one tile of the next chunk, or nothing past N)."""
     start = pl.program_id(0) * chunk_rows
+    at = lambda t: _rows(start + t * rows, rows, n)
 
-    def step(t, acc):
-        row, row_ok = _rows(start + t * rows, rows, n)
-        return body(row, row_ok, acc)
+    def step(t, carry):
+        tiles, acc = carry
+        upcoming = load(*at(t + 1))
+        return upcoming, body(*at(t), tiles, acc)
 
-    return lax.fori_loop(0, chunk_rows // rows, step, init)
+    return lax.fori_loop(0, chunk_rows // rows, step, (load(*at(0)), init))[1]
+
+
+def _load_row_stats(mean_ref, rstd_ref, b, row, row_ok):
+    return (plgpu.load(mean_ref.at[b, row], mask=row_ok, other=0.0)[:, None],
+            plgpu.load(rstd_ref.at[b, row], mask=row_ok, other=0.0)[:, None])
 
 
 def _adaln_bwd_kernel(x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dscale_ref, dshift_ref, *,
                       cols, rows, chunk_rows):
     b, s = pl.program_id(1), pl.program_id(0)
-    scale1 = [1.0 + sc for sc in _load_vector(scale_ref, b, cols)]
+    scale1 = [1.0 + sc for sc in _f32(_load_vector(scale_ref, b, cols))]
 
-    def body(row, row_ok, acc):
-        acc_scale, acc_shift = acc
-        mean = plgpu.load(mean_ref.at[b, row], mask=row_ok, other=0.0)[:, None]
-        rstd = plgpu.load(rstd_ref.at[b, row], mask=row_ok, other=0.0)[:, None]
-        xhat = [(xc - mean) * rstd for xc in _load_tile(x_ref, b, row, row_ok, cols)]
-        dy = _load_tile(dy_ref, b, row, row_ok, cols)
+    def load(row, row_ok):
+        return (_load_tile(x_ref, b, row, row_ok, cols), _load_tile(dy_ref, b, row, row_ok, cols),
+                _load_row_stats(mean_ref, rstd_ref, b, row, row_ok))
+
+    def body(row, row_ok, tiles, acc):
+        (x, dy, (mean, rstd)), (acc_scale, acc_shift) = tiles, acc
+        xhat = [(xc - mean) * rstd for xc in _f32(x)]
+        dy = _f32(dy)
         dx = _dnormalize(xhat, rstd, [d * sc for d, sc in zip(dy, scale1)], cols)
         _store_tile(dx_ref, b, row, row_ok, cols, dx)
-        return ([a + d * xc for a, d, xc in zip(acc_scale, dy, xhat)], [a + d for a, d in zip(acc_shift, dy)])
+        return [a + d * xc for a, d, xc in zip(acc_scale, dy, xhat)], [a + d for a, d in zip(acc_shift, dy)]
 
     zeros = [jnp.zeros((rows, cols.width), jnp.float32) for _ in range(cols.count)]
-    acc_scale, acc_shift = _walk(chunk_rows, rows, x_ref.shape[1], body, (zeros, zeros))
+    acc_scale, acc_shift = _walk(chunk_rows, rows, x_ref.shape[1], load, body, (zeros, zeros))
     _store_vector(dscale_ref, b, s, cols, acc_scale)
     _store_vector(dshift_ref, b, s, cols, acc_shift)
 
@@ -263,27 +278,28 @@ def _adaln_bwd_kernel(x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dsca
 def _gated_bwd_kernel(h_ref, br_ref, gate_ref, scale_ref, mean_ref, rstd_ref, dh_ref, dy_ref,
                       dr_ref, dbr_ref, dgate_ref, dscale_ref, dshift_ref, *, cols, rows, chunk_rows):
     b, s = pl.program_id(1), pl.program_id(0)
-    scale1 = [1.0 + sc for sc in _load_vector(scale_ref, b, cols)]
-    gate = _load_vector(gate_ref, b, cols)
+    scale1 = [1.0 + sc for sc in _f32(_load_vector(scale_ref, b, cols))]
+    gate = _f32(_load_vector(gate_ref, b, cols))
 
-    def body(row, row_ok, acc):
-        acc_gate, acc_scale, acc_shift = acc
-        mean = plgpu.load(mean_ref.at[b, row], mask=row_ok, other=0.0)[:, None]
-        rstd = plgpu.load(rstd_ref.at[b, row], mask=row_ok, other=0.0)[:, None]
-        hhat = [(hc - mean) * rstd for hc in _load_tile(h_ref, b, row, row_ok, cols)]
-        dy = _load_tile(dy_ref, b, row, row_ok, cols)
+    def load(row, row_ok):
+        return (*(_load_tile(ref, b, row, row_ok, cols) for ref in (h_ref, br_ref, dh_ref, dy_ref)),
+                _load_row_stats(mean_ref, rstd_ref, b, row, row_ok))
+
+    def body(row, row_ok, tiles, acc):
+        (h, br, dh, dy, (mean, rstd)), (acc_gate, acc_scale, acc_shift) = tiles, acc
+        hhat = [(hc - mean) * rstd for hc in _f32(h)]
+        dy = _f32(dy)
         # dh: the cotangent of h from outside plus the path through the LayerNorm.
         dln = _dnormalize(hhat, rstd, [d * sc for d, sc in zip(dy, scale1)], cols)
-        dh = [a + c for a, c in zip(_load_tile(dh_ref, b, row, row_ok, cols), dln)]
+        dh = [a + c for a, c in zip(_f32(dh), dln)]
         _store_tile(dr_ref, b, row, row_ok, cols, dh)
         _store_tile(dbr_ref, b, row, row_ok, cols, [d * g for d, g in zip(dh, gate)])
-        br = _load_tile(br_ref, b, row, row_ok, cols)
-        return ([a + d * bc for a, d, bc in zip(acc_gate, dh, br)],
+        return ([a + d * bc for a, d, bc in zip(acc_gate, dh, _f32(br))],
                 [a + d * xc for a, d, xc in zip(acc_scale, dy, hhat)],
                 [a + d for a, d in zip(acc_shift, dy)])
 
     zeros = [jnp.zeros((rows, cols.width), jnp.float32) for _ in range(cols.count)]
-    acc_gate, acc_scale, acc_shift = _walk(chunk_rows, rows, h_ref.shape[1], body, (zeros, zeros, zeros))
+    acc_gate, acc_scale, acc_shift = _walk(chunk_rows, rows, h_ref.shape[1], load, body, (zeros, zeros, zeros))
     _store_vector(dgate_ref, b, s, cols, acc_gate)
     _store_vector(dscale_ref, b, s, cols, acc_scale)
     _store_vector(dshift_ref, b, s, cols, acc_shift)
@@ -349,22 +365,80 @@ def _gated_bwd_call(h, branch, gate, scale, mean, rstd, dh, dy, bs: BlockSizes, 
 
 
 # ----------------------------------------------------------------------------------------------------
+# Sharding. A pallas_call is opaque to XLA's SPMD partitioner, which would gather every operand onto
+# every device. So each call is declared partitionable over B and N: rows are independent and C stays
+# whole, each device runs the kernel on its own rows, and the [B, C] results (the backward's sums over
+# N) are summed over the mesh axes that split N. On a single device this is the plain call.
+
+
+_SPECS = {"bnc": lambda b, n: P(b, n, None), "bn": lambda b, n: P(b, n), "bc": lambda b, n: P(b, None)}
+
+
+def _row_axes(sharding):
+    """Mesh axes of the B and N dimensions of a [B, N, C] operand's sharding."""
+    if not isinstance(sharding, NamedSharding):
+        raise NotImplementedError(f"the fused AdaLN shards with NamedSharding (a mesh); got {sharding}. "
+                                  "Use impl='xla' (model.adaln_impl=xla) for this sharding.")
+    spec = (*sharding.spec, None, None)
+    return spec[0], spec[1]
+
+
+def _partitioned_over_rows(call, operands: tuple[str, ...], results: tuple[str, ...]):
+    """call(*arrays, *static) as a custom_partitioning op; operands/results are "bnc" | "bn" | "bc"."""
+    n_static = len(inspect.signature(call).parameters) - len(operands)
+    op = custom_partitioning(call, static_argnums=tuple(range(len(operands), len(operands) + n_static)))
+
+    def shardings(mesh, arg_shapes):
+        b, n = _row_axes(arg_shapes[0].sharding)
+        named = lambda kinds: tuple(NamedSharding(mesh, _SPECS[k](b, n)) for k in kinds)
+        return n, named(operands), named(results)
+
+    def infer(*args):
+        *_, mesh, arg_shapes, _ = args
+        return shardings(mesh, arg_shapes)[2]
+
+    def partition(*args):
+        *static, mesh, arg_shapes, _ = args
+        n, arg_shardings, result_shardings = shardings(mesh, arg_shapes)
+
+        def per_shard(*arrays):
+            outs = call(*arrays, *static)
+            if n is None:
+                return outs
+            return tuple(jax.lax.psum(o, n) if kind == "bc" else o for o, kind in zip(outs, results))
+
+        return mesh, per_shard, result_shardings, arg_shardings
+
+    rule = ", ".join(" ".join(k) for k in operands) + " -> " + ", ".join(" ".join(k) for k in results)
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=("c",))
+    return op
+
+
+_adaln_fwd = _partitioned_over_rows(_adaln_fwd_call, ("bnc", "bc", "bc"), ("bnc", "bn", "bn"))
+_adaln_bwd = _partitioned_over_rows(_adaln_bwd_call, ("bnc", "bc", "bn", "bn", "bnc"), ("bnc", "bc", "bc"))
+_gated_fwd = _partitioned_over_rows(_gated_fwd_call, ("bnc", "bnc", "bc", "bc", "bc"), ("bnc", "bnc", "bn", "bn"))
+_gated_bwd = _partitioned_over_rows(_gated_bwd_call, ("bnc", "bnc", "bc", "bc", "bn", "bn", "bnc", "bnc"),
+                                    ("bnc", "bnc", "bc", "bc", "bc"))
+
+
+# ----------------------------------------------------------------------------------------------------
 # custom_vjp: the forward saves the inputs it was given (already alive in the model) and mean / rstd.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _adaln_pallas(x, scale, shift, eps, bs, interpret):
-    return _adaln_fwd_call(x, scale, shift, eps, bs, interpret)[0]
+    return _adaln_fwd(x, scale, shift, eps, bs, interpret)[0]
 
 
 def _adaln_pallas_fwd(x, scale, shift, eps, bs, interpret):
-    y, mean, rstd = _adaln_fwd_call(x, scale, shift, eps, bs, interpret)
+    y, mean, rstd = _adaln_fwd(x, scale, shift, eps, bs, interpret)
     return y, (x, scale, shift, mean, rstd)
 
 
 def _adaln_pallas_bwd(eps, bs, interpret, res, dy):
     x, scale, shift, mean, rstd = res
-    dx, dscale, dshift = _adaln_bwd_call(x, scale, mean, rstd, dy, bs, interpret)
+    dx, dscale, dshift = _adaln_bwd(x, scale, mean, rstd, dy, bs, interpret)
     return dx, dscale.astype(scale.dtype), dshift.astype(shift.dtype)
 
 
@@ -373,20 +447,20 @@ _adaln_pallas.defvjp(_adaln_pallas_fwd, _adaln_pallas_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _gated_pallas(residual, branch, gate, scale, shift, eps, bs, interpret):
-    h, y, _, _ = _gated_fwd_call(residual, branch, gate, scale, shift, eps, bs, interpret)
+    h, y, _, _ = _gated_fwd(residual, branch, gate, scale, shift, eps, bs, interpret)
     return h, y
 
 
 def _gated_pallas_fwd(residual, branch, gate, scale, shift, eps, bs, interpret):
     # The backward needs h (an output, kept anyway by the next layer) and branch, not residual.
-    h, y, mean, rstd = _gated_fwd_call(residual, branch, gate, scale, shift, eps, bs, interpret)
+    h, y, mean, rstd = _gated_fwd(residual, branch, gate, scale, shift, eps, bs, interpret)
     return (h, y), (h, branch, gate, scale, shift, mean, rstd)
 
 
 def _gated_pallas_bwd(eps, bs, interpret, res, cotangents):
     h, branch, gate, scale, shift, mean, rstd = res
     dh, dy = cotangents
-    dr, dbr, dgate, dscale, dshift = _gated_bwd_call(h, branch, gate, scale, mean, rstd, dh, dy, bs, interpret)
+    dr, dbr, dgate, dscale, dshift = _gated_bwd(h, branch, gate, scale, mean, rstd, dh, dy, bs, interpret)
     return dr, dbr, dgate.astype(gate.dtype), dscale.astype(scale.dtype), dshift.astype(shift.dtype)
 
 

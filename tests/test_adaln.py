@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_kernels import adaln
 from pallas_kernels.adaln import (BlockSizes, adaln_modulate, adaln_modulate_pallas, adaln_modulate_reference,
@@ -49,10 +50,11 @@ def check_close(outs, refs, dtype, names):
         assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]:.0e}"
 
 
-CASES = [  # (batch, N, C, dtype): odd N, widths split into chunks (48, 96, 160), padded (100), model (1152)
+# (batch, N, C, dtype): odd N; widths split into chunks (48 = 3 x 16, 96 = 3 x 32; 160 = 5 x 32 in the
+# walk test below), padded to a power of two (100 -> 128), and a model width (1152 = 9 x 128).
+CASES = [
     (2, 37, 48, jnp.float32),
     (2, 19, 100, jnp.float32),
-    (1, 37, 160, jnp.float32),
     (2, 37, 96, jnp.bfloat16),
     (1, 7, 1152, jnp.bfloat16),
 ]
@@ -102,6 +104,27 @@ def test_mixed_dtypes_keep_each_input_dtype():
     assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32, jnp.float32]
     check_close([*out, *grads], [*out_ref, *grads_ref], jnp.bfloat16,
                 ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"])
+
+
+def test_sharded_over_batch_and_sequence():
+    """On a (data, fsdp, context) mesh of 8 devices with x split over B and N, each device runs the
+    kernels on its own rows (no all-gather) and d_scale / d_shift / d_gate are summed across N shards."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "context"))
+    rows, vecs = NamedSharding(mesh, P(("data", "fsdp"), "context")), NamedSharding(mesh, P(("data", "fsdp")))
+    v = make_inputs(11, 4, 26, 48, jnp.float32)  # 13 rows of each sample per device
+    v = {k: jax.device_put(a, rows if a.ndim == 3 else vecs) for k, a in v.items()}
+    for run, ref, names in [
+        (lambda v: adaln_vjp(lambda *a: adaln_modulate(*a, impl="pallas"), v),
+         lambda v: adaln_vjp(adaln_modulate_reference, v), ["y", "dx", "dscale", "dshift"]),
+        (lambda v: gated_vjp(lambda *a: gated_residual_adaln(*a, impl="pallas"), v),
+         lambda v: gated_vjp(gated_residual_adaln_reference, v),
+         ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"]),
+    ]:
+        compiled = jax.jit(run).lower(v).compile()
+        assert "all-gather" not in compiled.as_text()
+        outs = jax.tree.leaves(compiled(v))
+        check_close(outs, jax.tree.leaves(ref(v)), jnp.float32, names)
+        assert all(o.sharding.is_equivalent_to(rows if o.ndim == 3 else vecs, o.ndim) for o in outs)
 
 
 def test_impl_dispatch():
@@ -160,17 +183,22 @@ def test_triton_lowering_at_model_widths(c):
 
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
 def test_model_gradients_match_xla(arch):
-    """A jit-ed gradient through a 2-block model: every AdaLN fused (interpret mode) vs XLA."""
+    """A jit-ed gradient through a 2-block model (scan + remat): every AdaLN fused (interpret mode)
+    vs XLA. The DiT runs data-parallel on a 2 x 2 x 2 mesh (the kernels then see per-device rows)."""
     from tests.test_model import inputs, perturbed_model, small_model_cfg
 
-    x, t, text, mask = inputs(shape=(3, 8, 12))
+    batch = inputs(shape=(3, 8, 12))
     grads = {}
     for impl in ("pallas", "xla"):
         cfg = small_model_cfg(arch=arch, patch=(1, 4, 4), adaln_impl=impl)
-        assert cfg.depth == 2
+        assert cfg.depth == 2 and cfg.scan_layers and cfg.remat
         graphdef, params = nnx.split(perturbed_model(cfg))
-        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(x, t, text, mask) ** 2)
-        grads[impl] = jax.jit(jax.value_and_grad(loss))(params)
+        args = batch
+        if impl == "pallas" and arch == "dit":
+            mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "context"))
+            args = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch]
+        loss = lambda p, args: jnp.mean(nnx.merge(graphdef, p)(*args) ** 2)
+        grads[impl] = jax.jit(jax.value_and_grad(loss))(params, args)
     (loss_p, g_p), (loss_x, g_x) = grads["pallas"], grads["xla"]
     np.testing.assert_allclose(loss_p, loss_x, rtol=1e-5)
     leaves_p, leaves_x = jax.tree.leaves(g_p), jax.tree.leaves(g_x)
