@@ -9,7 +9,8 @@ Sections (--sections, default all):
            forward+backward for both, achieved bandwidth over the minimal bytes (forward: read x, write y;
            forward+backward: that plus read x and dy, write dx) against a copy measured in this run.
            The gated kernel is measured at the headline shape (N=64k, C=3072).
-  sweep    a few block sizes at the headline shape, to tune BlockSizes.default.
+  sweep    (not in the default run) block sizes around the default at N=64k, C=3072 and C=1152, to
+           tune BlockSizes.default: PYTHONPATH=. python experiments/bench_adaln.py --sections sweep
   memory   compiled memory analysis of a gradient through a chain of AdaLN layers (plain and gated):
            temporary bytes, i.e. what the backward keeps alive, fused vs XLA.
   train    one train step of the 2.7B preset at 16k video tokens with model.adaln_impl=pallas vs xla.
@@ -38,6 +39,19 @@ from experiments import harness  # noqa: E402
 from pallas_kernels.adaln import (BlockSizes, adaln_modulate, adaln_modulate_pallas,  # noqa: E402
                                   gated_residual_adaln, gated_residual_adaln_pallas)
 
+DEFAULT_SECTIONS = "kernels,memory,train"
+SIZES = {
+    "gpu": {"N": [8192, 16384, 32768, 65536], "C": [1152, 2048, 3072, 5120], "headline": (65536, 3072), "iters": 10,
+            "sweep_shapes": [(65536, 3072), (65536, 1152)], "sweep_limit": None,
+            "memory": (16384, 3072, 4),  # N, C, layers
+            # latents (16, 64, 64, 16), patch (1, 2, 2) -> 16 x 32 x 32 = 16384 video tokens
+            "train": ("2.7b", (16, 64, 64), ["text.max_len=64"], 5), "copy_bytes": 2 << 30},
+    "quick": {"N": [37], "C": [96], "headline": (37, 96), "iters": 3, "sweep_shapes": [(37, 96)], "sweep_limit": 2,
+              "memory": (37, 96, 2),
+              "train": ("tiny", (1, 8, 8), ["model.hidden=32", "model.heads=2", "model.depth=1", "model.text_dim=16",
+                                           "model.patch=[1,4,4]", "text.max_len=8", "text.hash_buckets=8"], 3),
+              "copy_bytes": 64 << 20},
+}
 GOALS = {"fwd_pct_of_copy": 85.0, "fwd_bwd_speedup_64k_3072": 2.5, "memory_ratio_max": 0.5}
 TOL = 2e-2  # relative error of bf16 outputs and gradients against the reference
 
@@ -144,61 +158,89 @@ def bench_kernels(ns, cs, dtype, copy_tbps, iters, headline):
     return rows, gated
 
 
-def sweep_block_sizes(n, c, dtype, iters, limit=None):
-    """Forward and backward tiles at one shape around the default (compile time: ~2 s a config)."""
+def sweep_options(c):
+    """Block sizes around the default: each forward and backward knob halved / doubled, and for a width
+    split into narrow chunks (1152 = 9 x 128) the padded single-chunk layout."""
     base = BlockSizes.default(c)
-    v = make_inputs(jax.random.key(2), 1, n, c, dtype)
-    ref = fwd_bwd_fn("xla")(v)
-    options = {"default": base}
-    for rows, warps in ((base.rows * 2, base.warps), (base.rows, max(1, base.warps // 2)), (base.rows, base.warps * 2)):
-        options[f"fwd rows={rows} warps={warps}"] = BlockSizes(rows, warps, base.bwd_rows, base.bwd_warps, base.bwd_programs)
-    for rows, warps, progs in ((base.bwd_rows * 2, base.bwd_warps, base.bwd_programs),
-                               (base.bwd_rows, max(1, base.bwd_warps // 2), base.bwd_programs),
-                               (base.bwd_rows, base.bwd_warps, base.bwd_programs // 2),
-                               (base.bwd_rows, base.bwd_warps, base.bwd_programs * 2)):
-        options[f"bwd rows={rows} warps={warps} programs={progs}"] = BlockSizes(base.rows, base.warps, rows, warps, progs)
+    swap = lambda **kw: dataclasses.replace(base, **kw)
+    options = {"default": base,
+               f"fwd rows={base.rows * 2}": swap(rows=base.rows * 2),
+               f"fwd warps={max(1, base.warps // 2)}": swap(warps=max(1, base.warps // 2)),
+               f"fwd warps={base.warps * 2}": swap(warps=min(32, base.warps * 2)),
+               f"bwd rows={base.bwd_rows * 2}": swap(bwd_rows=base.bwd_rows * 2),
+               f"bwd warps={max(1, base.bwd_warps // 2)}": swap(bwd_warps=max(1, base.bwd_warps // 2)),
+               f"bwd programs={base.bwd_programs // 2}": swap(bwd_programs=base.bwd_programs // 2),
+               f"bwd programs={base.bwd_programs * 2}": swap(bwd_programs=base.bwd_programs * 2)}
+    if c & -c < 512:
+        options["padded columns"] = BlockSizes.default(c, min_chunk=4096)
+    return options
+
+
+def sweep_block_sizes(shapes, dtype, iters, limit=None):
+    """Times the fused kernels with each of sweep_options at each (N, C) (compile: ~2 s a config)."""
     rows = []
-    for name, bs in list(options.items())[:limit]:
-        try:
-            fb = fwd_bwd_fn("pallas", bs)
-            err = max_rel_error(fb(v), ref)
-            rows.append({"config": name, "fwd_ms": timed(fwd_fn("pallas", bs), v, iters),
-                         "fwd_bwd_ms": timed(fb, v, iters), "err": err, **dataclasses.asdict(bs)})
-        except Exception as e:  # a config that does not compile (registers, shared memory) is reported
-            rows.append({"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    harness.print_table(rows, ["config", "fwd_ms", "fwd_bwd_ms", "err"])
+    for n, c in shapes:
+        v = make_inputs(jax.random.key(2), 1, n, c, dtype)
+        ref = fwd_bwd_fn("xla")(v)
+        for name, bs in list(sweep_options(c).items())[:limit]:
+            row = {"N": n, "C": c, "config": name}
+            try:
+                fb = fwd_bwd_fn("pallas", bs)
+                row["err"] = max_rel_error(fb(v), ref)
+                row.update(fwd_ms=timed(fwd_fn("pallas", bs), v, iters), fwd_bwd_ms=timed(fb, v, iters),
+                           **dataclasses.asdict(bs))
+            except Exception as e:  # a config that does not compile (registers, shared memory) is reported
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+        del v, ref
+    harness.print_table(rows, ["N", "C", "config", "fwd_ms", "fwd_bwd_ms", "err", "error"])
     return rows
 
 
+def residual_bytes(fn, *args):
+    """Bytes autodiff keeps for fn's backward (its vjp residuals, inputs included), before XLA fusion."""
+    res = jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]), *args)
+    return sum(r.size * jnp.dtype(r.dtype).itemsize for r in res)
+
+
 def chain_memory(n, c, layers, dtype):
-    """Temporary bytes of jit(grad) through `layers` AdaLN layers (what the backward keeps alive)."""
+    """What the backward of AdaLN layers keeps alive: vjp residuals of one layer, and the compiled
+    temporary bytes of jit(grad) through a chain of `layers` layers (plain, and gated with each
+    layer's output as the next one's branch)."""
     x = jax.ShapeDtypeStruct((1, n, c), dtype)
+    vec = jax.ShapeDtypeStruct((1, c), jnp.float32)
     vecs = jax.ShapeDtypeStruct((layers, 1, c), jnp.float32)
+    sum_sq = lambda a: jnp.sum(jnp.square(a.astype(jnp.float32)))
 
     def plain(impl):
         def loss(x, scales, shifts):
             for i in range(layers):
                 x = adaln_modulate(x, scales[i], shifts[i], impl=impl)
-            return jnp.sum(x.astype(jnp.float32))
+            return sum_sq(x)
         return jax.grad(loss, argnums=(0, 1, 2))
 
     def gated(impl):
         def loss(x, scales, shifts):
             h, y = x, x
-            for i in range(layers):  # the output of one layer is the branch of the next
+            for i in range(layers):
                 h, y = gated_residual_adaln(h, y, scales[i], scales[i], shifts[i], impl=impl)
-            return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32))
+            return sum_sq(h) + sum_sq(y)
         return jax.grad(loss, argnums=(0, 1, 2))
 
+    one_layer = {"plain": (lambda impl: functools.partial(adaln_modulate, impl=impl), (x, vec, vec)),
+                 "gated": (lambda impl: functools.partial(gated_residual_adaln, impl=impl), (x, x, vec, vec, vec))}
     act = n * c * jnp.dtype(dtype).itemsize
     out = {"N": n, "C": c, "layers": layers, "activation_bytes": act}
-    for kind, make in (("plain", plain), ("gated", gated)):
+    for kind, chain in (("plain", plain), ("gated", gated)):
         for impl in ("xla", "pallas"):
-            m = harness.compiled_memory(make(impl), x, vecs, vecs)
+            layer_fn, layer_args = one_layer[kind]
+            out[f"{kind}_{impl}_residual_bytes"] = residual_bytes(layer_fn(impl), *layer_args)
+            m = harness.compiled_memory(chain(impl), x, vecs, vecs)
             out[f"{kind}_{impl}_temp_bytes"] = m.get("temp_bytes")
             out[f"{kind}_{impl}_temp_activations_per_layer"] = m.get("temp_bytes", 0) / act / layers
         xla, fused = out[f"{kind}_xla_temp_bytes"], out[f"{kind}_pallas_temp_bytes"]
         out[f"{kind}_ratio"] = fused / xla if xla else None
+        out[f"{kind}_residual_ratio"] = out[f"{kind}_pallas_residual_bytes"] / out[f"{kind}_xla_residual_bytes"]
     print("memory", out, flush=True)
     return out
 
@@ -239,27 +281,21 @@ def train_step(preset, latent_shape, overrides, impl, steps):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (interpret mode)")
-    p.add_argument("--sections", default="kernels,sweep,memory,train")
+    p.add_argument("--sections", default=DEFAULT_SECTIONS,
+                   help="comma-separated: kernels, sweep, memory, train (sweep is extra: ~1 min on the GPU)")
     args = p.parse_args()
     sections = set(args.sections.split(","))
+    if not sections <= {"kernels", "sweep", "memory", "train"}:
+        p.error(f"--sections {args.sections}: choose from kernels, sweep, memory, train")
     t_start = time.perf_counter()
     dtype = jnp.bfloat16
-    if args.quick:
-        ns, cs, headline, iters, sweep_limit = [37], [96], (37, 96), 3, 2
-        mem_shape, train_cfg = (37, 96, 2), ("tiny", (1, 8, 8), ["model.hidden=32", "model.heads=2", "model.depth=1",
-                                                                 "model.text_dim=16", "model.patch=[1,4,4]",
-                                                                 "text.max_len=8", "text.hash_buckets=8"], 3)
-        copy_bytes = 64 << 20
-    else:
-        if not harness.on_gpu():
-            sys.exit("bench_adaln.py measures the GPU kernels; use --quick on a CPU")
-        ns, cs, headline, iters, sweep_limit = [8192, 16384, 32768, 65536], [1152, 2048, 3072, 5120], (65536, 3072), 20, None
-        # latents (16, 64, 64, 16), patch (1, 2, 2) -> 16 x 32 x 32 = 16384 video tokens
-        mem_shape, train_cfg = (16384, 3072, 4), ("2.7b", (16, 64, 64), ["text.max_len=64"], 6)
-        copy_bytes = 2 << 30
+    if not args.quick and not harness.on_gpu():
+        sys.exit("bench_adaln.py measures the GPU kernels; use --quick on a CPU")
+    z = SIZES["quick" if args.quick else "gpu"]
+    ns, cs, headline, iters = z["N"], z["C"], z["headline"], z["iters"]
 
     results = {"dtype": "bfloat16", "batch": 1, "goals": GOALS, "sections": sorted(sections)}
-    copy_tbps = harness.copy_bandwidth_tbps(copy_bytes)
+    copy_tbps = harness.copy_bandwidth_tbps(z["copy_bytes"])
     results["copy_tbps"] = copy_tbps
     print(f"copy bandwidth {copy_tbps:.3f} TB/s", flush=True)
 
@@ -270,11 +306,11 @@ def main():
             print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
 
     section("kernels", lambda: dict(zip(("rows", "gated"), bench_kernels(ns, cs, dtype, copy_tbps, iters, headline))))
-    section("sweep", lambda: sweep_block_sizes(*headline, dtype, iters, sweep_limit))
-    section("memory", lambda: chain_memory(*mem_shape, dtype))
+    section("sweep", lambda: sweep_block_sizes(z["sweep_shapes"], dtype, iters, z["sweep_limit"]))
+    section("memory", lambda: chain_memory(*z["memory"], dtype))
 
     def train():
-        preset, latent, overrides, steps = train_cfg
+        preset, latent, overrides, steps = z["train"]
         out = {impl: train_step(preset, latent, overrides, impl, steps) for impl in ("xla", "pallas")}
         out["speedup"] = out["xla"]["step_ms"] / out["pallas"]["step_ms"]
         return out
@@ -283,7 +319,10 @@ def main():
     results["summary"] = summarize(results, headline)
     results["wall_s"] = time.perf_counter() - t_start
     print("summary", results["summary"], f"wall {results['wall_s']:.0f} s", flush=True)
-    harness.write_results("bench_adaln_quick" if args.quick else "bench_adaln", results)
+    name = "bench_adaln" + ("_quick" if args.quick else "")
+    if args.sections != DEFAULT_SECTIONS:
+        name += "_" + "_".join(sorted(sections))
+    harness.write_results(name, results)
 
 
 def summarize(results, headline):
@@ -299,8 +338,9 @@ def summarize(results, headline):
     if rows and len(timed_rows) < len(rows):
         out["incorrect_shapes"] = [(r["N"], r["C"]) for r in rows if "error" in r]
     if "memory" in results:
-        out["memory_ratio_plain"] = results["memory"]["plain_ratio"]
-        out["memory_ratio_gated"] = results["memory"]["gated_ratio"]
+        for kind in ("plain", "gated"):
+            out[f"memory_ratio_{kind}"] = results["memory"][f"{kind}_ratio"]
+            out[f"residual_ratio_{kind}"] = results["memory"][f"{kind}_residual_ratio"]
     if "train" in results:
         out["train_step_speedup"] = results["train"]["speedup"]
     return out

@@ -69,6 +69,8 @@ class BlockSizes:
     bwd_rows / bwd_warps: backward, rows per step of a program's walk down its sequence chunk.
     bwd_programs:        backward, about how many programs share B x N (a few per SM of an H200, so
                          all are resident at once and the partial sums stay small).
+    min_chunk:           column chunks narrower than this become one padded, masked chunk (wider
+                         vector loads, idle lanes) instead; see _Columns.
     All row counts are powers of two (Triton's tensors are).
     """
 
@@ -77,6 +79,7 @@ class BlockSizes:
     bwd_rows: int
     bwd_warps: int
     bwd_programs: int = 528
+    min_chunk: int = 1
 
     def __post_init__(self):
         for name in ("rows", "warps", "bwd_rows", "bwd_warps"):
@@ -87,16 +90,16 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.bwd_programs={self.bwd_programs} must be >= 1")
 
     @classmethod
-    def default(cls, c: int) -> BlockSizes:
+    def default(cls, c: int, min_chunk: int = 1) -> BlockSizes:
         """About 8k (forward) / 4k (backward) elements per tile, and warps so that each thread holds
         8-32 values of each live tensor: enough bytes in flight without spilling registers (the gated
         backward keeps three fp32 accumulators and about six tile-sized values live)."""
-        width = _Columns.of(c).padded
+        width = _Columns.of(c, min_chunk).padded
         rows = _pow2_floor(min(16, max(1, 8192 // width)))
         bwd_rows = _pow2_floor(min(16, max(1, 4096 // width)))
         warps = _pow2_floor(min(16, max(1, rows * width // 512)))
         bwd_warps = _pow2_floor(min(16, max(1, bwd_rows * width // 256)))
-        return cls(rows=rows, warps=warps, bwd_rows=bwd_rows, bwd_warps=bwd_warps)
+        return cls(rows=rows, warps=warps, bwd_rows=bwd_rows, bwd_warps=bwd_warps, min_chunk=min_chunk)
 
 
 def _pow2_floor(v: int) -> int:
@@ -116,9 +119,9 @@ class _Columns:
     count: int
 
     @classmethod
-    def of(cls, c: int, max_chunks: int = 16, max_width: int = 2048) -> _Columns:
+    def of(cls, c: int, min_width: int = 1, max_chunks: int = 16, max_width: int = 2048) -> _Columns:
         width = min(c & -c, max_width)
-        if c // width > max_chunks:
+        if c // width > max_chunks or width < min_width:
             width = pl.next_power_of_2(c)
         return cls(c, width, pl.cdiv(c, width))
 
@@ -327,7 +330,7 @@ def _chunking(n: int, b: int, bs: BlockSizes):
 
 def _adaln_fwd_call(x, scale, shift, eps, bs: BlockSizes, interpret):
     b, n, c = x.shape
-    kernel = functools.partial(_adaln_fwd_kernel, cols=_Columns.of(c), rows=bs.rows, eps=eps)
+    kernel = functools.partial(_adaln_fwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.rows, eps=eps)
     out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype), _row_stats_shape(b, n), _row_stats_shape(b, n))
     return _call(kernel, (pl.cdiv(n, bs.rows), b), out_shape, bs.warps, interpret, "adaln_fwd")(x, scale, shift)
 
@@ -335,7 +338,8 @@ def _adaln_fwd_call(x, scale, shift, eps, bs: BlockSizes, interpret):
 def _adaln_bwd_call(x, scale, mean, rstd, dy, bs: BlockSizes, interpret):
     b, n, c = x.shape
     chunk_rows, chunks = _chunking(n, b, bs)
-    kernel = functools.partial(_adaln_bwd_kernel, cols=_Columns.of(c), rows=bs.bwd_rows, chunk_rows=chunk_rows)
+    kernel = functools.partial(_adaln_bwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.bwd_rows,
+                               chunk_rows=chunk_rows)
     partial = jax.ShapeDtypeStruct((b, chunks, c), jnp.float32)
     out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype), partial, partial)
     dx, dscale, dshift = _call(kernel, (chunks, b), out_shape, bs.bwd_warps, interpret, "adaln_bwd")(
@@ -345,7 +349,7 @@ def _adaln_bwd_call(x, scale, mean, rstd, dy, bs: BlockSizes, interpret):
 
 def _gated_fwd_call(residual, branch, gate, scale, shift, eps, bs: BlockSizes, interpret):
     b, n, c = residual.shape
-    kernel = functools.partial(_gated_fwd_kernel, cols=_Columns.of(c), rows=bs.rows, eps=eps)
+    kernel = functools.partial(_gated_fwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.rows, eps=eps)
     h = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
     out_shape = (h, h, _row_stats_shape(b, n), _row_stats_shape(b, n))
     return _call(kernel, (pl.cdiv(n, bs.rows), b), out_shape, bs.warps, interpret, "gated_adaln_fwd")(
@@ -355,7 +359,8 @@ def _gated_fwd_call(residual, branch, gate, scale, shift, eps, bs: BlockSizes, i
 def _gated_bwd_call(h, branch, gate, scale, mean, rstd, dh, dy, bs: BlockSizes, interpret):
     b, n, c = h.shape
     chunk_rows, chunks = _chunking(n, b, bs)
-    kernel = functools.partial(_gated_bwd_kernel, cols=_Columns.of(c), rows=bs.bwd_rows, chunk_rows=chunk_rows)
+    kernel = functools.partial(_gated_bwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.bwd_rows,
+                               chunk_rows=chunk_rows)
     partial = jax.ShapeDtypeStruct((b, chunks, c), jnp.float32)
     out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(branch.shape, branch.dtype),
                  partial, partial, partial)
