@@ -134,8 +134,9 @@ class _Columns:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Kernel pieces. A row tile is a list of fp32 chunks [rows, width], one per column chunk; values
-# outside the array (the ragged last row tile, padded columns) load as 0.
+# Kernel pieces. A row tile is a list of chunks [rows, width], one per column chunk (loaded in the
+# array's dtype, computed on in fp32); values outside the array (the ragged last row tile, padded
+# columns) load as 0.
 
 
 def _tile_mask(row_ok, col, cols: _Columns):
@@ -145,8 +146,11 @@ def _tile_mask(row_ok, col, cols: _Columns):
 
 def _load_tile(ref, b, row, row_ok, cols: _Columns):
     """ref[b, row, :] as chunks [rows, width] in the ref's dtype."""
-    return [plgpu.load(ref.at[b, row[:, None], cols.index(k)[None, :]], mask=_tile_mask(row_ok, cols.index(k), cols),
-                       other=0.0) for k in range(cols.count)]
+    tile = []
+    for k in range(cols.count):
+        col = cols.index(k)
+        tile.append(plgpu.load(ref.at[b, row[:, None], col[None, :]], mask=_tile_mask(row_ok, col, cols), other=0.0))
+    return tile
 
 
 def _f32(tile):
@@ -156,7 +160,8 @@ def _f32(tile):
 def _store_tile(ref, b, row, row_ok, cols: _Columns, tile):
     for k, chunk in enumerate(tile):
         col = cols.index(k)
-        plgpu.store(ref.at[b, row[:, None], col[None, :]], chunk.astype(ref.dtype), mask=_tile_mask(row_ok, col, cols))
+        mask = _tile_mask(row_ok, col, cols)
+        plgpu.store(ref.at[b, row[:, None], col[None, :]], chunk.astype(ref.dtype), mask=mask)
 
 
 def _load_vector(ref, b, cols: _Columns):
@@ -313,8 +318,10 @@ def _gated_bwd_kernel(h_ref, br_ref, gate_ref, scale_ref, mean_ref, rstd_ref, dh
 
 
 def _call(kernel, grid, out_shape, warps, interpret, name):
+    # num_stages=1: no software pipelining by Triton (it is meant for loads feeding dots and would stage
+    # tiles through shared memory); the backward's walk does its own one-step look-ahead in registers.
     return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-                          compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2))
+                          compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
 
 
 def _row_stats_shape(b, n):
@@ -517,7 +524,8 @@ def check_gated_inputs(residual, branch, gate, scale, shift):
     fn = "gated_residual_adaln"
     check_adaln_inputs(residual, scale, shift, fn, "residual")
     if branch.shape != residual.shape:
-        raise _shape_error(fn, f"branch (as residual {tuple(residual.shape)})", tuple(residual.shape), branch.shape)
+        raise ValueError(f"{fn}: branch must have the shape of residual {tuple(residual.shape)}, "
+                         f"got {tuple(branch.shape)}")
     b, _, c = residual.shape
     if tuple(gate.shape) != (b, c):
         raise _shape_error(fn, f"gate ([B, C] for residual {tuple(residual.shape)})", (b, c), gate.shape)

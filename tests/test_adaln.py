@@ -148,7 +148,7 @@ def test_bad_inputs_are_named():
         adaln_modulate(x, vec, vec[0], impl="xla")
     with pytest.raises(ValueError, match="x must be floating point"):
         adaln_modulate(x.astype(jnp.int32), vec, vec)
-    with pytest.raises(ValueError, match=r"gated_residual_adaln: branch .* must have shape \(2, 5, 8\), got \(2, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"branch must have the shape of residual \(2, 5, 8\), got \(2, 4, 8\)"):
         gated_residual_adaln(x, x[:, :4], vec, vec, vec, impl="pallas")
     with pytest.raises(ValueError, match=r"gated_residual_adaln: gate .* must have shape \(2, 8\), got \(1, 8\)"):
         gated_residual_adaln(x, x, vec[:1], vec, vec, impl="pallas")
