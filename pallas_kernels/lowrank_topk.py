@@ -41,8 +41,16 @@ def lowrank_topk_reference(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_r
 
 
 def lowrank_topk(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mean", impl="auto"):
+    """impl: "pallas" (fused select kernel; interpret mode off GPU), "xla" (the reference), or "auto":
+    Pallas on a GPU, else XLA."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
-    if impl == "pallas":
-        raise NotImplementedError("the Pallas selection kernel is not built yet; use impl='xla'")
-    return lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+    check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce)
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "xla" or (impl == "auto" and not on_gpu):
+        return lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+    from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas  # noqa: PLC0415
+    from pallas_kernels.tuning import for_device  # noqa: PLC0415
+
+    return lowrank_topk_pallas(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
+                               tuning=for_device()[1], interpret=not on_gpu)

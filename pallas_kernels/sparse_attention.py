@@ -55,9 +55,20 @@ def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_blo
 
 
 def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, impl="auto"):
+    """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto":
+    Pallas on a GPU when the geometry is supported (power-of-two q_tile in 16..128 and kv_block), else XLA."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
-    if impl == "pallas":
-        raise NotImplementedError("the Pallas sparse attention kernel is not built yet; use impl='xla'")
-    return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                      sm_scale=sm_scale)
+    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
+    from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415 (keeps import light)
+    from pallas_kernels.tuning import for_device  # noqa: PLC0415
+
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "auto":
+        impl = "pallas" if on_gpu and triton_path.supported(q_tile, kv_block) is None else "xla"
+    if impl == "xla":
+        return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
+                                          sm_scale=sm_scale)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    return triton_path.sparse_attention_pallas(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
+                                               sm_scale=scale, tuning=for_device()[0], interpret=not on_gpu)

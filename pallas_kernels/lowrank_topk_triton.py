@@ -1,0 +1,169 @@
+"""Fused low-rank top-k selection in Pallas (Triton lowering): exact radix select, then compaction.
+
+Per query tile we need the ids of its top_k highest-scoring KV blocks, ascending. Scores are
+proxy . k_lr (rank r ~ 16), so recomputing a score costs less than storing and re-reading it; no
+score matrix is ever written. Memory is the output, O(S / q_tile * top_k).
+
+Why threshold-then-compact rather than a streaming select: a streaming top-k needs an in-register
+sort/merge, which the Pallas Triton lowering does not offer, and keeping a k-entry heap per tile does
+not fit registers for k in the thousands (token level). Counting does fit:
+
+  1. radix select (`radix_bits` per pass): map fp32 scores to int32 keys with the same order; with
+     prefix = the bits of the k-th largest key found so far, one pass over the keys counts, for the
+     2**radix_bits candidate next digits at once, how many keys are >= prefix + digit << shift, and
+     keeps the largest digit whose count is still >= top_k. A tile stops early once exactly top_k keys
+     are >= its prefix (usual after a few passes: scores are rarely tied); at most 32 / radix_bits
+     passes give the k-th largest key tau exactly.
+  2. compaction: one more pass writes, in id order, every id with key > tau and the first
+     (top_k - #{key > tau}) ids with key == tau, so the output is ascending and ties go to the lower
+     id, as lax.top_k does. Positions come from a running count plus an in-chunk cumulative sum.
+
+A program handles `tiles_per_program` query tiles, which share every load of the key table.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.tuning import TopkTuning
+
+INT_MIN = -(2**31)
+
+
+def sortable_key(score):
+    """fp32 -> int32 with the same order (negative floats: flip the magnitude bits)."""
+    bits = lax.bitcast_convert_type(score, jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, reduce: str, tuning: TopkTuning):
+    tp = proxy_ref.shape[0]
+    rows, padded_keys = table_ref.shape[0], table_ref.shape[1]
+    step = tuning.keys_per_step
+    n_steps = padded_keys // step
+    proxy = proxy_ref[...].astype(jnp.float32)  # [tp, r]
+
+    def keys_of(chunk):
+        """int32 sort keys [tp, step] of keys chunk * step ... + step; padding keys get INT_MIN."""
+        sl = pl.ds(pl.multiple_of(chunk * step, step), step)
+
+        def row_scores(j):
+            return pl.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True)
+
+        if rows == 1:
+            score = row_scores(0)
+        else:  # block score = reduce over the block's rows (row j of every block is table[j])
+            combine = jnp.maximum if reduce == "max" else jnp.add
+            score = lax.fori_loop(1, rows, lambda j, acc: combine(acc, row_scores(j)), row_scores(0))
+            if reduce == "mean":
+                score = score / rows
+        col = chunk * step + lax.broadcasted_iota(jnp.int32, (tp, step), 1)
+        return jnp.where(col < num_keys, sortable_key(score), INT_MIN), col
+
+    # --- 1. radix select of the top_k-th largest key per tile -----------------------------------
+    bits = tuning.radix_bits
+    n_digits = 1 << bits
+    digits = lax.broadcasted_iota(jnp.int32, (tp, n_digits), 1)
+
+    def count_pass(p, state):
+        prefix, c_lo, c_hi, done = state
+        shift = 32 - bits * (p + 1)
+        thresholds = prefix[:, None] + lax.shift_left(digits, jnp.broadcast_to(shift, digits.shape))
+
+        def body(chunk, counts):
+            key, _ = keys_of(chunk)
+            above = key[:, :, None] >= thresholds[:, None, :]  # [tp, step, n_digits]
+            return counts + jnp.sum(above.astype(jnp.int32), axis=1)
+
+        counts = lax.fori_loop(0, n_steps, body, jnp.zeros((tp, n_digits), jnp.int32))
+        digit = jnp.sum((counts >= top_k).astype(jnp.int32), axis=1) - 1  # counts[:, 0] = c_lo >= top_k
+        new_c_lo = jnp.sum(jnp.where(digits == digit[:, None], counts, 0), axis=1)
+        above_next = jnp.sum(jnp.where(digits == digit[:, None] + 1, counts, 0), axis=1)
+        new_c_hi = jnp.where(digit == n_digits - 1, c_hi, above_next)
+        new_prefix = prefix + lax.shift_left(digit, jnp.broadcast_to(shift, digit.shape))
+        keep = done
+        return (jnp.where(keep, prefix, new_prefix), jnp.where(keep, c_lo, new_c_lo),
+                jnp.where(keep, c_hi, new_c_hi), keep | (new_c_lo == top_k))
+
+    def not_finished(carry):
+        p, state = carry
+        return (p < 32 // bits) & (jnp.min(state[3].astype(jnp.int32)) == 0)
+
+    def one_pass(carry):
+        p, state = carry
+        return p + 1, count_pass(p, state)
+
+    start = (jnp.full((tp,), INT_MIN, jnp.int32), jnp.full((tp,), padded_keys, jnp.int32),
+             jnp.zeros((tp,), jnp.int32), jnp.full((tp,), padded_keys == top_k))
+    _, (prefix, c_lo, c_hi, _) = lax.while_loop(not_finished, one_pass, (jnp.int32(0), start))
+
+    # Exactly top_k keys >= prefix: take them all. Otherwise prefix is the k-th key tau itself:
+    # take keys > tau and the first top_k - #{> tau} keys equal to tau.
+    exact = c_lo == top_k
+    sure = jnp.where(exact, prefix, prefix + 1)
+    ties_wanted = jnp.where(exact, 0, top_k - c_hi)
+
+    # --- 2. compaction in id order ---------------------------------------------------------------
+    tile_row = lax.broadcasted_iota(jnp.int32, (tp, step), 0)
+    dump = top_k  # column past the output that absorbs the writes of unselected lanes
+
+    def compact(chunk, carry):
+        written, ties_seen = carry
+        key, col = keys_of(chunk)
+        tie = (key == prefix[:, None]).astype(jnp.int32)
+        tie_rank = ties_seen[:, None] + jnp.cumsum(tie, axis=1) - tie
+        take = ((key >= sure[:, None]) | ((tie == 1) & (tie_rank < ties_wanted[:, None]))) & (col < num_keys)
+        take_i = take.astype(jnp.int32)
+        pos = written[:, None] + jnp.cumsum(take_i, axis=1) - take_i
+        out_ref[tile_row, jnp.where(take, pos, dump)] = col
+        return written + jnp.sum(take_i, axis=1), ties_seen + jnp.sum(tie, axis=1)
+
+    zeros = jnp.zeros((tp,), jnp.int32)
+    lax.fori_loop(0, n_steps, compact, (zeros, zeros))
+
+
+def lowrank_topk_pallas(q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tuning: TopkTuning, interpret):
+    """Inputs as the public lowrank_topk (already checked); returns int32 [B, H, S // q_tile, top_k]."""
+    b, s, h, r = q_lr.shape
+    tiles, num_keys = s // q_tile, s // kv_block
+    tp = min(tuning.tiles_per_program, pl.next_power_of_2(tiles))
+    tp = max(tp, 16)
+    step = tuning.keys_per_step
+    rp = max(16, pl.next_power_of_2(r))
+
+    # Proxies exactly as the reference computes them (fp32 mean of the tile's rows).
+    proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, tiles, q_tile, h, r), axis=2).transpose(0, 2, 1, 3)
+    tiles_p = -(-tiles // tp) * tp
+    proxy = jnp.pad(proxy, ((0, 0), (0, 0), (0, tiles_p - tiles), (0, rp - r)))
+
+    # Key table [B, H, rows, num_keys, r]: the block score is the reduce over `rows` dot products.
+    if kv_block == 1:
+        table = k_lr.transpose(0, 2, 1, 3)[:, :, None]
+    elif block_reduce == "mean":  # mean of dot products = dot product with the block's mean row
+        table = jnp.mean(k_lr.astype(jnp.float32).reshape(b, num_keys, kv_block, h, r), axis=2)
+        table = table.transpose(0, 2, 1, 3)[:, :, None]
+    else:
+        table = k_lr.reshape(b, num_keys, kv_block, h, r).transpose(0, 3, 2, 1, 4)
+    keys_p = -(-num_keys // step) * step
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, 0), (0, keys_p - num_keys), (0, rp - r)))
+    rows = table.shape[2]
+
+    kernel = functools.partial(_select_kernel, top_k=top_k, num_keys=num_keys, reduce=block_reduce, tuning=tuning)
+    out = pl.pallas_call(
+        kernel,
+        grid=(tiles_p // tp, b, h),
+        in_specs=[pl.BlockSpec((None, None, tp, rp), lambda i, bi, hi: (bi, hi, i, 0)),
+                  pl.BlockSpec((None, None, rows, keys_p, rp), lambda i, bi, hi: (bi, hi, 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, tp, top_k + 1), lambda i, bi, hi: (bi, hi, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, h, tiles_p, top_k + 1), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages),
+        interpret=interpret,
+        name="lowrank_topk",
+    )(proxy, table)
+    return out[:, :, :tiles, :top_k]
