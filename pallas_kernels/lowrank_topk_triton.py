@@ -54,7 +54,7 @@ def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, 
         sl = pl.ds(pl.multiple_of(chunk * step, step), step)
 
         def row_scores(j):
-            return pl.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True)
+            return plgpu.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True)
 
         if rows == 1:
             score = row_scores(0)

@@ -118,14 +118,14 @@ def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan
     def body(step, carry):
         acc, m_prev, l_prev = carry
         k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, plan)
-        s = pl.dot(q, k, trans_b=True) * qk_scale
+        s = plgpu.dot(q, k, trans_b=True) * qk_scale
         if live is not None:
             s = jnp.where(live[None, :], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(s - m_next[:, None])
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_next, l_next
 
     init = (jnp.zeros((qt, dp), jnp.float32), jnp.full((qt,), -jnp.inf, jnp.float32),
@@ -144,11 +144,11 @@ def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
 
     def body(step, dq):
         k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, plan)
-        p = jnp.exp2(pl.dot(q, k, trans_b=True) * qk_scale - lse[:, None])
+        p = jnp.exp2(plgpu.dot(q, k, trans_b=True) * qk_scale - lse[:, None])
         if live is not None:
             p = jnp.where(live[None, :], p, 0.0)
-        ds = p * (pl.dot(do, v, trans_b=True) - delta[:, None])
-        return dq + pl.dot(ds.astype(k.dtype), k)
+        ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
+        return dq + plgpu.dot(ds.astype(k.dtype), k)
 
     dq = lax.fori_loop(0, _num_steps(count, plan), body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
@@ -176,14 +176,14 @@ def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int):
         sl = pl.ds(pl.multiple_of(tile * qt, qt), qt)
         q, do = q_ref[sl, :], do_ref[sl, :]
         lse, delta = lse_ref[sl], delta_ref[sl]
-        p = jnp.exp2(pl.dot(q, k, trans_b=True) * qk_scale - lse[:, None])  # [qt, rows]
+        p = jnp.exp2(plgpu.dot(q, k, trans_b=True) * qk_scale - lse[:, None])  # [qt, rows]
         if masks_ref is not None:
             words = masks_ref[pair, word_of_row]
             picked = lax.shift_right_logical(words, bit_of_row) & 1
             p = jnp.where(picked[None, :] == 1, p, 0.0)
-        dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (pl.dot(do, v, trans_b=True) - delta[:, None])
-        dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True)
+        dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
+        dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)

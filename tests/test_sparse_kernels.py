@@ -1,0 +1,251 @@
+"""Pallas DSV kernels (interpret mode on CPU) against their plain-JAX references and brute force."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention_triton as triton_attn
+from pallas_kernels.lowrank_topk import lowrank_topk, lowrank_topk_reference
+from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
+from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from pallas_kernels.sparse_index import dkdv_worklist, dkdv_worklist_numpy, sanitize_index
+from pallas_kernels.tuning import SparseAttentionTuning, TopkTuning
+
+
+def random_selection(key, b, h, tiles, num_blocks, n_sel):
+    """Ascending distinct ids per tile, random counts in 1..n_sel, garbage (out of range too) past the count."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    ids = jnp.sort(jax.lax.top_k(jax.random.uniform(k1, (b, h, tiles, num_blocks)), n_sel)[1], axis=-1)
+    count = jax.random.randint(k2, (b, h, tiles), 1, n_sel + 1, dtype=jnp.int32)
+    garbage = jax.random.randint(k3, ids.shape, -3 * num_blocks, 3 * num_blocks, dtype=jnp.int32)
+    return jnp.where(jnp.arange(n_sel) < count[..., None], ids, garbage).astype(jnp.int32), count
+
+
+def qkv(key, b, s, h, d, dtype=jnp.float32):
+    ks = jax.random.split(key, 3)
+    return tuple(jax.random.normal(k_, (b, s, h, d), dtype) for k_ in ks)
+
+
+def loss_fn(impl, index, count, **kw):
+    # A nonlinear readout so every output element gets its own cotangent; the output rides along as aux.
+    def loss(q, k, v):
+        o = sparse_attention(q, k, v, index, count, impl=impl, **kw)
+        return jnp.sum(jnp.sin(o.astype(jnp.float32))), o
+    return loss
+
+
+def value_and_grads(impl, index, count, q, k, v, **kw):
+    (_, out), grads = jax.jit(jax.value_and_grad(loss_fn(impl, index, count, **kw), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def assert_close(a, b, tol, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-6)
+    assert err < tol, f"{what}: relative max error {err:.2e} >= {tol:.0e}"
+
+
+# (kv_block, D, K, q_tile, S): token level (gathered rows, masked dK/dV), small blocks (gathered, masked),
+# tile-sized blocks (contiguous steps, block-level transposed index); odd K; D = 96 is padded to 128.
+CASES = [(1, 96, 37, 32, 128), (16, 64, 5, 16, 192), (64, 96, 3, 32, 256)]
+
+
+@pytest.mark.parametrize("kv_block,d,n_sel,q_tile,s", CASES)
+def test_pallas_forward_and_gradients_match_reference(kv_block, d, n_sel, q_tile, s):
+    b, h = 2, 2
+    q, k, v = qkv(jax.random.key(kv_block), b, s, h, d)
+    index, count = random_selection(jax.random.key(7 + kv_block), b, h, s // q_tile, s // kv_block, n_sel)
+    kw = dict(q_tile=q_tile, kv_block=kv_block)
+    out, grads = value_and_grads("pallas", index, count, q, k, v, **kw)
+    ref, ref_grads = value_and_grads("xla", index, count, q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, 1e-5, "forward")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert float(jnp.max(jnp.abs(rg))) > 0.0
+        assert_close(g, rg, 1e-5, name)
+
+
+def test_every_block_selected_is_dense_attention():
+    b, s, h, d, q_tile, kv_block = 2, 128, 2, 64, 32, 16
+    q, k, v = qkv(jax.random.key(3), b, s, h, d)
+    nb = s // kv_block
+    index = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, h, s // q_tile, nb))
+    count = jnp.full((b, h, s // q_tile), nb, jnp.int32)
+
+    def dense(q, k, v):
+        return jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, implementation="xla")))
+
+    out, grads = value_and_grads("pallas", index, count, q, k, v, q_tile=q_tile, kv_block=kv_block)
+    assert_close(out, jax.nn.dot_product_attention(q, k, v), 1e-5, "forward")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, jax.grad(dense, argnums=(0, 1, 2))(q, k, v)):
+        assert_close(g, rg, 1e-5, name)
+
+
+@pytest.mark.parametrize("kv_block,rows_per_step", [(64, 128), (32, 16)])
+def test_other_step_shapes(kv_block, rows_per_step):
+    """Gathering two whole blocks per step, and a block spanning two contiguous steps; sm_scale given."""
+    b, s, h, d, q_tile = 1, 256, 2, 64, 16
+    q, k, v = qkv(jax.random.key(11), b, s, h, d)
+    index, count = random_selection(jax.random.key(12), b, h, s // q_tile, s // kv_block, 3)
+    tuning = SparseAttentionTuning(rows_per_step=rows_per_step)
+
+    def pallas_loss(q, k, v):
+        o = triton_attn.sparse_attention_pallas(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, sm_scale=0.3,
+                                                tuning=tuning, interpret=True)
+        return jnp.sum(jnp.sin(o)), o
+
+    (_, out), grads = jax.jit(jax.value_and_grad(pallas_loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    ref = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, sm_scale=0.3)
+    assert_close(out, ref(q, k, v), 1e-5, "forward")
+    ref_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, 1e-5, name)
+
+
+def test_bf16_inputs():
+    b, s, h, d, q_tile, kv_block = 1, 128, 2, 64, 32, 1
+    q, k, v = qkv(jax.random.key(5), b, s, h, d, jnp.bfloat16)
+    index, count = random_selection(jax.random.key(6), b, h, s // q_tile, s, 21)
+    out = sparse_attention(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, impl="pallas")
+    assert out.dtype == jnp.bfloat16
+    ref = sparse_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), index,
+                                     count, q_tile=q_tile, kv_block=kv_block)
+    assert_close(out, ref, 2e-2, "bf16 forward")
+
+
+def test_auto_is_the_reference_on_cpu():
+    b, s, h, d = 1, 128, 2, 32
+    q, k, v = qkv(jax.random.key(8), b, s, h, d)
+    index, count = random_selection(jax.random.key(9), b, h, 4, 2, 1)
+    auto = sparse_attention(q, k, v, index, count, q_tile=32, kv_block=64)
+    np.testing.assert_array_equal(auto, sparse_attention_reference(q, k, v, index, count, q_tile=32, kv_block=64))
+
+
+@pytest.mark.parametrize("kv_block,rows", [(1, 64), (4, 32), (64, 64), (128, 64)])
+def test_dkdv_worklist_is_the_transposed_index(kv_block, rows):
+    b, h, s, q_tile = 2, 2, 512, 32
+    n_sel = min(5, s // kv_block)
+    index, count = random_selection(jax.random.key(kv_block), b, h, s // q_tile, s // kv_block, n_sel)
+    index, count = sanitize_index(index, count, s // kv_block)
+    order, starts, masks, per_tile = dkdv_worklist(index, count, kv_block=kv_block, rows=rows, seq_len=s)
+    order, starts = np.asarray(order), np.asarray(starts)
+    expected = dkdv_worklist_numpy(index, count, kv_block=kv_block, rows=rows, seq_len=s)
+    full = (1 << rows) - 1
+    for bi in range(b):
+        for hi in range(h):
+            for blk in range(s // rows):
+                pairs = order[bi, hi, starts[bi, hi, blk]:starts[bi, hi, blk + 1]]
+                got = []
+                for p in pairs:
+                    if masks is None:
+                        bits = full
+                    else:
+                        bits = sum(int(np.uint32(w)) << (32 * i) for i, w in enumerate(np.asarray(masks[bi, hi, p])))
+                    got.append((int(p) // per_tile, bits))
+                assert got == expected.get((bi, hi, blk), []), (bi, hi, blk)
+
+
+# ---------------------------------------------------------------------------------------------------
+# lowrank_topk
+
+
+def brute_force_scores(q_lr, k_lr, q_tile, kv_block, block_reduce):
+    q, k = np.asarray(q_lr, np.float64), np.asarray(k_lr, np.float64)
+    b, s, h, r = q.shape
+    proxy = q.reshape(b, s // q_tile, q_tile, h, r).mean(2)
+    scores = np.einsum("bthr,bshr->bhts", proxy, k).reshape(b, h, s // q_tile, s // kv_block, kv_block)
+    return scores.mean(-1) if block_reduce == "mean" else scores.max(-1)
+
+
+@pytest.mark.parametrize("kv_block,block_reduce,top_k,q_tile,s", [
+    (1, "mean", 37, 32, 256), (16, "max", 5, 64, 512), (32, "mean", 13, 64, 448), (4, "max", 9, 16, 160)])
+def test_lowrank_topk_matches_brute_force_and_reference(kv_block, block_reduce, top_k, q_tile, s):
+    b, h, r = 2, 3, 12
+    ks = jax.random.split(jax.random.key(top_k), 2)
+    q_lr = jax.random.normal(ks[0], (b, s, h, r), jnp.float32)
+    k_lr = jax.random.normal(ks[1], (b, s, h, r), jnp.float32)
+    kw = dict(q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+    got = np.asarray(lowrank_topk(q_lr, k_lr, top_k, impl="pallas", **kw))
+    assert got.shape == (b, h, s // q_tile, top_k) and got.dtype == np.int32
+    assert np.all(np.diff(got, axis=-1) > 0), "ids must be strictly ascending"
+    scores = brute_force_scores(q_lr, k_lr, q_tile, kv_block, block_reduce)
+    picked = np.take_along_axis(scores, got, axis=-1)
+    kth = -np.sort(-scores, axis=-1)[..., top_k - 1]
+    # The picked scores are exactly the top_k largest (up to fp32 rounding of near-equal scores).
+    np.testing.assert_allclose(np.sort(picked, -1), np.sort(-np.sort(-scores, -1)[..., :top_k], -1), atol=1e-5)
+    assert np.all(picked.min(-1) >= kth - 1e-5)
+    ref = np.asarray(lowrank_topk_reference(q_lr, k_lr, top_k, **kw))
+    assert np.mean(got == ref) > 0.99
+
+
+@pytest.mark.parametrize("block_reduce", ["mean", "max"])
+def test_lowrank_topk_ties_break_like_lax_top_k(block_reduce):
+    """Small integer inputs: scores are exact and heavily tied; the lower id must win, as in the reference."""
+    ks = jax.random.split(jax.random.key(4), 2)
+    q_lr = jax.random.randint(ks[0], (1, 256, 2, 16), -1, 2).astype(jnp.float32)
+    k_lr = jax.random.randint(ks[1], (1, 256, 2, 16), -1, 2).astype(jnp.float32)
+    for kv_block, top_k in [(1, 50), (4, 9)]:
+        kw = dict(q_tile=32, kv_block=kv_block, block_reduce=block_reduce)
+        np.testing.assert_array_equal(lowrank_topk(q_lr, k_lr, top_k, impl="pallas", **kw),
+                                      lowrank_topk_reference(q_lr, k_lr, top_k, **kw))
+
+
+def test_lowrank_topk_selects_everything_and_small_steps():
+    ks = jax.random.split(jax.random.key(2), 2)
+    q_lr = jax.random.normal(ks[0], (1, 128, 2, 16), jnp.bfloat16)
+    k_lr = jax.random.normal(ks[1], (1, 128, 2, 16), jnp.bfloat16)
+    everything = lowrank_topk(q_lr, k_lr, 8, q_tile=16, kv_block=16, impl="pallas")
+    np.testing.assert_array_equal(everything, np.broadcast_to(np.arange(8), (1, 2, 8, 8)))
+    tuned = lowrank_topk_pallas(q_lr, k_lr, 30, q_tile=16, kv_block=1, block_reduce="mean", interpret=True,
+                                tuning=TopkTuning(tiles_per_program=16, keys_per_step=16, radix_bits=2))
+    np.testing.assert_array_equal(tuned, lowrank_topk_reference(q_lr, k_lr, 30, q_tile=16, kv_block=1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors and GPU lowering
+
+
+def test_clear_errors_on_bad_inputs():
+    q, k, v = qkv(jax.random.key(0), 1, 128, 2, 32)
+    index, count = random_selection(jax.random.key(1), 1, 2, 4, 2, 1)
+    with pytest.raises(ValueError, match="divisible by q_tile=48"):
+        sparse_attention(q, k, v, index, count, q_tile=48, kv_block=64, impl="pallas")
+    with pytest.raises(ValueError, match=r"kv_index must be \[B, H, S // q_tile, K\]"):
+        sparse_attention(q, k, v, index[:, :1], count, q_tile=32, kv_block=64, impl="pallas")
+    with pytest.raises(ValueError, match="kv_count must be"):
+        sparse_attention(q, k, v, index, count[..., :2], q_tile=32, kv_block=64, impl="pallas")
+    with pytest.raises(ValueError, match="share one shape"):
+        sparse_attention(q, k[:, :64], v, index, count, q_tile=32, kv_block=64, impl="pallas")
+    with pytest.raises(ValueError, match="q_tile=8 must be a power of two in 16..128"):
+        sparse_attention(q, k, v, jnp.zeros((1, 2, 16, 1), jnp.int32), jnp.ones((1, 2, 16), jnp.int32),
+                         q_tile=8, kv_block=64, impl="pallas")
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        sparse_attention(q, k, v, index, count, q_tile=32, kv_block=64, impl="cuda")
+    with pytest.raises(ValueError, match="top_k=3 must be in 1..2"):
+        lowrank_topk(q[..., :16], k[..., :16], 3, q_tile=32, kv_block=64, impl="pallas")
+    with pytest.raises(ValueError, match="block_reduce='sum'"):
+        lowrank_topk(q[..., :16], k[..., :16], 1, q_tile=32, kv_block=64, block_reduce="sum", impl="pallas")
+    with pytest.raises(ValueError, match="rows_per_step=48 must be a power of two"):
+        SparseAttentionTuning(rows_per_step=48)
+
+
+def test_kernels_lower_to_triton_for_gpu():
+    """The Pallas -> Triton lowering (what runs on the GPU) accepts every kernel, checked by lowering for CUDA."""
+    q = jax.ShapeDtypeStruct((1, 512, 2, 96), jnp.bfloat16)
+    for kv_block, n_sel in [(1, 65), (64, 3)]:
+        idx = jax.ShapeDtypeStruct((1, 2, 8, n_sel), jnp.int32)
+        cnt = jax.ShapeDtypeStruct((1, 2, 8), jnp.int32)
+
+        def loss(q, k, v, i, c, kv_block=kv_block):
+            o = triton_attn.sparse_attention_pallas(q, k, v, i, c, q_tile=64, kv_block=kv_block, sm_scale=0.1,
+                                                    tuning=SparseAttentionTuning(), interpret=False)
+            return jnp.sum(o.astype(jnp.float32))
+
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q, idx, cnt).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
+    lr = jax.ShapeDtypeStruct((1, 512, 2, 16), jnp.bfloat16)
+    select = jax.jit(lambda a, b: lowrank_topk_pallas(a, b, 40, q_tile=64, kv_block=1, block_reduce="max",
+                                                      tuning=TopkTuning(), interpret=False))
+    assert "__gpu$xla.gpu.triton" in select.trace(lr, lr).lower(lowering_platforms=("cuda",)).as_text()
