@@ -1,0 +1,458 @@
+"""DSV kernels on the GPU: selection (lowrank_topk) + block-sparse attention fwd/bwd against cuDNN dense.
+
+    PYTHONPATH=. python experiments/bench_sparse_attention.py            # H200, ~4-5 min
+    PYTHONPATH=. python experiments/bench_sparse_attention.py --quick    # CPU, interpret mode, tiny sizes
+
+Per sequence length S (B=1, H=16, D=128, bf16): cuDNN full attention fwd and fwd+bwd; per kv_block
+(1 = token level, 64 = 3D tiles): one compiled sparse forward and fwd+bwd whose index capacity K is
+that of the densest selection (80%), reused for every sparsity through the runtime counts (what DSV's
+keep-ratio ladder does); random but realistic selections (a local band around each tile plus random
+blocks, per-head keep ratios from 0.6x to 1.4x of the target) at each sparsity; selections from
+lowrank_topk on smooth ("real-looking") q_lr, k_lr at 90% and 95%. The headline (S=64k, kv_block=64,
+90% / 95%) is also compiled with the exact K. Every compiled function is checked against the
+reference before it is timed (full reference at S=16k, sampled query tiles above); a failed check or
+an exception is recorded in the JSON and the run goes on. A time guard skips what does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import harness
+from pallas_kernels.lowrank_topk import lowrank_topk_reference
+from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
+from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.sparse_attention_triton import sparse_attention_pallas
+from pallas_kernels.tuning import SparseAttentionTuning, for_device, generation
+
+FULL = dict(sizes=[65536, 131072, 32768, 16384], sparsities=[0.8, 0.9, 0.95, 0.98], kv_blocks=[64, 1],
+            select_sparsities=[0.9, 0.95], heads=16, head_dim=128, q_tile=64, rank=16, token_group=16,
+            full_check_max=16384, iters=3, budget_s=285.0)
+QUICK = dict(sizes=[256], sparsities=[0.5, 0.75], kv_blocks=[32, 1], select_sparsities=[0.75], heads=2,
+             head_dim=64, q_tile=64, rank=16, token_group=16, full_check_max=256, iters=1, budget_s=120.0)
+HEADLINE = (65536, 64)  # (S, kv_block) of the goals
+
+
+class Budget:
+    def __init__(self, seconds):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def left(self):
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+def error_text(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}"[:1500] + "\n" + "".join(traceback.format_exception(e))[-1500:])
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
+
+
+def qkv_do(key, s, h, d):
+    ks = jax.random.split(key, 4)
+    return tuple(jax.random.normal(k_, (1, s, h, d), jnp.bfloat16) for k_ in ks)
+
+
+def random_selection(key, *, seq, heads, q_tile, group, keep):
+    """Blocks of `group` tokens per query tile: a local band around the tile plus random blocks.
+
+    Returns (index [1, H, T, K] ascending, count [1, H, T]) with K = the largest count; per-head keep
+    ratios spread from 0.6x to 1.4x of `keep` (heads differ in sparsity, as DSV measures)."""
+    tiles, nb = seq // q_tile, seq // group
+    ks = jax.random.split(key, 2)
+    head_keep = keep * jax.random.permutation(ks[0], jnp.linspace(0.6, 1.4, heads))
+    centre = (jnp.arange(tiles) * q_tile + q_tile // 2) // group
+    band = max(1, int(0.01 * nb))
+    local = jnp.abs(jnp.arange(nb)[None] - centre[:, None]) <= band  # [T, nb]
+    n_local = jnp.sum(local, axis=-1).astype(jnp.float32)  # [T]
+    p_rand = jnp.clip((head_keep[:, None] * nb - n_local[None]) / (nb - n_local[None]), 0.0, 1.0)  # [H, T]
+    mask = local[None] | (jax.random.uniform(ks[1], (heads, tiles, nb)) < p_rand[..., None])
+    count = jnp.sum(mask, axis=-1).astype(jnp.int32)
+    cap = int(jnp.max(count))
+    slot = jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - 1
+    row = (jnp.arange(heads * tiles, dtype=jnp.int32) * cap).reshape(heads, tiles, 1)
+    target = jnp.where(mask, row + slot, heads * tiles * cap)
+    ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), mask.shape)
+    index = jnp.zeros(heads * tiles * cap, jnp.int32).at[target.ravel()].set(ids.ravel(), mode="drop")
+    return index.reshape(1, heads, tiles, cap), count[None]
+
+
+def to_tokens(index, count, group):
+    """Expand block ids of `group` tokens to token ids (kv_block = 1), still ascending."""
+    b, h, t, k = index.shape
+    tok = (index[..., None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(b, h, t, k * group)
+    return tok, count * group
+
+
+def pad_to(index, cap):
+    k = index.shape[-1]
+    return index if k == cap else jnp.pad(index, ((0, 0), (0, 0), (0, 0), (0, cap - k)))
+
+
+def lowrank_inputs(key, seq, heads, rank):
+    """q_lr, k_lr that vary smoothly along the (tile-major) sequence, plus noise: nearby tokens score alike."""
+    ks = jax.random.split(key, 3)
+    walk = jnp.cumsum(jax.random.normal(ks[0], (1, seq, heads, rank)), axis=1)
+    walk = walk / jnp.sqrt(jnp.arange(1, seq + 1, dtype=jnp.float32))[None, :, None, None] * 3.0
+    q_lr = walk + 0.5 * jax.random.normal(ks[1], walk.shape)
+    k_lr = walk + 0.5 * jax.random.normal(ks[2], walk.shape)
+    return q_lr.astype(jnp.bfloat16), k_lr.astype(jnp.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# functions under test
+
+
+def compile_fn(fn, *args):
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def sparse_fns(q_tile, kv_block, tuning, interpret):
+    attend = functools.partial(sparse_attention_pallas, q_tile=q_tile, kv_block=kv_block, sm_scale=None,
+                               tuning=tuning, interpret=interpret)
+
+    def fwd(q, k, v, index, count):
+        return attend(q, k, v, index, count, sm_scale=q.shape[-1] ** -0.5)
+
+    def fwd_bwd(q, k, v, index, count, do):
+        o, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, index, count), q, k, v)
+        return o, vjp(do)
+
+    return fwd, fwd_bwd
+
+
+def dense_fns(implementation):
+    def fwd(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+
+    def fwd_bwd(q, k, v, do):
+        o, vjp = jax.vjp(fwd, q, k, v)
+        return o, vjp(do)
+
+    return fwd, fwd_bwd
+
+
+def attention_flops(seq, heads, head_dim, keys_per_query):
+    return 4.0 * seq * heads * head_dim * keys_per_query  # forward; fwd+bwd is 3.5x
+
+
+# --------------------------------------------------------------------------------------------------
+# correctness
+
+
+def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block):
+    """Reference output rows of query tiles `tiles` (same for every head): gather, softmax, weighted sum."""
+    _, s, h, d = q.shape
+    rows = (tiles[:, None] * q_tile + jnp.arange(q_tile)).ravel()
+    qs = q[0, rows].astype(jnp.float32).reshape(len(tiles), q_tile, h, d).transpose(2, 0, 1, 3)  # [H, n, qt, D]
+    sel, cnt = index[0][:, tiles], count[0][:, tiles]  # [H, n, K], [H, n]
+    live = jnp.arange(sel.shape[-1]) < cnt[..., None]
+    key_rows = (jnp.where(live, sel, 0)[..., None] * kv_block + jnp.arange(kv_block)).reshape(h, len(tiles), -1)
+    key_live = jnp.repeat(live, kv_block, axis=-1)
+    kh, vh = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [H, S, D]
+    ks = jax.vmap(lambda kk, r: kk[r])(kh, key_rows).astype(jnp.float32)  # [H, n, R, D]
+    vs = jax.vmap(lambda vv, r: vv[r])(vh, key_rows).astype(jnp.float32)
+    logits = jnp.einsum("hnqd,hnrd->hnqr", qs, ks, precision="highest") * d ** -0.5
+    p = jax.nn.softmax(jnp.where(key_live[:, :, None], logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("hnqr,hnrd->hnqd", p, vs, precision="highest")
+    return out.transpose(1, 2, 0, 3).reshape(len(tiles) * q_tile, h, d), rows
+
+
+def check_sparse(fwd_c, fwd_bwd_c, q, k, v, do, index, count, *, q_tile, kv_block, full):
+    """Relative errors of the compiled functions against the reference (full, or sampled query tiles)."""
+    if full:
+        ref_f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block)
+        ref_o, ref_vjp = jax.vjp(ref_f, q, k, v)
+        ref_g = ref_vjp(do)
+        o, grads = fwd_bwd_c(q, k, v, index, count, do)
+        errs = {"o": harness.rel_error(o, ref_o)}
+        errs.update({n: harness.rel_error(g, rg) for n, g, rg in zip(("dq", "dk", "dv"), grads, ref_g)})
+        return {"mode": "full", **errs}
+    tiles = jnp.asarray(np.random.default_rng(0).choice(q.shape[1] // q_tile, min(4, q.shape[1] // q_tile), replace=False))
+    ref_rows, rows = sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block)
+    o = fwd_c(q, k, v, index, count)
+    return {"mode": "sampled 4 tiles x all heads", "o": harness.rel_error(o[0, rows], ref_rows)}
+
+
+def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
+    """On sampled tiles: agreement with an exact (fp32 'highest') top-k, and whether the picks are a top-k."""
+    b, s, h, r = q_lr.shape
+    rows = (tiles[:, None] * q_tile + jnp.arange(q_tile)).ravel()
+    # The reference's scores (block_scores) for the sampled tiles only, so the score matrix stays small.
+    proxy = jnp.mean(q_lr[:, rows].astype(jnp.float32).reshape(b, len(tiles), q_tile, h, r), axis=2)
+    with jax.default_matmul_precision("highest"):
+        scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr.astype(jnp.float32))
+    scores = jnp.mean(scores.reshape(b, h, len(tiles), s // kv_block, kv_block), axis=-1)
+    exact = jnp.sort(jax.lax.top_k(scores, top_k)[1], axis=-1)
+    got = ids[:, :, tiles]
+    picked = jnp.take_along_axis(scores, got, axis=-1)
+    kth = jax.lax.top_k(scores, top_k)[0][..., -1]
+    slack = 1e-5 * (jnp.abs(kth) + 1.0)
+    return {"id_agreement": float(jnp.mean(got == exact)),
+            "picks_are_top_k": bool(jnp.all(picked >= (kth - slack)[..., None])),
+            "ascending": bool(jnp.all(jnp.diff(got, axis=-1) > 0))}
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def run_size(seq, cfg, budget, tuning, interpret, out):
+    h, d, q_tile = cfg["heads"], cfg["head_dim"], cfg["q_tile"]
+    iters = cfg["iters"]
+    q, k, v, do = qkv_do(jax.random.key(seq), seq, h, d)
+    dense_impl = "cudnn" if harness.on_gpu() else "xla"
+    dense_fwd, dense_fwd_bwd = dense_fns(dense_impl)
+    entry = {"seq": seq, "dense_impl": dense_impl}
+    try:
+        f_c, _ = compile_fn(dense_fwd, q, k, v)
+        fb_c, _ = compile_fn(dense_fwd_bwd, q, k, v, do)
+        entry["dense_fwd_ms"] = harness.time_fn(f_c, q, k, v, warmup=1, iters=iters)["median_ms"]
+        entry["dense_fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, do, warmup=1, iters=iters)["median_ms"]
+        flops = 3.5 * attention_flops(seq, h, d, seq)
+        entry["dense_tflops"] = flops / entry["dense_fwd_bwd_ms"] / 1e9
+        del f_c, fb_c
+    except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+        entry["dense_error"] = error_text(e)
+    out["dense"].append(entry)
+    dense_ms = entry.get("dense_fwd_bwd_ms")
+    q_lr, k_lr = lowrank_inputs(jax.random.key(seq + 1), seq, h, cfg["rank"])
+    sample_tiles = jnp.asarray(np.random.default_rng(1).choice(seq // q_tile, min(8, seq // q_tile), replace=False))
+
+    for kv_block in cfg["kv_blocks"]:
+        if budget.left() < 20:
+            out["skipped"].append(f"S={seq} kv_block={kv_block}: time budget")
+            continue
+        group = kv_block if kv_block > 1 else cfg["token_group"]
+        # Random selections at every sparsity, all padded to the capacity of the densest one.
+        selections = {}
+        for sp in cfg["sparsities"]:
+            idx, cnt = random_selection(jax.random.key(int(sp * 1000) + seq), seq=seq, heads=h, q_tile=q_tile,
+                                        group=group, keep=1.0 - sp)
+            if kv_block == 1:
+                idx, cnt = to_tokens(idx, cnt, group)
+            selections[sp] = (idx, cnt)
+        cap = max(i.shape[-1] for i, _ in selections.values())
+        selections = {sp: (pad_to(i, cap), c) for sp, (i, c) in selections.items()}
+        fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
+        idx0, cnt0 = selections[cfg["sparsities"][0]]
+        base = {"seq": seq, "kv_block": kv_block, "capacity_K": cap}
+        try:
+            fwd_c, t_f = compile_fn(fwd, q, k, v, idx0, cnt0)
+            fwd_bwd_c, t_fb = compile_fn(fwd_bwd, q, k, v, idx0, cnt0, do)
+            base["compile_s"] = t_f + t_fb
+            check = check_sparse(fwd_c, fwd_bwd_c, q, k, v, do, idx0, cnt0, q_tile=q_tile, kv_block=kv_block,
+                                 full=seq <= cfg["full_check_max"])
+            tol = 2e-2
+            base["check"] = check
+            base["correct"] = all(v_ < tol for k_, v_ in check.items() if k_ != "mode")
+        except Exception as e:  # noqa: BLE001
+            out["runs"].append({**base, "error": error_text(e)})
+            continue
+        if not base["correct"]:
+            out["runs"].append({**base, "error": "failed the reference check; not timed"})
+            continue
+
+        def time_sparse(idx, cnt, label, extra=None):
+            keys_per_query = float(jnp.mean(cnt.astype(jnp.float32))) * kv_block
+            f_ms = harness.time_fn(fwd_c, q, k, v, idx, cnt, warmup=1, iters=iters)["median_ms"]
+            fb_ms = harness.time_fn(fwd_bwd_c, q, k, v, idx, cnt, do, warmup=1, iters=iters)["median_ms"]
+            flops = attention_flops(seq, h, d, keys_per_query)
+            row = {**base, "selection": label, "kept_fraction": keys_per_query / seq, "fwd_ms": f_ms,
+                   "bwd_ms": fb_ms - f_ms, "fwd_bwd_ms": fb_ms, "fwd_tflops": flops / f_ms / 1e9,
+                   "fwd_bwd_tflops": 3.5 * flops / fb_ms / 1e9, **(extra or {})}
+            if dense_ms:
+                row["speedup_vs_dense"] = dense_ms / fb_ms
+                row["tflops_vs_dense"] = row["fwd_bwd_tflops"] / entry["dense_tflops"]
+            out["runs"].append(row)
+            return row
+
+        for sp in cfg["sparsities"]:
+            if budget.left() < 10:
+                out["skipped"].append(f"S={seq} kv_block={kv_block} sparsity={sp}: time budget")
+                continue
+            try:
+                time_sparse(*selections[sp], f"random {sp}", {"target_sparsity": sp})
+            except Exception as e:  # noqa: BLE001
+                out["runs"].append({**base, "target_sparsity": sp, "error": error_text(e)})
+
+        # Selection by lowrank_topk, then the same compiled attention on its output.
+        for sp in cfg["select_sparsities"]:
+            if budget.left() < 15:
+                out["skipped"].append(f"S={seq} kv_block={kv_block} select {sp}: time budget")
+                continue
+            top_k = max(1, round((1.0 - sp) * seq / kv_block))
+            sel_row = {"seq": seq, "kv_block": kv_block, "sparsity": sp, "top_k": top_k}
+            try:
+                select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
+                                           block_reduce="mean", tuning=for_device()[1], interpret=interpret)
+                sel_c, t_c = compile_fn(select, q_lr, k_lr)
+                ids = sel_c(q_lr, k_lr)
+                sel_row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
+                                               tiles=sample_tiles))
+                sel_row["select_ms"] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=iters)["median_ms"]
+                mem = sel_c.memory_analysis()
+                sel_row["select_temp_bytes"] = int(mem.temp_size_in_bytes) if mem else None
+                sel_row["select_output_bytes"] = int(mem.output_size_in_bytes) if mem else None
+                if kv_block > 1 and sp == cfg["select_sparsities"][0] and budget.left() > 30:
+                    naive = functools.partial(lowrank_topk_reference, top_k=top_k, q_tile=q_tile, kv_block=kv_block)
+                    naive_c, _ = compile_fn(naive, q_lr, k_lr)
+                    sel_row["naive_select_ms"] = harness.time_fn(naive_c, q_lr, k_lr, warmup=1, iters=2)["median_ms"]
+                    nmem = naive_c.memory_analysis()
+                    sel_row["naive_temp_bytes"] = int(nmem.temp_size_in_bytes) if nmem else None
+                    del naive_c
+                count = jnp.full(ids.shape[:3], top_k, jnp.int32)
+                if top_k <= cap:
+                    att = time_sparse(pad_to(ids, cap), count, f"lowrank_topk {sp}", {"target_sparsity": sp})
+                    sel_row["attention_fwd_bwd_ms"] = att["fwd_bwd_ms"]
+                    sel_row["select_share_of_attention"] = sel_row["select_ms"] / att["fwd_bwd_ms"]
+            except Exception as e:  # noqa: BLE001
+                sel_row["error"] = error_text(e)
+            out["selection"].append(sel_row)
+        del fwd_c, fwd_bwd_c
+
+        if (seq, kv_block) == HEADLINE and harness.on_gpu():
+            headline(q, k, v, do, q_lr, k_lr, cfg, tuning, dense_ms, budget, out)
+
+
+def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, dense_ms, budget, out):
+    """Selection + fwd + bwd with the exact K (no capacity slack) at the goal's size."""
+    seq, kv_block = HEADLINE
+    q_tile = cfg["q_tile"]
+    fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, False)
+    for sp in (0.9, 0.95):
+        if budget.left() < 20:
+            out["skipped"].append(f"headline {sp}: time budget")
+            continue
+        top_k = round((1.0 - sp) * seq / kv_block)
+        row = {"seq": seq, "kv_block": kv_block, "sparsity": sp, "top_k": top_k}
+        try:
+            select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
+                                       block_reduce="mean", tuning=for_device()[1], interpret=False)
+
+            def step(q, k, v, q_lr, k_lr, do):
+                ids = select(q_lr, k_lr)
+                count = jnp.full(ids.shape[:3], top_k, jnp.int32)
+                return fwd_bwd(q, k, v, ids, count, do)
+
+            step_c, _ = compile_fn(step, q, k, v, q_lr, k_lr, do)
+            row["select_fwd_bwd_ms"] = harness.time_fn(step_c, q, k, v, q_lr, k_lr, do, warmup=1,
+                                                       iters=cfg["iters"])["median_ms"]
+            if dense_ms:
+                row["speedup_vs_dense"] = dense_ms / row["select_fwd_bwd_ms"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = error_text(e)
+        out["headline"].append(row)
+
+
+def tuning_sweep(cfg, interpret, out, budget):
+    """A few launch variants of the forward and backward at S=32k, kv_block=64, 90%; the best is used after."""
+    seq, kv_block, q_tile = 32768, 64, cfg["q_tile"]
+    h, d = cfg["heads"], cfg["head_dim"]
+    q, k, v, do = qkv_do(jax.random.key(5), seq, h, d)
+    idx, cnt = random_selection(jax.random.key(6), seq=seq, heads=h, q_tile=q_tile, group=kv_block, keep=0.1)
+    base = for_device()[0]
+    variants = [base, SparseAttentionTuning(rows_per_step=128, fwd_warps=8, fwd_stages=3, dq_warps=8),
+                SparseAttentionTuning(rows_per_step=64, fwd_warps=4, fwd_stages=2, dkdv_warps=8, dkdv_stages=3)]
+    best, best_ms = base, None
+    for tuning in variants:
+        if budget.left() < 200:
+            break
+        row = {"tuning": str(tuning)}
+        try:
+            fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
+            fb_c, _ = compile_fn(fwd_bwd, q, k, v, idx, cnt, do)
+            row["fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, idx, cnt, do, warmup=1, iters=3)["median_ms"]
+            if best_ms is None or row["fwd_bwd_ms"] < best_ms:
+                best, best_ms = tuning, row["fwd_bwd_ms"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = error_text(e)
+        out["tuning_sweep"].append(row)
+    out["tuning_used"] = str(best)
+    return best
+
+
+def try_mosaic_gpu(cfg, out):
+    """The experimental Mosaic GPU forward: used only if it runs and matches the Triton path here."""
+    result = {"attempted": True}
+    try:
+        from pallas_kernels import sparse_attention_mgpu  # noqa: PLC0415
+
+        seq, kv_block, q_tile = 32768, 64, cfg["q_tile"]
+        h, d = cfg["heads"], cfg["head_dim"]
+        q, k, v, _ = qkv_do(jax.random.key(9), seq, h, d)
+        idx, cnt = random_selection(jax.random.key(10), seq=seq, heads=h, q_tile=q_tile, group=kv_block, keep=0.1)
+        result.update(sparse_attention_mgpu.self_check_and_time(q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block))
+    except Exception as e:  # noqa: BLE001
+        result.update(ok=False, error=error_text(e))
+    out["mosaic_gpu"] = result
+
+
+def goals(out):
+    g = {}
+    for row in out["headline"]:
+        if "speedup_vs_dense" in row:
+            g[f"select+fwd+bwd speedup S=64k {int(row['sparsity'] * 100)}% (goal {5 if row['sparsity'] == 0.9 else 9}x)"] = row["speedup_vs_dense"]
+    ratios = [r["tflops_vs_dense"] for r in out["runs"] if "tflops_vs_dense" in r]
+    if ratios:
+        g["sparse fwd+bwd TFLOP/s / cuDNN, median over runs (goal 0.7)"] = float(np.median(ratios))
+        g["sparse fwd+bwd TFLOP/s / cuDNN, best (goal 0.7)"] = float(np.max(ratios))
+    shares = {f"kv_block={r['kv_block']} {r['sparsity']}": r["select_share_of_attention"] for r in out["selection"]
+              if r["seq"] == max(FULL["sizes"]) and "select_share_of_attention" in r}
+    if shares:
+        g["selection / sparse attention at S=128k (goal <= 0.1)"] = shares
+    out["goals"] = g
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes on CPU (Pallas interpret mode)")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    interpret = not harness.on_gpu()
+    budget = Budget(cfg["budget_s"])
+    out = {"config": {k_: v_ for k_, v_ in cfg.items()}, "generation": generation(), "dense": [], "runs": [],
+           "selection": [], "headline": [], "tuning_sweep": [], "skipped": []}
+    tuning = for_device()[0]
+    if harness.on_gpu():
+        try_mosaic_gpu(cfg, out)
+        tuning = tuning_sweep(cfg, interpret, out, budget)
+    for seq in cfg["sizes"]:
+        if budget.left() < 25:
+            out["skipped"].append(f"S={seq}: time budget")
+            continue
+        run_size(seq, cfg, budget, tuning, interpret, out)
+    goals(out)
+    out["wall_s"] = cfg["budget_s"] - budget.left()
+    path = harness.write_results("bench_sparse_attention" + ("_quick" if args.quick else ""), out)
+
+    print(f"dense ({out['dense'][0].get('dense_impl') if out['dense'] else '-'}):")
+    harness.print_table(out["dense"], ["seq", "dense_fwd_ms", "dense_fwd_bwd_ms", "dense_tflops"])
+    print("\nsparse attention:")
+    harness.print_table(out["runs"], ["seq", "kv_block", "selection", "kept_fraction", "fwd_ms", "bwd_ms",
+                                      "fwd_bwd_tflops", "speedup_vs_dense", "tflops_vs_dense", "correct"])
+    print("\nselection (lowrank_topk):")
+    harness.print_table(out["selection"], ["seq", "kv_block", "sparsity", "top_k", "select_ms", "naive_select_ms",
+                                           "select_share_of_attention", "id_agreement", "picks_are_top_k"])
+    if out["headline"]:
+        print("\nheadline:")
+        harness.print_table(out["headline"], ["seq", "kv_block", "sparsity", "select_fwd_bwd_ms", "speedup_vs_dense"])
+    errors = [r for r in out["runs"] + out["selection"] + out["headline"] if "error" in r]
+    for r in errors:
+        print(f"\nERROR at {({k_: r[k_] for k_ in ('seq', 'kv_block') if k_ in r})}: {r['error'][:300]}")
+    if "mosaic_gpu" in out:
+        print(f"\nMosaic GPU forward: {({k_: v_ for k_, v_ in out['mosaic_gpu'].items() if k_ != 'error'})}")
+    print(f"\ngoals: {out['goals']}\nskipped: {out['skipped']}\nwrote {path} in {out['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
