@@ -17,7 +17,12 @@ an exception is recorded in the JSON and the run goes on. A time guard skips wha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -29,13 +34,14 @@ from experiments import harness
 from pallas_kernels.lowrank_topk import lowrank_topk_reference
 from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
 from pallas_kernels.sparse_attention import sparse_attention_reference
-from pallas_kernels.sparse_attention_triton import sparse_attention_pallas
+from pallas_kernels.sparse_attention_triton import Plan, prepare_index, sparse_attention_pallas
+from pallas_kernels.sparse_index import dkdv_worklist
 from pallas_kernels.tuning import SparseAttentionTuning, for_device, generation
 
-FULL = dict(sizes=[65536, 131072, 32768, 16384], sparsities=[0.8, 0.9, 0.95, 0.98], kv_blocks=[64, 1],
+FULL = dict(sizes=[16384, 65536, 131072, 32768], sparsities=[0.8, 0.9, 0.95, 0.98], kv_blocks=[64, 1],
             select_sparsities=[0.9, 0.95], heads=16, head_dim=128, q_tile=64, rank=16, token_group=16,
-            full_check_max=16384, iters=3, budget_s=285.0)
-QUICK = dict(sizes=[256], sparsities=[0.5, 0.75], kv_blocks=[32, 1], select_sparsities=[0.75], heads=2,
+            full_check_max=16384, iters=3, budget_s=235.0, mosaic_timeout_s=60)
+QUICK = dict(sizes=[256], sparsities=[0.75], kv_blocks=[32, 1], select_sparsities=[0.75], heads=2,
              head_dim=64, q_tile=64, rank=16, token_group=16, full_check_max=256, iters=1, budget_s=120.0)
 HEADLINE = (65536, 64)  # (S, kv_block) of the goals
 
@@ -142,6 +148,18 @@ def dense_fns(implementation):
     return fwd, fwd_bwd
 
 
+def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
+    """The dK/dV work list alone (part of the backward): how much of the backward the index transpose costs."""
+    plan = Plan(q_tile=q_tile, kv_block=kv_block, head_dim=head_dim, sm_scale=1.0, tuning=tuning, interpret=True)
+
+    def build(index, count):
+        index, count = prepare_index(index, count, plan, seq)
+        return dkdv_worklist(index, count, kv_block=kv_block, rows=plan.dkdv_rows, seq_len=seq)
+
+    build_c, _ = compile_fn(build, index, count)
+    return harness.time_fn(build_c, index, count, warmup=1, iters=3)["median_ms"]
+
+
 def attention_flops(seq, heads, head_dim, keys_per_query):
     return 4.0 * seq * heads * head_dim * keys_per_query  # forward; fwd+bwd is 3.5x
 
@@ -206,7 +224,7 @@ def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
 # --------------------------------------------------------------------------------------------------
 
 
-def run_size(seq, cfg, budget, tuning, interpret, out):
+def run_size(seq, cfg, budget, tunings, interpret, out):
     h, d, q_tile = cfg["heads"], cfg["head_dim"], cfg["q_tile"]
     iters = cfg["iters"]
     q, k, v, do = qkv_do(jax.random.key(seq), seq, h, d)
@@ -243,6 +261,7 @@ def run_size(seq, cfg, budget, tuning, interpret, out):
             selections[sp] = (idx, cnt)
         cap = max(i.shape[-1] for i, _ in selections.values())
         selections = {sp: (pad_to(i, cap), c) for sp, (i, c) in selections.items()}
+        tuning = tunings.get(kv_block, for_device()[0])
         fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
         idx0, cnt0 = selections[cfg["sparsities"][0]]
         base = {"seq": seq, "kv_block": kv_block, "capacity_K": cap}
@@ -281,7 +300,9 @@ def run_size(seq, cfg, budget, tuning, interpret, out):
                 out["skipped"].append(f"S={seq} kv_block={kv_block} sparsity={sp}: time budget")
                 continue
             try:
-                time_sparse(*selections[sp], f"random {sp}", {"target_sparsity": sp})
+                row = time_sparse(*selections[sp], f"random {sp}", {"target_sparsity": sp})
+                if sp == cfg["select_sparsities"][0]:
+                    row["worklist_ms"] = time_worklist(*selections[sp], q_tile, kv_block, tuning, seq, d)
             except Exception as e:  # noqa: BLE001
                 out["runs"].append({**base, "target_sparsity": sp, "error": error_text(e)})
 
@@ -355,46 +376,70 @@ def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, dense_ms, budget, out):
 
 
 def tuning_sweep(cfg, interpret, out, budget):
-    """A few launch variants of the forward and backward at S=32k, kv_block=64, 90%; the best is used after."""
-    seq, kv_block, q_tile = 32768, 64, cfg["q_tile"]
+    """Two launch variants per kv_block at S=32k, 90%; returns the faster one per kv_block (fwd+bwd time)."""
+    seq, q_tile = 32768, cfg["q_tile"]
     h, d = cfg["heads"], cfg["head_dim"]
     q, k, v, do = qkv_do(jax.random.key(5), seq, h, d)
-    idx, cnt = random_selection(jax.random.key(6), seq=seq, heads=h, q_tile=q_tile, group=kv_block, keep=0.1)
     base = for_device()[0]
-    variants = [base, SparseAttentionTuning(rows_per_step=128, fwd_warps=8, fwd_stages=3, dq_warps=8),
-                SparseAttentionTuning(rows_per_step=64, fwd_warps=4, fwd_stages=2, dkdv_warps=8, dkdv_stages=3)]
-    best, best_ms = base, None
-    for tuning in variants:
-        if budget.left() < 200:
-            break
-        row = {"tuning": str(tuning)}
-        try:
-            fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
-            fb_c, _ = compile_fn(fwd_bwd, q, k, v, idx, cnt, do)
-            row["fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, idx, cnt, do, warmup=1, iters=3)["median_ms"]
-            if best_ms is None or row["fwd_bwd_ms"] < best_ms:
-                best, best_ms = tuning, row["fwd_bwd_ms"]
-        except Exception as e:  # noqa: BLE001
-            row["error"] = error_text(e)
-        out["tuning_sweep"].append(row)
-    out["tuning_used"] = str(best)
+    candidates = {64: [base, dataclasses.replace(base, rows_per_step=128, fwd_warps=8, dq_warps=8)],
+                  1: [base, dataclasses.replace(base, dkdv_rows=32)]}
+    best = {}
+    for kv_block, variants in candidates.items():
+        group = kv_block if kv_block > 1 else cfg["token_group"]
+        idx, cnt = random_selection(jax.random.key(6), seq=seq, heads=h, q_tile=q_tile, group=group, keep=0.1)
+        if kv_block == 1:
+            idx, cnt = to_tokens(idx, cnt, group)
+        best_ms = None
+        for tuning in variants:
+            if budget.left() < 190:
+                out["skipped"].append(f"tuning sweep kv_block={kv_block}: time budget")
+                break
+            row = {"kv_block": kv_block, "tuning": str(tuning)}
+            try:
+                _, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
+                fb_c, _ = compile_fn(fwd_bwd, q, k, v, idx, cnt, do)
+                row["fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, idx, cnt, do, warmup=1, iters=3)["median_ms"]
+                if best_ms is None or row["fwd_bwd_ms"] < best_ms:
+                    best[kv_block], best_ms = tuning, row["fwd_bwd_ms"]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = error_text(e)
+            out["tuning_sweep"].append(row)
+    out["tuning_used"] = {str(kb): str(t) for kb, t in best.items()}
     return best
 
 
-def try_mosaic_gpu(cfg, out):
-    """The experimental Mosaic GPU forward: used only if it runs and matches the Triton path here."""
-    result = {"attempted": True}
+MOSAIC_TAG = "MOSAIC_RESULT "
+
+
+def mosaic_check_main():
+    """Child process: the experimental Mosaic GPU forward at S=32k, kv_block=64, 90%; prints one JSON line."""
+    result = {}
     try:
         from pallas_kernels import sparse_attention_mgpu  # noqa: PLC0415
 
-        seq, kv_block, q_tile = 32768, 64, cfg["q_tile"]
-        h, d = cfg["heads"], cfg["head_dim"]
-        q, k, v, _ = qkv_do(jax.random.key(9), seq, h, d)
-        idx, cnt = random_selection(jax.random.key(10), seq=seq, heads=h, q_tile=q_tile, group=kv_block, keep=0.1)
-        result.update(sparse_attention_mgpu.self_check_and_time(q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block))
+        seq, kv_block, heads, head_dim = 32768, 64, FULL["heads"], FULL["head_dim"]
+        q, k, v, _ = qkv_do(jax.random.key(9), seq, heads, head_dim)
+        idx, cnt = random_selection(jax.random.key(10), seq=seq, heads=heads, q_tile=64, group=kv_block, keep=0.1)
+        result = {"seq": seq, "kv_block": kv_block, "device": harness.device_info()}
+        result.update(sparse_attention_mgpu.self_check_and_time(q, k, v, idx, cnt, q_tile=64, kv_block=kv_block))
     except Exception as e:  # noqa: BLE001
         result.update(ok=False, error=error_text(e))
-    out["mosaic_gpu"] = result
+    print(MOSAIC_TAG + json.dumps(result, default=float), flush=True)
+
+
+def try_mosaic_gpu(timeout_s):
+    """Runs mosaic_check_main in a child process (before this one claims the GPU), so that a crash or a
+    barrier deadlock in the experimental kernel costs at most timeout_s and never the benchmark."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.3")
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--mosaic-check"], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"no answer within {timeout_s} s (deadlock, hang or slow compile)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MOSAIC_TAG)]
+    if not lines:
+        return {"ok": False, "error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    return json.loads(lines[-1][len(MOSAIC_TAG):])
 
 
 def goals(out):
@@ -416,21 +461,24 @@ def goals(out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes on CPU (Pallas interpret mode)")
+    parser.add_argument("--mosaic-check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.mosaic_check:
+        return mosaic_check_main()
     cfg = QUICK if args.quick else FULL
+    mosaic = None if args.quick else try_mosaic_gpu(cfg["mosaic_timeout_s"])  # first: before we hold the GPU
     interpret = not harness.on_gpu()
     budget = Budget(cfg["budget_s"])
     out = {"config": {k_: v_ for k_, v_ in cfg.items()}, "generation": generation(), "dense": [], "runs": [],
            "selection": [], "headline": [], "tuning_sweep": [], "skipped": []}
-    tuning = for_device()[0]
-    if harness.on_gpu():
-        try_mosaic_gpu(cfg, out)
-        tuning = tuning_sweep(cfg, interpret, out, budget)
+    if mosaic is not None:
+        out["mosaic_gpu"] = mosaic
+    tunings = tuning_sweep(cfg, interpret, out, budget) if harness.on_gpu() else {}
     for seq in cfg["sizes"]:
         if budget.left() < 25:
             out["skipped"].append(f"S={seq}: time budget")
             continue
-        run_size(seq, cfg, budget, tuning, interpret, out)
+        run_size(seq, cfg, budget, tunings, interpret, out)
     goals(out)
     out["wall_s"] = cfg["budget_s"] - budget.left()
     path = harness.write_results("bench_sparse_attention" + ("_quick" if args.quick else ""), out)
@@ -439,7 +487,8 @@ def main():
     harness.print_table(out["dense"], ["seq", "dense_fwd_ms", "dense_fwd_bwd_ms", "dense_tflops"])
     print("\nsparse attention:")
     harness.print_table(out["runs"], ["seq", "kv_block", "selection", "kept_fraction", "fwd_ms", "bwd_ms",
-                                      "fwd_bwd_tflops", "speedup_vs_dense", "tflops_vs_dense", "correct"])
+                                      "worklist_ms", "fwd_bwd_tflops", "speedup_vs_dense", "tflops_vs_dense",
+                                      "correct"])
     print("\nselection (lowrank_topk):")
     harness.print_table(out["selection"], ["seq", "kv_block", "sparsity", "top_k", "select_ms", "naive_select_ms",
                                            "select_share_of_attention", "id_agreement", "picks_are_top_k"])

@@ -133,8 +133,6 @@ def _forward(q, k, v, index, count, *, sm_scale: float, kv_block: int, stages: i
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
 
-                    return acc_ref[...]
-
                 if interpret is None:  # accumulate into the carried registers (as jax's dense kernel does)
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 else:  # nor a register operand: the same product and wait, outside wgmma
