@@ -121,7 +121,9 @@ def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, 
         take = ((key >= sure[:, None]) | ((tie == 1) & (tie_rank < ties_wanted[:, None]))) & (col < num_keys)
         take_i = take.astype(jnp.int32)
         pos = written[:, None] + jnp.cumsum(take_i, axis=1) - take_i
-        out_ref[tile_row, jnp.where(take, pos, dump)] = col
+        # pos < top_k holds by construction (the passes see bitwise the same scores); the guard keeps a
+        # broken invariant from writing past the row.
+        out_ref[tile_row, jnp.where(take & (pos < top_k), pos, dump)] = col
         return written + jnp.sum(take_i, axis=1), ties_seen + jnp.sum(tie, axis=1)
 
     zeros = jnp.zeros((tp,), jnp.int32)

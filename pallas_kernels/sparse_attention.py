@@ -56,7 +56,8 @@ def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_blo
 
 def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, impl="auto"):
     """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto":
-    Pallas on a GPU when the geometry is supported (power-of-two q_tile in 16..128 and kv_block), else XLA."""
+    Pallas on a GPU when the geometry is supported (power-of-two q_tile in 16..128 and kv_block; one dtype
+    for q, k, v), else XLA. The Pallas path assumes the live ids of a tile are distinct (as selections are)."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
@@ -65,7 +66,8 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
 
     on_gpu = jax.default_backend() == "gpu"
     if impl == "auto":
-        impl = "pallas" if on_gpu and triton_path.supported(q_tile, kv_block) is None else "xla"
+        same_dtype = q.dtype == k.dtype == v.dtype
+        impl = "pallas" if on_gpu and same_dtype and triton_path.supported(q_tile, kv_block) is None else "xla"
     if impl == "xla":
         return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                           sm_scale=sm_scale)

@@ -303,6 +303,8 @@ def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm
     reason = supported(q_tile, kv_block)
     if reason:
         raise ValueError(reason)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"the Pallas kernels need one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     d = q.shape[-1]
     dp = padded_head_dim(d)
     plan = Plan(q_tile=q_tile, kv_block=kv_block, head_dim=d, sm_scale=float(sm_scale), tuning=tuning,

@@ -6,7 +6,7 @@ each block of key rows, the query tiles that use it. `dkdv_worklist` builds it w
   1. every (query tile, selected block) entry becomes one or more (tile, key row block) pairs;
      at token level (kv_block < 32) the consecutive entries of a tile that fall into the same row
      block are folded into one pair carrying a bit mask of the selected rows (ids are ascending, so
-     these entries are adjacent: a cumulative sum numbers the pairs, no sort needed);
+     these entries are adjacent: running sums and a binary search do it, no scatter, no atomics);
   2. one stable sort per (batch, head) orders the pairs by row block (tiles stay ascending inside a
      row block), and a binary search gives each row block's [start, end) range in the sorted list.
 
@@ -54,26 +54,8 @@ def dkdv_worklist(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int)
         pairs_per_tile = n_sel * span
         masks = None
     else:
-        first_row = kv_index * kv_block
-        row_block = jnp.where(live, first_row // rows, row_blocks)
-        prev = jnp.concatenate([jnp.full_like(row_block[..., :1], -1), row_block[..., :-1]], axis=-1)
-        opens = live & (row_block != prev)  # first entry of a new (tile, row block) pair
-        slot = jnp.cumsum(opens.astype(jnp.int32), axis=-1) - 1
-        pairs_per_tile = min(n_sel, row_blocks)
-        # Scatter with one target per pair (row block ids) and disjoint bits per target (mask words).
-        tile_base = (jnp.arange(b * h * tiles, dtype=jnp.int32) * pairs_per_tile).reshape(b, h, tiles, 1)
-        flat_pair = jnp.where(live, tile_base + slot, -1)
-        n_pairs_total = b * h * tiles * pairs_per_tile
-        pair_block = jnp.full((n_pairs_total,), row_blocks, jnp.int32)
-        pair_block = pair_block.at[jnp.where(opens, flat_pair, n_pairs_total).ravel()].set(
-            row_block.ravel(), mode="drop").reshape(b, h, tiles, pairs_per_tile)
-        offset = first_row % rows
-        words = rows // MASK_BITS
-        run = (1 << kv_block) - 1  # kv_block < 32 here, so a block's bits sit inside one word
-        bits = jax.lax.shift_left(jnp.int32(run), offset % MASK_BITS)
-        target = jnp.where(live, flat_pair * words + offset // MASK_BITS, n_pairs_total * words)
-        masks = jnp.zeros((n_pairs_total * words,), jnp.int32).at[target.ravel()].add(bits.ravel(), mode="drop")
-        masks = masks.reshape(b, h, tiles * pairs_per_tile, words)
+        pair_block, masks = _fold_rows(kv_index, live, kv_block=kv_block, rows=rows, row_blocks=row_blocks)
+        pairs_per_tile = pair_block.shape[-1]
     n = tiles * pairs_per_tile
     keys = pair_block.reshape(b, h, n)
     numbers = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keys.shape)
@@ -82,6 +64,39 @@ def dkdv_worklist(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int)
     search = jax.vmap(jax.vmap(lambda sk: jnp.searchsorted(sk, bounds, side="left").astype(jnp.int32)))
     starts = search(sorted_keys)
     return order, starts, masks, pairs_per_tile
+
+
+def _fold_rows(kv_index, live, *, kv_block, rows, row_blocks):
+    """Token level: fold each tile's selected blocks into (row block, bit mask) pairs, without a scatter.
+
+    Ids ascend, so a tile's entries in one row block form a run. A run's pair number is the count of runs
+    that ended before it; its mask is the sum (= OR, the bits are disjoint) of the run's bits, taken as a
+    difference of running sums (int32 wrap-around keeps the difference exact). The s-th run's last entry
+    is found by a binary search of the running count of run ends, so all steps are scans and gathers.
+    """
+    n_sel = kv_index.shape[-1]
+    first_row = kv_index * kv_block
+    row_block = jnp.where(live, first_row // rows, row_blocks)
+    following = jnp.concatenate([row_block[..., 1:], jnp.full_like(row_block[..., :1], row_blocks)], axis=-1)
+    ends = live & (row_block != following)  # last entry of a (tile, row block) run
+    runs_so_far = jnp.cumsum(ends.astype(jnp.int32), axis=-1)
+    pairs_per_tile = min(n_sel, row_blocks)
+    wanted = jnp.arange(1, pairs_per_tile + 1, dtype=jnp.int32)
+    find = lambda c: jnp.searchsorted(c, wanted, side="left").astype(jnp.int32)  # noqa: E731
+    end_pos = jnp.vectorize(find, signature="(k)->(p)")(runs_so_far)  # [.., P]; n_sel where no such run
+    has_pair = end_pos < n_sel
+    end_pos = jnp.minimum(end_pos, n_sel - 1)
+    pair_block = jnp.where(has_pair, jnp.take_along_axis(row_block, end_pos, axis=-1), row_blocks)
+    offset = first_row % rows
+    run_bits = jax.lax.shift_left(jnp.int32((1 << kv_block) - 1), offset % MASK_BITS)  # kv_block < 32: one word
+    masks = []
+    for word in range(rows // MASK_BITS):
+        bits = jnp.where(live & (offset // MASK_BITS == word), run_bits, 0)
+        total = jnp.take_along_axis(jnp.cumsum(bits, axis=-1, dtype=jnp.int32), end_pos, axis=-1)
+        before = jnp.concatenate([jnp.zeros_like(total[..., :1]), total[..., :-1]], axis=-1)
+        masks.append(jnp.where(has_pair, total - before, 0))
+    b, h, tiles, _ = kv_index.shape
+    return pair_block, jnp.stack(masks, axis=-1).reshape(b, h, tiles * pairs_per_tile, len(masks))
 
 
 def dkdv_worklist_numpy(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int):
