@@ -66,10 +66,12 @@ class TopkTuning:
 
 # Hopper (H100/H200): 64-row query tiles leave registers for 64-row KV steps at D=128 with 4 warps;
 # deeper pipelining pays in the forward, where each step's loads are independent of the previous step.
+# Selection: the [tiles, keys, 2**radix_bits] comparison block of a counting pass is 16K elements; 8 warps
+# keep it at 64 registers per thread.
 _HOPPER = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
-           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4))
+           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=8))
 _AMPERE = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=2),
-           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4))
+           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=8))
 _DEFAULT = (SparseAttentionTuning(), TopkTuning())
 
 
