@@ -151,7 +151,8 @@ def dense_fns(implementation):
 
 def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
     """The dK/dV work list alone (part of the backward): how much of the backward the index transpose costs."""
-    plan = Plan(q_tile=q_tile, kv_block=kv_block, head_dim=head_dim, sm_scale=1.0, tuning=tuning, interpret=True)
+    plan = Plan(q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0, tuning=tuning,
+                interpret=True)
 
     def build(index, count):
         index, count = prepare_index(index, count, plan, seq)

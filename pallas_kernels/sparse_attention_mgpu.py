@@ -235,8 +235,8 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64
     from pallas_kernels.tuning import for_device  # noqa: PLC0415
 
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    plan = triton_path.Plan(q_tile=q_tile, kv_block=kv_block, head_dim=q.shape[-1], sm_scale=float(scale),
-                            tuning=tuning or for_device()[0], interpret=False)
+    plan = triton_path.Plan(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=q.shape[-1],
+                            sm_scale=float(scale), tuning=tuning or for_device()[0], interpret=False)
     index, count = triton_path.prepare_index(kv_index, kv_count, plan, q.shape[1])
     return _attend(q, k, v, index, count, plan, stages)
 
@@ -259,8 +259,8 @@ def self_check_and_time(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, 
         return {"ok": False, "error": f"unsupported: {reason}"}
     scale = q.shape[-1] ** -0.5
     tuning = for_device()[0]
-    plan = triton_path.Plan(q_tile=q_tile, kv_block=kv_block, head_dim=q.shape[-1], sm_scale=scale, tuning=tuning,
-                            interpret=False)
+    plan = triton_path.Plan(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=q.shape[-1],
+                            sm_scale=scale, tuning=tuning, interpret=False)
     index, count = triton_path.prepare_index(kv_index, kv_count, plan, q.shape[1])
     t0 = time.perf_counter()
     mgpu = jax.jit(functools.partial(_forward, sm_scale=scale, kv_block=kv_block, stages=3))

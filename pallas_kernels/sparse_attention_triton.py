@@ -42,6 +42,7 @@ class Plan:
 
     q_tile: int
     kv_block: int
+    seq_len: int
     head_dim: int
     sm_scale: float
     tuning: SparseAttentionTuning
@@ -56,8 +57,15 @@ class Plan:
         return self.kv_block % self.step_rows == 0
 
     @property
-    def dkdv_rows(self) -> int:  # key rows per dK/dV program
-        return min(self.kv_block, 128) if self.kv_block >= 32 else self.tuning.dkdv_rows
+    def dkdv_rows(self) -> int:
+        """Key rows per dK/dV program: whole blocks (up to 128 rows) from kv_block = 32 on; below, the tuned
+        row count, halved until it divides S (S is a multiple of q_tile >= 16, so this stops at 16)."""
+        if self.kv_block >= 32:
+            return min(self.kv_block, 128)
+        rows = self.tuning.dkdv_rows
+        while self.seq_len % rows:
+            rows //= 2
+        return max(rows, self.kv_block)
 
     @property
     def masked_dkdv(self) -> bool:
@@ -307,8 +315,8 @@ def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm
         raise ValueError(f"the Pallas kernels need one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    plan = Plan(q_tile=q_tile, kv_block=kv_block, head_dim=d, sm_scale=float(sm_scale), tuning=tuning,
-                interpret=interpret)
+    plan = Plan(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=d, sm_scale=float(sm_scale),
+                tuning=tuning, interpret=interpret)
     index, count = prepare_index(kv_index, kv_count, plan, q.shape[1])
     if dp != d:
         pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))

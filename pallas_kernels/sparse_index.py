@@ -38,7 +38,7 @@ def dkdv_worklist(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int)
     Returns (order, starts, masks, pairs_per_tile):
       order  int32 [B, H, N]: pair numbers (tile * pairs_per_tile + slot) sorted by row block;
       starts int32 [B, H, seq_len // rows + 1]: row block j's pairs are order[starts[j]:starts[j+1]];
-      masks  int32 [B, H, N, rows // 32] bit masks of selected rows per pair, or None when every pair
+      masks  int32 [B, H, N, ceil(rows / 32)] bit masks of selected rows per pair, or None when every pair
              covers whole row blocks (kv_block >= rows).
     """
     b, h, tiles, n_sel = kv_index.shape
@@ -90,7 +90,7 @@ def _fold_rows(kv_index, live, *, kv_block, rows, row_blocks):
     offset = first_row % rows
     run_bits = jax.lax.shift_left(jnp.int32((1 << kv_block) - 1), offset % MASK_BITS)  # kv_block < 32: one word
     masks = []
-    for word in range(rows // MASK_BITS):
+    for word in range(-(-rows // MASK_BITS)):
         bits = jnp.where(live & (offset // MASK_BITS == word), run_bits, 0)
         total = jnp.take_along_axis(jnp.cumsum(bits, axis=-1, dtype=jnp.int32), end_pos, axis=-1)
         before = jnp.concatenate([jnp.zeros_like(total[..., :1]), total[..., :-1]], axis=-1)

@@ -19,7 +19,7 @@ class SparseAttentionTuning:
     rows_per_step: KV rows per inner-loop step of the forward and dQ kernels (a power of two); a step
       covers rows_per_step // kv_block selected blocks (gathered) or part of one block (contiguous).
     dkdv_rows: key rows per dK/dV program when kv_block < 32 (token level): selections are folded into
-      these row blocks with a bit mask per (query tile, row block).
+      these row blocks with a bit mask per (query tile, row block); halved where it does not divide S.
     """
 
     rows_per_step: int = 64
@@ -36,8 +36,6 @@ class SparseAttentionTuning:
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"SparseAttentionTuning.{name}={val} must be a power of two >= 16")
-        if self.dkdv_rows % 32:
-            raise ValueError(f"SparseAttentionTuning.dkdv_rows={self.dkdv_rows} must be a multiple of 32 (mask words)")
 
 
 @dataclasses.dataclass(frozen=True)

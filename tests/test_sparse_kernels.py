@@ -47,8 +47,9 @@ def assert_close(a, b, tol, what):
 
 
 # (kv_block, D, K, q_tile, S): token level (gathered rows, masked dK/dV), small blocks (gathered, masked),
-# tile-sized blocks (contiguous steps, block-level transposed index); odd K; D = 96 is padded to 128.
-CASES = [(1, 96, 37, 32, 128), (16, 64, 5, 16, 192), (64, 96, 3, 32, 256)]
+# tile-sized blocks (contiguous steps, block-level transposed index); odd K; D = 96 is padded to 128;
+# S = 48 is no multiple of the 64-row dK/dV blocks (they shrink to 16 rows).
+CASES = [(1, 96, 37, 32, 128), (16, 64, 5, 16, 192), (64, 96, 3, 32, 256), (1, 64, 7, 16, 48)]
 
 
 @pytest.mark.parametrize("kv_block,d,n_sel,q_tile,s", CASES)
@@ -264,7 +265,7 @@ def test_mosaic_gpu_forward_in_gpu_interpret_mode():
     index, count = random_selection(jax.random.key(22), b, h, s // 64, s // kv_block, 3)
     o, lse = sparse_attention_mgpu.forward_with_lse(q, k, v, index, count, kv_block=kv_block, stages=2,
                                                     interpret=InterpretGPUParams())
-    plan = triton_attn.Plan(q_tile=64, kv_block=kv_block, head_dim=d, sm_scale=d ** -0.5,
+    plan = triton_attn.Plan(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=d ** -0.5,
                             tuning=SparseAttentionTuning(), interpret=True)
     ref_o, ref_lse = triton_attn._forward(q, k, v, *triton_attn.prepare_index(index, count, plan, s), plan)
     assert_close(o, ref_o, 1e-2, "o")
