@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.sparse_attention_triton import partitioned_over_batch_and_heads
+from pallas_kernels.sparse_index import result_type
 from pallas_kernels.tuning import TopkTuning
 
 INT_MIN = -(2**31)
@@ -132,7 +134,13 @@ def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, 
 
 
 def lowrank_topk_pallas(q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tuning: TopkTuning, interpret):
-    """Inputs as the public lowrank_topk (already checked); returns int32 [B, H, S // q_tile, top_k]."""
+    """Inputs as the public lowrank_topk (already checked); returns int32 [B, H, S // q_tile, top_k].
+    Partitionable over B and H like the attention kernels (each device selects for its own heads)."""
+    return _select_sharded(q_lr, k_lr, (top_k, q_tile, kv_block, block_reduce, tuning, interpret))
+
+
+def _select(q_lr, k_lr, static):
+    top_k, q_tile, kv_block, block_reduce, tuning, interpret = static
     b, s, h, r = q_lr.shape
     tiles, num_keys = s // q_tile, s // kv_block
     tp = min(tuning.tiles_per_program, pl.next_power_of_2(tiles))
@@ -164,9 +172,12 @@ def lowrank_topk_pallas(q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tu
         in_specs=[pl.BlockSpec((None, None, tp, rp), lambda i, bi, hi: (bi, hi, i, 0)),
                   pl.BlockSpec((None, None, rows, keys_p, rp), lambda i, bi, hi: (bi, hi, 0, 0, 0))],
         out_specs=pl.BlockSpec((None, None, tp, top_k + 1), lambda i, bi, hi: (bi, hi, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, h, tiles_p, top_k + 1), jnp.int32),
+        out_shape=result_type((b, h, tiles_p, top_k + 1), jnp.int32, proxy),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages),
         interpret=interpret,
         name="lowrank_topk",
     )(proxy, table)
     return out[:, :, :tiles, :top_k]
+
+
+_select_sharded = partitioned_over_batch_and_heads(_select, ("bshr", "bshr"), ("bhtk",))

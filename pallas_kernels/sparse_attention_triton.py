@@ -27,9 +27,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, sanitize_index
+from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning
 
 LOG2E = math.log2(math.e)
@@ -223,7 +226,7 @@ def _forward(q, k, v, index, count, plan: Plan):
         grid=(tiles, b, h),
         in_specs=[count_s, index_s, tile_s, whole_s, whole_s],
         out_specs=[tile_s, stat_s],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
+        out_shape=[result_type(q.shape, q.dtype, q), result_type((b, h, s), jnp.float32, q)],
         compiler_params=_params(plan.tuning.fwd_warps, plan.tuning.fwd_stages),
         interpret=plan.interpret,
         name="sparse_attention_fwd",
@@ -241,7 +244,7 @@ def _backward(q, k, v, index, count, o, lse, do, plan: Plan):
         grid=(tiles, b, h),
         in_specs=[count_s, index_s, tile_s, whole_s, whole_s, tile_s, stat_s, stat_s],
         out_specs=tile_s,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=result_type(q.shape, q.dtype, q),
         compiler_params=_params(plan.tuning.dq_warps, plan.tuning.dq_stages),
         interpret=plan.interpret,
         name="sparse_attention_dq",
@@ -265,7 +268,7 @@ def _backward(q, k, v, index, count, o, lse, do, plan: Plan):
         grid=(row_blocks, b, h),
         in_specs=in_specs + [whole, own, own, whole, stat, stat],
         out_specs=[own, own],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[result_type(k.shape, k.dtype, q), result_type(v.shape, v.dtype, q)],
         compiler_params=_params(plan.tuning.dkdv_warps, plan.tuning.dkdv_stages),
         interpret=plan.interpret,
         name="sparse_attention_dkdv",
@@ -274,22 +277,67 @@ def _backward(q, k, v, index, count, o, lse, do, plan: Plan):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Sharding. A pallas_call is opaque to XLA's SPMD partitioner, which would gather every operand onto every
+# device. Batch entries and heads are independent (the dK/dV work list too), so the forward and the
+# backward are declared partitionable over B and H: each device runs them on its own (batch, head)
+# shard. S and D stay whole; splitting S is context parallelism's job (shard_map). On one device, or
+# inside shard_map, this is the plain call.
+
+def _spec(layout: str, b, h):
+    """PartitionSpec of an array whose dims are named by `layout` (e.g. "bshd"): only b and h are split."""
+    return P(*(b if dim == "b" else h if dim == "h" else None for dim in layout))
+
+
+def partitioned_over_batch_and_heads(call, operands: tuple[str, ...], results: tuple[str, ...]):
+    """call(*arrays, static) as a custom_partitioning op. Layouts name each array's dims ("bshd",
+    "bhtk", ...); the mesh axes of B and H are read from the first operand, whose layout starts "bsh"."""
+    op = custom_partitioning(call, static_argnums=(len(operands),))
+
+    def shardings(mesh, arg_shapes):
+        spec = getattr(arg_shapes[0].sharding, "spec", None)  # q's: [B, S, H, D]
+        b, h = (None, None) if spec is None else ((*spec, None, None, None)[0], (*spec, None, None, None)[2])
+        named = lambda layouts: tuple(NamedSharding(mesh, _spec(lay, b, h)) for lay in layouts)  # noqa: E731
+        out = named(results)
+        return named(operands), out if len(out) > 1 else out[0]
+
+    def infer(static, mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes)[1]
+
+    def partition(static, mesh, arg_shapes, result_shape):
+        arg_shardings, result_shardings = shardings(mesh, arg_shapes)
+        return mesh, lambda *arrays: call(*arrays, static), result_shardings, arg_shardings
+
+    rule = ", ".join(" ".join(lay) for lay in operands) + " -> " + ", ".join(" ".join(lay) for lay in results)
+    dims = "".join(operands + results)
+    whole = tuple(sorted(set(dims) - {"b", "h"}, key=dims.index))  # Shardy wants them in factor order
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=whole)
+    return op
+
+
+_forward_sharded = partitioned_over_batch_and_heads(
+    _forward, ("bshd", "bshd", "bshd", "bhtk", "bht"), ("bshd", "bhs"))
+_backward_sharded = partitioned_over_batch_and_heads(
+    _backward, ("bshd", "bshd", "bshd", "bhtk", "bht", "bshd", "bhs", "bshd"), ("bshd", "bshd", "bshd"))
+
+
+# ----------------------------------------------------------------------------------------------------
 # custom_vjp over padded, sanitized inputs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attend(q, k, v, index, count, plan: Plan):
-    return _forward(q, k, v, index, count, plan)[0]
+    return _forward_sharded(q, k, v, index, count, plan)[0]
 
 
 def _attend_fwd(q, k, v, index, count, plan: Plan):
-    o, lse = _forward(q, k, v, index, count, plan)
+    o, lse = _forward_sharded(q, k, v, index, count, plan)
     return o, (q, k, v, index, count, o, lse)
 
 
 def _attend_bwd(plan: Plan, res, do):
     q, k, v, index, count, o, lse = res
-    dq, dk, dv = _backward(q, k, v, index, count, o, lse, do, plan)
+    dq, dk, dv = _backward_sharded(q, k, v, index, count, o, lse, do, plan)
     return dq, dk, dv, None, None
 
 

@@ -22,6 +22,19 @@ import numpy as np
 MASK_BITS = 32  # one int32 mask word covers 32 key rows
 
 
+def result_type(shape, dtype, like):
+    """A pallas_call result type that varies over the same shard_map axes as `like`, so the kernels also
+    run inside shard_map with check_vma=True; outside shard_map (or on a jax without the field) it is a
+    plain ShapeDtypeStruct."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is not None and getattr(mat, "varying", None):
+        try:
+            return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+        except TypeError:
+            pass
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def sanitize_index(kv_index, kv_count, num_blocks):
     """kv_index with every entry at position >= kv_count replaced by 0 (safe to load), counts in 0..K."""
     n_sel = kv_index.shape[-1]

@@ -1,10 +1,15 @@
 """Pallas DSV kernels (interpret mode on CPU) against their plain-JAX references and brute force."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import lowrank_topk_triton
 from pallas_kernels import sparse_attention_triton as triton_attn
 from pallas_kernels.lowrank_topk import lowrank_topk, lowrank_topk_reference
 from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
@@ -203,6 +208,39 @@ def test_lowrank_topk_selects_everything_and_small_steps():
     np.testing.assert_array_equal(tuned, lowrank_topk_reference(q_lr, k_lr, 30, q_tile=16, kv_block=1))
 
 
+def test_sharded_over_batch_and_heads():
+    """With q, k, v split over B and H on an 8-device mesh, every device runs the kernels on its own
+    (batch, head) shard: no all-gather, results sharded the same way, equal to the unsharded reference;
+    also inside shard_map (what context parallelism does)."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "heads"))
+    b, s, h, d, q_tile, kv_block = 2, 128, 4, 32, 32, 16
+    q, k, v = qkv(jax.random.key(31), b, s, h, d)
+    index, count = random_selection(jax.random.key(32), b, h, s // q_tile, s // kv_block, 3)
+    rows, lists = NamedSharding(mesh, P("data", None, "heads")), NamedSharding(mesh, P("data", "heads"))
+    args = [jax.device_put(x, rows) for x in (q, k, v)] + [jax.device_put(x, lists) for x in (index, count)]
+    loss = jax.value_and_grad(loss_fn("pallas", *args[3:], q_tile=q_tile, kv_block=kv_block), argnums=(0, 1, 2),
+                              has_aux=True)
+    compiled = jax.jit(loss).lower(*args[:3]).compile()
+    assert "all-gather" not in compiled.as_text()
+    (_, out), grads = compiled(*args[:3])
+    ref, ref_grads = value_and_grads("xla", index, count, q, k, v, q_tile=q_tile, kv_block=kv_block)
+    assert out.sharding.is_equivalent_to(rows, 4) and grads[1].sharding.is_equivalent_to(rows, 4)
+    assert_close(out, ref, 1e-5, "forward")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, 1e-5, name)
+
+    local = jax.shard_map(lambda *a: sparse_attention(*a, q_tile=q_tile, kv_block=kv_block, impl="pallas"),
+                          mesh=mesh, in_specs=(rows.spec,) * 3 + (lists.spec,) * 2, out_specs=rows.spec,
+                          check_vma=False)
+    assert_close(jax.jit(local)(*args), ref, 1e-5, "forward in shard_map")
+
+    q_lr, k_lr = (jax.device_put(x[..., :16], rows) for x in (q, k))
+    picked = jax.jit(lambda a, c: lowrank_topk(a, c, 3, q_tile=q_tile, kv_block=kv_block, impl="pallas"))
+    assert "all-gather" not in picked.lower(q_lr, k_lr).compile().as_text()
+    np.testing.assert_array_equal(picked(q_lr, k_lr), lowrank_topk_reference(q[..., :16], k[..., :16], 3,
+                                                                             q_tile=q_tile, kv_block=kv_block))
+
+
 # ---------------------------------------------------------------------------------------------------
 # errors and GPU lowering
 
@@ -232,24 +270,25 @@ def test_clear_errors_on_bad_inputs():
 
 
 def test_kernels_lower_to_triton_for_gpu():
-    """The Pallas -> Triton lowering (what runs on the GPU) accepts every kernel, checked by lowering for CUDA."""
-    q = jax.ShapeDtypeStruct((1, 512, 2, 96), jnp.bfloat16)
-    for kv_block, n_sel in [(1, 65), (64, 3)]:
-        idx = jax.ShapeDtypeStruct((1, 2, 8, n_sel), jnp.int32)
+    """The Pallas -> Triton lowering (what runs on the GPU) accepts every kernel, checked by lowering for CUDA
+    (the per-shard bodies: under custom_partitioning the kernels are lowered when XLA partitions)."""
+    s, d = 512, 128
+    x = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
+    stat = jax.ShapeDtypeStruct((1, 2, s), jnp.float32)
+    for kv_block, n_sel in [(1, 65), (16, 7), (64, 3)]:
+        plan = triton_attn.Plan(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
+                                tuning=SparseAttentionTuning(), interpret=False)
+        idx = jax.ShapeDtypeStruct((1, 2, 8, plan.padded_count(n_sel)), jnp.int32)
         cnt = jax.ShapeDtypeStruct((1, 2, 8), jnp.int32)
-
-        def loss(q, k, v, i, c, kv_block=kv_block):
-            o = triton_attn.sparse_attention_pallas(q, k, v, i, c, q_tile=64, kv_block=kv_block, sm_scale=0.1,
-                                                    tuning=SparseAttentionTuning(), interpret=False)
-            return jnp.sum(o.astype(jnp.float32))
-
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q, idx, cnt).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
+        fwd = jax.jit(functools.partial(triton_attn._forward, plan=plan)).trace(x, x, x, idx, cnt)
+        bwd = jax.jit(functools.partial(triton_attn._backward, plan=plan)).trace(x, x, x, idx, cnt, x, stat, x)
+        assert fwd.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
+        assert bwd.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 2  # dQ, dK/dV
     lr = jax.ShapeDtypeStruct((1, 512, 2, 16), jnp.bfloat16)
-    select = jax.jit(lambda a, b: lowrank_topk_pallas(a, b, 40, q_tile=64, kv_block=1, block_reduce="max",
-                                                      tuning=TopkTuning(), interpret=False))
-    assert "__gpu$xla.gpu.triton" in select.trace(lr, lr).lower(lowering_platforms=("cuda",)).as_text()
+    for kv_block, reduce in [(1, "mean"), (16, "max")]:
+        static = (16, 64, kv_block, reduce, TopkTuning(), False)
+        select = jax.jit(lambda a, b, static=static: lowrank_topk_triton._select(a, b, static))
+        assert "__gpu$xla.gpu.triton" in select.trace(lr, lr).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_mosaic_gpu_forward_in_gpu_interpret_mode():
