@@ -72,5 +72,11 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
         return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                           sm_scale=sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    if on_gpu:
+        from pallas_kernels import sparse_attention_mgpu  # noqa: PLC0415
+
+        if sparse_attention_mgpu.verified(q, q_tile, kv_block):  # opt-in: sparse_attention_mgpu.verify()
+            return sparse_attention_mgpu.sparse_attention_mgpu(q, k, v, kv_index, kv_count, q_tile=q_tile,
+                                                               kv_block=kv_block, sm_scale=scale)
     return triton_path.sparse_attention_pallas(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                                sm_scale=scale, tuning=for_device()[0], interpret=not on_gpu)

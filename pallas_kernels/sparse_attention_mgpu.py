@@ -1,10 +1,12 @@
 """EXPERIMENTAL Hopper forward of block-sparse attention in Pallas Mosaic GPU (wgmma + TMA).
 
 Not used by default. It is written against jax 0.10.2's Mosaic GPU API with shims for the renames
-seen later (Layout.WGMMA_ROW, kernel(out_shape=)); it was lowered (not run) on a CPU here, so its
-first real test is `experiments/bench_sparse_attention.py` on the H200, which runs `self_check_and_time`
-in a subprocess (a barrier deadlock cannot take the benchmark down) and records success or the error.
-`sparse_attention_mgpu` can then be called directly; the backward stays the Triton-lowered one.
+seen later (Layout.WGMMA_ROW, kernel(out_shape=)). Off the GPU it was lowered for CUDA and run in the
+GPU interpreter (with plain dots where the interpreter lacks wgmma forms); its first real test is
+`experiments/bench_sparse_attention.py` on the H200, which runs `self_check_and_time` in a child
+process (a barrier deadlock cannot take the benchmark down) and records success or the error text.
+To use it: call `sparse_attention_mgpu(...)` directly, or `verify()` once, after which
+`pallas_kernels.sparse_attention` routes supported shapes here. The backward stays the Triton one.
 
 One CTA per (query tile of 64 rows, head, batch) with two warpgroups:
   - memory warpgroup: for step < kv_count[tile], reads block id kv_index[tile, step] (a scalar load
@@ -207,19 +209,28 @@ def _forward(q, k, v, index, count, *, sm_scale: float, kv_block: int, stages: i
     return call(q, k, v, index, count)
 
 
+def _forward_static(q, k, v, index, count, static):
+    sm_scale, kv_block, stages = static
+    return _forward(q, k, v, index, count, sm_scale=sm_scale, kv_block=kv_block, stages=stages)
+
+
+_forward_sharded = triton_path.partitioned_over_batch_and_heads(
+    _forward_static, ("bshd", "bshd", "bshd", "bhtk", "bht"), ("bshd", "bhs"))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attend(q, k, v, index, count, plan: triton_path.Plan, stages: int):
-    return _forward(q, k, v, index, count, sm_scale=plan.sm_scale, kv_block=plan.kv_block, stages=stages)[0]
+    return _forward_sharded(q, k, v, index, count, (plan.sm_scale, plan.kv_block, stages))[0]
 
 
 def _attend_fwd(q, k, v, index, count, plan, stages):
-    o, lse = _forward(q, k, v, index, count, sm_scale=plan.sm_scale, kv_block=plan.kv_block, stages=stages)
+    o, lse = _forward_sharded(q, k, v, index, count, (plan.sm_scale, plan.kv_block, stages))
     return o, (q, k, v, index, count, o, lse)
 
 
 def _attend_bwd(plan, stages, res, do):
     q, k, v, index, count, o, lse = res
-    dq, dk, dv = triton_path._backward(q, k, v, index, count, o, lse, do, plan)  # noqa: SLF001
+    dq, dk, dv = triton_path._backward_sharded(q, k, v, index, count, o, lse, do, plan)  # noqa: SLF001
     return dq, dk, dv, None, None
 
 
@@ -249,28 +260,71 @@ def forward_with_lse(q, k, v, kv_index, kv_count, *, kv_block=64, sm_scale=None,
                     interpret=interpret)
 
 
-def self_check_and_time(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, iters=5):
-    """Runs the Mosaic GPU forward against the Triton-lowered one; times both. Raises on any failure."""
+# ----------------------------------------------------------------------------------------------------
+# Runtime verification: the path is used only after it matched the Triton forward on this machine.
+
+_VERIFIED: dict[tuple, dict] = {}
+
+
+def _key(dtype, head_dim: int, kv_block: int) -> tuple:
+    return jnp.dtype(dtype).name, head_dim, kv_block
+
+
+def _compare(q, k, v, kv_index, kv_count, *, q_tile, kv_block, stages=3):
+    """Runs both forwards; returns (result dict, mosaic fn, triton fn, prepared index, count)."""
     from experiments import harness  # noqa: PLC0415
     from pallas_kernels.tuning import for_device  # noqa: PLC0415
 
-    reason = supported(q, q_tile, kv_block)
-    if reason:
-        return {"ok": False, "error": f"unsupported: {reason}"}
     scale = q.shape[-1] ** -0.5
-    tuning = for_device()[0]
     plan = triton_path.Plan(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=q.shape[-1],
-                            sm_scale=scale, tuning=tuning, interpret=False)
+                            sm_scale=scale, tuning=for_device()[0], interpret=False)
     index, count = triton_path.prepare_index(kv_index, kv_count, plan, q.shape[1])
     t0 = time.perf_counter()
-    mgpu = jax.jit(functools.partial(_forward, sm_scale=scale, kv_block=kv_block, stages=3))
+    mgpu = jax.jit(functools.partial(_forward, sm_scale=scale, kv_block=kv_block, stages=stages))
     o_m, lse_m = jax.block_until_ready(mgpu(q, k, v, index, count))
     compile_s = time.perf_counter() - t0
     triton = jax.jit(functools.partial(triton_path._forward, plan=plan))  # noqa: SLF001
     o_t, lse_t = triton(q, k, v, index, count)
     o_err, lse_err = harness.rel_error(o_m, o_t), harness.rel_error(lse_m, lse_t)
-    result = {"o_rel_err_vs_triton": o_err, "lse_rel_err_vs_triton": lse_err, "compile_s": compile_s}
-    result["ok"] = bool(o_err < 1e-2 and lse_err < 1e-3)
+    result = {"ok": bool(o_err < 1e-2 and lse_err < 1e-3), "o_rel_err_vs_triton": o_err,
+              "lse_rel_err_vs_triton": lse_err, "compile_s": compile_s}
+    return result, mgpu, triton, index, count
+
+
+def verify(*, dtype=jnp.bfloat16, head_dim=128, kv_block=64, seq_len=4096, heads=2) -> dict:
+    """Checks the Mosaic GPU forward against the Triton one on random inputs; if it matches,
+    pallas_kernels.sparse_attention uses it (on a GPU, for this dtype / head_dim / kv_block) from then
+    on. Returns {"ok": bool, ...errors or error text}. Runs in this process: a kernel that deadlocks
+    hangs the caller (the benchmark therefore checks it in a child process first)."""
+    try:
+        ks = jax.random.split(jax.random.key(0), 4)
+        q, k, v = (jax.random.normal(kk, (1, seq_len, heads, head_dim), dtype) for kk in ks[:3])
+        blocks, tiles = seq_len // kv_block, seq_len // BLOCK_Q
+        index = jnp.sort(jax.lax.top_k(jax.random.uniform(ks[3], (1, heads, tiles, blocks)), max(1, blocks // 4))[1],
+                         axis=-1).astype(jnp.int32)
+        count = jnp.full((1, heads, tiles), index.shape[-1], jnp.int32)
+        result = _compare(q, k, v, index, count, q_tile=BLOCK_Q, kv_block=kv_block)[0]
+    except Exception as e:  # noqa: BLE001 (the answer is the error)
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+    _VERIFIED[_key(dtype, head_dim, kv_block)] = result
+    return result
+
+
+def verified(q, q_tile: int, kv_block: int) -> bool:
+    """Whether verify() passed for q's dtype / head dim and this geometry."""
+    if supported(q, q_tile, kv_block):
+        return False
+    return bool(_VERIFIED.get(_key(q.dtype, q.shape[-1], kv_block), {}).get("ok", False))
+
+
+def self_check_and_time(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, iters=5):
+    """The benchmark's check: both forwards on the given inputs, then both timed if they agree."""
+    from experiments import harness  # noqa: PLC0415
+
+    reason = supported(q, q_tile, kv_block)
+    if reason:
+        return {"ok": False, "error": f"unsupported: {reason}"}
+    result, mgpu, triton, index, count = _compare(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block)
     if result["ok"]:
         result["mgpu_fwd_ms"] = harness.time_fn(mgpu, q, k, v, index, count, warmup=1, iters=iters)["median_ms"]
         result["triton_fwd_ms"] = harness.time_fn(triton, q, k, v, index, count, warmup=1, iters=iters)["median_ms"]

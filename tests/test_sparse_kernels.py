@@ -311,8 +311,12 @@ def test_mosaic_gpu_forward_in_gpu_interpret_mode():
     assert_close(lse, ref_lse, 1e-5, "lse")
 
 
-def test_mosaic_gpu_forward_lowers_for_gpu():
+def test_mosaic_gpu_forward_lowers_for_gpu_and_stays_off_until_verified():
     from pallas_kernels import sparse_attention_mgpu
+
+    result = sparse_attention_mgpu.verify(head_dim=64, seq_len=256)  # no GPU here: fails, does not raise
+    assert result["ok"] is False and result["error"]
+    assert not sparse_attention_mgpu.verified(jnp.zeros((1, 256, 1, 64), jnp.bfloat16), 64, 64)
 
     q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     idx, cnt = jax.ShapeDtypeStruct((1, 2, 16, 5), jnp.int32), jax.ShapeDtypeStruct((1, 2, 16), jnp.int32)
