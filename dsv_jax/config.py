@@ -186,7 +186,8 @@ class DSVConfig:
     stage2_lr_scale: float = 0.1  # the predictor keeps training in stage 2 at predictor_lr * this
     predictor_weight_decay: float = 0.0  # the loss is scale-invariant: decay would only shrink weights
     query_stride: int = 64  # predictor loss and profiling use every Nth query ...
-    max_queries: int = 1024  # ... at most this many per sample (bounds memory at very long S)
+    max_queries: int = 256  # ... at most this many per sample (the paper's every-64th up to 16k tokens;
+    # beyond, a wider stride bounds the [B, H, queries, S] logits: 2 GiB at 128k tokens x 16 heads)
     theta: float = 0.9  # critical KV: the fewest keys holding this share of a query's attention mass
     profile_every: int = 50  # steps between sparsity profiles (and the first step of each bucket)
     ema: float = 0.9  # momentum of the sparsity (and predictor-loss) moving averages
@@ -198,6 +199,9 @@ class DSVConfig:
     # Static keep ratios (top_k = ceil(rung * KV blocks)); per-head counts below the rung are runtime.
     ladder: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
     keep_scale: float = 1.0  # per-head keep = min(1, keep_scale * (1 - sparsity)): > 1 buys recall
+    # > 0: each sparse block's keep scale adapts on profile steps so the measured recall of its selection
+    # (attention mass inside it) reaches this (up to 4x keep_scale). Not in the paper; 0 = off.
+    recall_target: float = 0.0
     kv_block: int = 0  # tokens per KV block of the selection; 0: the token layout's 3D tile
     block_reduce: str = "mean"  # how a KV block's score reduces over its keys (mean | max)
     dense_backend: str = "auto"  # the dense attention used by dense blocks and text tokens
@@ -212,6 +216,8 @@ class DSVConfig:
         for name in ("theta", "ema", "threshold"):
             if not 0 <= getattr(self, name) < 1 or (name == "theta" and self.theta <= 0):
                 raise ConfigError(f"dsv.{name}={getattr(self, name)} must be in (0, 1)")
+        if not 0 <= self.recall_target < 1:
+            raise ConfigError(f"dsv.recall_target={self.recall_target} must be in [0, 1)")
         if not 0 <= self.percentile <= 100:
             raise ConfigError(f"dsv.percentile={self.percentile} must be in [0, 100]")
         if not self.ladder or any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):

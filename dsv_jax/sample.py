@@ -76,8 +76,8 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     elif ext == ".mp4":
         try:
             iio.imwrite(path, canvas, extension=".mp4", fps=fps, plugin="pyav", codec="libx264")
-        except (ImportError, ValueError, OSError) as e:
-            raise RuntimeError(f"writing {path} needs a video writer: pip install 'dsv-jax[video]' ({e})") from None
+        except Exception as e:  # noqa: BLE001  (no writer, or one without the codec, e.g. av.error.ExternalError)
+            raise RuntimeError(f"writing {path} needs a working MP4 writer: pip install 'dsv-jax[video]' ({e})") from None
     else:
         raise ValueError(f"unsupported video extension {ext!r} (use .gif or .mp4)")
     return path

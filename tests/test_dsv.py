@@ -290,6 +290,16 @@ def test_controller_switches_after_the_configured_steps():
     # a shape first profiled in stage 2 is decided at once
     observe(ctl, 31, (1, 16, 16), 0.3, [[0.9, 0.9]] * 3)
     assert all(p.sparse for p in ctl.plans((1, 16, 16)))
+    # recall target: a sparse block below it keeps more keys (x1.25 per profile), one above gives them back
+    ctl = controller("dsv.stage1_steps=1", "dsv.recall_target=0.95", "dsv.ema=0.0")
+    ctl.before_step(1)
+    sp = np.full((3, 2), 0.9)
+    ctl.observe(1, (1, 16, 16), {"dsv/predictor_loss": np.zeros(3), "dsv/sparsity": sp,
+                                 "dsv/recall": np.full((3, 2), np.nan)})
+    ctl.observe(2, (1, 16, 16), {"dsv/predictor_loss": np.zeros(3), "dsv/sparsity": sp,
+                                 "dsv/recall": np.array([[0.8, 0.9], [0.99, 0.99], [0.96, 0.96]])})
+    np.testing.assert_allclose(ctl.keep((1, 16, 16))[:, 0], [0.125, 0.1, 0.1])
+    assert ctl.plans((1, 16, 16))[0].keep == 0.15  # the rung follows the larger keep ratio
     with pytest.raises(ValueError, match="3 blocks x 2 heads"):
         controller().load_state_dict({"stage": 1, "switch_step": None, "loss_ema": None,
                                       "shapes": {"1x16x16": {"sparsity": [[0.5]], "rungs": [0.0], "profiles": 1}}})

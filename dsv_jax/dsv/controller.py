@@ -9,10 +9,15 @@
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
 profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
 profiled sparsity (a low percentile over sampled queries) is smoothed by an EMA; the per-head keep
-ratio min(1, keep_scale * (1 - sparsity)) is a runtime input of the step, while the block's static
+ratio min(1, scale * (1 - sparsity)) is a runtime input of the step, while the block's static
 top_k is the smallest rung of dsv.ladder that holds its largest head keep ratio. Moving to a sparser
 rung, or from sparse back to dense, needs a margin (dsv.hysteresis), so decisions, and with them the
 compiled variants (cached by the trainer, keyed by (shape, plans)), change rarely.
+
+The scale is dsv.keep_scale, or, with dsv.recall_target > 0 (our addition), a per-block factor that
+grows by 25% while a sparse block's measured recall is below the target and shrinks back by 10% while
+it is clearly above, between keep_scale and 4 x keep_scale: theta bounds the mass of the exact top keys,
+while a shared tile-level selection needs some more keys to hold the same mass.
 
 All decisions depend only on the step number and the profiled metrics, and the whole state is JSON
 (checkpointed with the run), so a resumed run makes the same decisions as an uninterrupted one.
@@ -41,7 +46,8 @@ class DSVController:
         self.cfg, self.dsv = cfg, cfg.dsv
         self.depth, self.heads = cfg.model.depth, cfg.model.heads
         self.stage, self.switch_step, self.loss_ema = 1, None, None
-        self.shapes: dict[str, dict[str, Any]] = {}  # shape key -> {"sparsity": [depth][H], "rungs": [depth], "profiles"}
+        # shape key -> {"sparsity": [depth][H] EMA, "rungs": [depth], "scale": [depth], "profiles": n}
+        self.shapes: dict[str, dict[str, Any]] = {}
         # The selection measured for recall while a block is dense: the rung at the threshold.
         self.prospective = self.rung_for(1.0 - self.dsv.threshold) or self.dsv.ladder[-1]
         if state:
@@ -75,7 +81,7 @@ class DSVController:
         entry = self.shapes.get(shape_key(shape))
         if entry is None:
             return np.ones((self.depth, self.heads))
-        return np.minimum(1.0, self.dsv.keep_scale * (1.0 - np.asarray(entry["sparsity"])))
+        return _keep(entry)
 
     def rungs(self, shape) -> list[float]:
         entry = self.shapes.get(shape_key(shape))
@@ -116,10 +122,19 @@ class DSVController:
         measured = np.asarray(metrics["dsv/sparsity"], np.float64)
         entry = self.shapes.get(key)
         if entry is None:
-            entry = self.shapes[key] = {"sparsity": measured.tolist(), "rungs": [0.0] * self.depth, "profiles": 0}
+            entry = self.shapes[key] = {"sparsity": measured.tolist(), "rungs": [0.0] * self.depth,
+                                        "scale": [d.keep_scale] * self.depth, "profiles": 0}
         else:
             entry["sparsity"] = (d.ema * np.asarray(entry["sparsity"]) + (1 - d.ema) * measured).tolist()
         entry["profiles"] += 1
+        if d.recall_target and self.stage == 2 and "dsv/recall" in metrics:
+            recall = np.asarray(metrics["dsv/recall"], np.float64).reshape(self.depth, -1).mean(axis=1)
+            for i, r in enumerate(recall):
+                if entry["rungs"][i] > 0 and np.isfinite(r):  # only a sparse block measures its own selection
+                    if r < d.recall_target:
+                        entry["scale"][i] = min(entry["scale"][i] * 1.25, 4 * d.keep_scale)
+                    elif r > d.recall_target + 0.02:
+                        entry["scale"][i] = max(entry["scale"][i] / 1.1, d.keep_scale)
         if self.stage == 1:
             if self.loss_ema < d.switch_loss:
                 return self._switch(step + 1, f"predictor loss {self.loss_ema:.4f} < {d.switch_loss}")
@@ -128,7 +143,7 @@ class DSVController:
 
     def _update_rungs(self, key: str) -> list[str]:
         entry = self.shapes[key]
-        keep = np.minimum(1.0, self.dsv.keep_scale * (1.0 - np.asarray(entry["sparsity"])))
+        keep = _keep(entry)
         events = []
         for i in range(self.depth):
             new = self.decide(keep[i], entry["rungs"][i])
@@ -158,8 +173,8 @@ class DSVController:
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "switch_step": self.switch_step, "loss_ema": self.loss_ema,
-                "shapes": {k: {"sparsity": v["sparsity"], "rungs": v["rungs"], "profiles": v["profiles"]}
-                           for k, v in self.shapes.items()}}
+                "shapes": {k: {"sparsity": v["sparsity"], "rungs": v["rungs"], "scale": v["scale"],
+                               "profiles": v["profiles"]} for k, v in self.shapes.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stage, self.switch_step, self.loss_ema = int(state["stage"]), state["switch_step"], state["loss_ema"]
@@ -170,7 +185,14 @@ class DSVController:
                 raise ValueError(f"DSV controller state for {k} has sparsity {sparsity.shape} and {len(v['rungs'])} "
                                  f"rungs; the model has {self.depth} blocks x {self.heads} heads")
             self.shapes[k] = {"sparsity": sparsity.tolist(), "rungs": [float(r) for r in v["rungs"]],
+                              "scale": [float(x) for x in v.get("scale", [self.dsv.keep_scale] * self.depth)],
                               "profiles": int(v["profiles"])}
+
+
+def _keep(entry) -> np.ndarray:
+    """Per-head keep ratios [depth, H] of a shape's statistics."""
+    scale = np.asarray(entry["scale"], np.float64)[:, None]
+    return np.minimum(1.0, scale * (1.0 - np.asarray(entry["sparsity"], np.float64)))
 
 
 def _describe(rung: float) -> str:

@@ -33,7 +33,7 @@ class AttentionPlan:
     analysis: bool = False  # with profile: also top-key mass and critical-KV distances (analysis script)
     block_reduce: str = "mean"
     query_stride: int = 64
-    max_queries: int = 1024
+    max_queries: int = 256
     theta: float = 0.9
     percentile: float = 10.0
 
