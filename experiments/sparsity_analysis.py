@@ -13,7 +13,8 @@ For held-out batches at fixed noise levels t, every block's exact attention rows
   * for a DSV run, the recall of its selection (the trained stage-2 plans; dense blocks measured at the
     rung of the cost-benefit threshold).
 Plots (matplotlib, `pip install -e ".[plots]"`): top-key mass curves, a block x head sparsity map,
-critical-KV distances. Written to $OUT, or experiments/results/sparsity_analysis/.
+critical-KV distances, named sparsity_<run>_*.png after the workdir's last component; results JSON
+sparsity_analysis_<run>.json. Written to $OUT, or experiments/results/sparsity_analysis/.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, se
     return per_t, uniform_distance(layout, positions), layout
 
 
-def plot(per_t, uniform, out_dir: str, title: str) -> list[str]:
+def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
     try:
         import matplotlib
 
@@ -137,7 +138,7 @@ def plot(per_t, uniform, out_dir: str, title: str) -> list[str]:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "top_key_mass.png"))
+    paths.append(os.path.join(out_dir, f"{prefix}_top_key_mass.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
@@ -151,7 +152,7 @@ def plot(per_t, uniform, out_dir: str, title: str) -> list[str]:
         ax.set_ylabel("block")
         ax.set_title(f"sparsity, t = {t}")
     fig.colorbar(im, ax=axes[0].tolist())
-    paths.append(os.path.join(out_dir, "sparsity_block_head.png"))
+    paths.append(os.path.join(out_dir, f"{prefix}_sparsity_block_head.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
@@ -167,7 +168,7 @@ def plot(per_t, uniform, out_dir: str, title: str) -> list[str]:
     ax.set_title(f"critical KV distance, t = {t}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "critical_distance.png"))
+    paths.append(os.path.join(out_dir, f"{prefix}_critical_distance.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     return paths
@@ -226,12 +227,14 @@ def main(argv=None) -> int:
     out_dir = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="sparsity_plots_") if args.quick else os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "sparsity_analysis"))
     os.makedirs(out_dir, exist_ok=True)
-    paths = plot(per_t, uniform, out_dir, f"{os.path.basename(os.path.abspath(workdir))} step {step}, {shape}")
+    run_name = os.path.basename(os.path.abspath(workdir))
+    prefix = "quick" if args.quick else run_name
+    paths = plot(per_t, uniform, out_dir, f"{run_name} step {step}, {shape}", f"sparsity_{prefix}")
     payload = {"workdir": workdir, "step": step, "attention": cfg.attention, "shape": shape, "tokens": layout.n_real,
                "theta": cfg.dsv.theta, "percentile": cfg.dsv.percentile, "top_fractions": TOP_FRACTIONS,
                "uniform_distance": uniform.tolist(), "rows": rows, "plots": paths,
                "per_t": {str(t): {k: np.asarray(v).tolist() for k, v in r.items()} for t, r in per_t.items()}}
-    print("wrote", write_results("sparsity_analysis" + ("_quick" if args.quick else ""), payload), *paths)
+    print("wrote", write_results(f"sparsity_analysis_{prefix}", payload), *paths)
     return 0
 
 
