@@ -67,6 +67,7 @@ def run(name: str, attention: str, args, root: str, out_dir: str) -> dict:
 
     cfg = get_config("tiny", overrides(args) + [f"attention={attention}"])
     workdir = os.path.join(root, name)
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run (stale checkpoints would mislead the analysis)
     trainer = Trainer(cfg, workdir, resume=False, progress=False)
     t0 = time.perf_counter()
     trainer.run()

@@ -3,7 +3,6 @@ controller, checkpoint restore mid stage 2, and the CLI reaching stage 2."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,6 @@ from flax import nnx
 
 from dsv_jax.attention import attention
 from dsv_jax.config import get_config
-from dsv_jax.dsv.backend import window_kv
 from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.selection import select_kv, window_extent, window_selection

@@ -25,14 +25,12 @@ All decisions depend only on the step number and the profiled metrics, and the w
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 
 from dsv_jax.dsv.plan import AttentionPlan
 
-log = logging.getLogger("dsv_jax")
 
 
 def shape_key(shape) -> str:
