@@ -32,7 +32,6 @@ import numpy as np
 from dsv_jax.dsv.plan import AttentionPlan
 
 
-
 def shape_key(shape) -> str:
     return "x".join(str(int(v)) for v in shape)
 
