@@ -171,14 +171,79 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class DSVConfig:
+    """DSV dynamic sparse attention (attention=dsv) and the window baseline (attention=window).
+
+    Paper figures (arXiv 2502.07590) are the defaults: rank 16, every 64th query, loss 0.9 cosine +
+    0.1 MSE, AdamW 1e-4, theta 0.9, EMA 0.9, switch at predictor loss < 0.01, cost-benefit threshold 0.8.
+    """
+
+    rank: int = 16  # low-rank predictor dims per head (W_Q^lr, W_K^lr)
+    # Our DiT has no absolute position embedding (3D RoPE only), so a position-blind predictor could not
+    # express locality; q_lr / k_lr get the same 3D RoPE as q / k (a departure from the paper; false = off).
+    predictor_rope: bool = True
+    predictor_lr: float = 1e-4
+    stage2_lr_scale: float = 0.1  # the predictor keeps training in stage 2 at predictor_lr * this
+    predictor_weight_decay: float = 0.0  # the loss is scale-invariant: decay would only shrink weights
+    query_stride: int = 64  # predictor loss and profiling use every Nth query ...
+    max_queries: int = 256  # ... at most this many per sample (the paper's every-64th up to 16k tokens;
+    # beyond, a wider stride bounds the [B, H, queries, S] logits: 2 GiB at 128k tokens x 16 heads)
+    theta: float = 0.9  # critical KV: the fewest keys holding this share of a query's attention mass
+    profile_every: int = 50  # steps between sparsity profiles (and the first step of each bucket)
+    ema: float = 0.9  # momentum of the sparsity (and predictor-loss) moving averages
+    percentile: float = 10.0  # conservative head sparsity: this low percentile over sampled queries
+    switch_loss: float = 0.01  # stage 2 once the predictor loss averaged over blocks is below this ...
+    stage1_steps: int = 0  # ... or after this many steps (0: only the loss criterion)
+    threshold: float = 0.8  # a block goes sparse only when its mean head sparsity is at least this
+    hysteresis: float = 0.05  # margin before a decision is reversed (sparse -> dense, or a smaller rung)
+    # Static keep ratios (top_k = ceil(rung * KV blocks)); per-head counts below the rung are runtime.
+    ladder: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+    keep_scale: float = 1.0  # per-head keep = min(1, keep_scale * (1 - sparsity)): > 1 buys recall
+    # > 0: each sparse block's keep scale adapts on profile steps so the measured recall of its selection
+    # (attention mass inside it) reaches this (up to 4x keep_scale). Not in the paper; 0 = off.
+    recall_target: float = 0.0
+    kv_block: int = 0  # tokens per KV block of the selection; 0: the token layout's 3D tile
+    block_reduce: str = "mean"  # how a KV block's score reduces over its keys (mean | max)
+    dense_backend: str = "auto"  # the dense attention used by dense blocks and text tokens
+    window: float = 1 / 3  # window baseline: window / grid per dimension (WA-M 1/3, WA-L 2/3)
+
+    def __post_init__(self):
+        _positive("dsv.rank", self.rank)
+        if self.predictor_rope and self.rank % 2:
+            raise ConfigError(f"dsv.rank={self.rank} must be even for rotary embeddings (or dsv.predictor_rope=false)")
+        for name in ("predictor_lr", "query_stride", "max_queries", "profile_every", "keep_scale"):
+            _positive(f"dsv.{name}", getattr(self, name))
+        for name in ("theta", "ema", "threshold"):
+            if not 0 <= getattr(self, name) < 1 or (name == "theta" and self.theta <= 0):
+                raise ConfigError(f"dsv.{name}={getattr(self, name)} must be in (0, 1)")
+        if not 0 <= self.recall_target < 1:
+            raise ConfigError(f"dsv.recall_target={self.recall_target} must be in [0, 1)")
+        if not 0 <= self.percentile <= 100:
+            raise ConfigError(f"dsv.percentile={self.percentile} must be in [0, 100]")
+        if not self.ladder or any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
+            raise ConfigError(f"dsv.ladder={self.ladder} must be increasing keep ratios in (0, 1]")
+        if self.stage1_steps < 0 or self.kv_block < 0 or self.stage2_lr_scale < 0 or self.hysteresis < 0:
+            raise ConfigError("dsv.stage1_steps, dsv.kv_block, dsv.stage2_lr_scale and dsv.hysteresis must be >= 0")
+        _choice("dsv.block_reduce", self.block_reduce, ("mean", "max"))
+        if not 0 < self.window <= 1:
+            raise ConfigError(f"dsv.window={self.window} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "tiny"
-    attention: str = "auto"  # attention backend of the video self-attention: auto | xla | cudnn | ...
+    attention: str = "auto"  # attention backend of the video self-attention: auto | xla | cudnn | dsv | window
     model: ModelConfig = field(default_factory=ModelConfig)
     text: TextConfig = field(default_factory=TextConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dsv: DSVConfig = field(default_factory=DSVConfig)
+
+    @property
+    def predictor_rank(self) -> int:
+        """Rank of the DSV predictor the blocks carry (0: none; only attention=dsv trains one)."""
+        return self.dsv.rank if self.attention == "dsv" else 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,6 +267,8 @@ def _tiny() -> Config:
         name="tiny",
         model=ModelConfig(hidden=128, depth=4, heads=4, patch=(1, 4, 4), tile=(2, 4, 4), text_dim=64,
                           in_channels=3, mlp_ratio=4.0),
+        # attention=dsv reaches stage 2 within the default 300 steps on a CPU; paper presets switch on the loss.
+        dsv=DSVConfig(stage1_steps=100, profile_every=25),
     )
 
 
@@ -287,4 +354,6 @@ def architecture_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
             key = f"{section}.{f.name}"
             if key not in RUNTIME_FIELDS and getattr(da, f.name) != getattr(db, f.name):
                 diffs.append((key, getattr(da, f.name), getattr(db, f.name)))
+    if a.predictor_rank != b.predictor_rank:  # the DSV predictor's parameters live in the blocks
+        diffs.append(("DSV predictor rank (attention=dsv, dsv.rank)", a.predictor_rank, b.predictor_rank))
     return diffs

@@ -31,7 +31,8 @@ def default_shape(cfg: Config) -> tuple[int, int, int]:
 
 
 def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple[int, int, int], *,
-             steps: int = 30, guidance: float = 3.0, seed: int = 0, attention="auto") -> np.ndarray:
+             steps: int = 30, guidance: float = 3.0, seed: int = 0, attention="auto",
+             attention_inputs=None) -> np.ndarray:
     """Latents [len(prompts), T, H, W, C] for `prompts` (built-in text encoder)."""
     if cfg.text.encoder != "builtin":
         raise ValueError("sampling from prompts needs the built-in text encoder (text.encoder=builtin)")
@@ -40,14 +41,15 @@ def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple
     t_grid = jnp.linspace(1.0, 0.0, steps + 1)
 
     @jax.jit
-    def run(params, ids, mask, key):
+    def run(params, ids, mask, key, attention_inputs):
         model = nnx.merge(graphdef, params)
         text, text_mask = model.encode_text({"text_ids": ids, "text_mask": mask})
         x = jax.random.normal(key, (n, *shape, cfg.model.in_channels))
 
         def velocity(x, t):
             both = jnp.concatenate([x, x])
-            v = model(both, jnp.full((2 * n,), t), text, text_mask, attention=attention).astype(jnp.float32)
+            v = model(both, jnp.full((2 * n,), t), text, text_mask, attention=attention,
+                      attention_inputs=attention_inputs).astype(jnp.float32)
             cond, uncond = v[:n], v[n:]
             return uncond + guidance * (cond - uncond)
 
@@ -56,7 +58,7 @@ def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple
 
         return jax.lax.fori_loop(0, steps, body, x)
 
-    return np.asarray(run(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed)))
+    return np.asarray(run(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), attention_inputs))
 
 
 def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
@@ -89,12 +91,16 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
 
 def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequence[str] = DEFAULT_PROMPTS,
                       shape=None, steps: int = 30, guidance: float = 3.0, seed: int = 0,
-                      also_mp4: bool = False) -> list[str]:
+                      also_mp4: bool = False, controller_state: dict | None = None) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (and an MP4 beside a GIF
-    when `also_mp4` and a video writer is installed). Returns the paths written."""
+    when `also_mp4` and a video writer is installed). Returns the paths written. A DSV run samples with
+    the sparse plans of its controller state (stage 2 decisions), a window run with its windows."""
+    from dsv_jax.dsv.controller import attention_for
+
     shape = tuple(shape or default_shape(cfg))
+    attention, inputs = attention_for(cfg, shape, controller_state)
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
-                       attention=cfg.attention)
+                       attention=attention, attention_inputs=inputs)
     frames = decode_latents(latents)
     written = [save_video(frames, path)]
     if also_mp4 and path.lower().endswith(".gif"):
@@ -119,8 +125,9 @@ def sample_from_workdir(workdir: str, out: str, *, prompts: Sequence[str] | None
         cfg = Config.from_dict(ckpt.saved_config(step))
         graphdef, _ = abstract_model(cfg)
         state, _ = ckpt.restore(step, jax.eval_shape(lambda: init_state(cfg)))
+        controller = ckpt.controller_state(step)
     finally:
         ckpt.close()
     return sample_from_state(cfg, graphdef, state.params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                             also_mp4=True)
+                             also_mp4=True, controller_state=controller)

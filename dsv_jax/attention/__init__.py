@@ -10,5 +10,6 @@ from __future__ import annotations
 
 from dsv_jax.attention.registry import attention, available_backends, register_backend, resolve_backend
 from dsv_jax.attention import dense as _dense  # noqa: F401  (registers "xla" and "cudnn")
+from dsv_jax.dsv import backend as _sparse  # noqa: F401,E402  (registers "dsv" and "window")
 
 __all__ = ["attention", "available_backends", "register_backend", "resolve_backend"]

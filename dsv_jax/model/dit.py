@@ -23,68 +23,78 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv_jax.attention import attention
 from dsv_jax.config import ModelConfig
+from dsv_jax.dsv.backend import joint_attention as plan_joint_attention
+from dsv_jax.dsv.plan import as_plan
+from dsv_jax.dsv.predictor import LowRankPredictor
 from dsv_jax.model.layers import (MLP, BlockContext, CrossAttention, Modulation, QKV, SelfAttention,
                                   TimestepEmbedder, compute_dtype, gated_modulate, linear, merge_heads, modulate)
 from dsv_jax.model.rope import apply_rope, rope_angles
 from dsv_jax.model.tokens import patchify, unpatchify
 
 
+def _predictor(cfg: ModelConfig, rank: int, rope: bool, rngs: nnx.Rngs):
+    """The block's DSV predictor (low-rank W_Q^lr, W_K^lr on the attention input), or None."""
+    return LowRankPredictor(cfg, rank, rngs, rope=rope) if rank else None
+
+
 class DiTBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, predictor_rank: int = 0, predictor_rope: bool = True):
         self.cfg = cfg
         self.modulation = Modulation(cfg, 6, rngs)
         self.attn = SelfAttention(cfg, rngs)
         self.cross = CrossAttention(cfg, rngs)
         self.mlp = MLP(cfg, cfg.mlp_ratio, rngs)
+        self.predictor = _predictor(cfg, predictor_rank, predictor_rope, rngs)
 
-    def __call__(self, x, ctx: BlockContext, plan):
+    def __call__(self, x, ctx: BlockContext, plan, inputs=None):
+        """-> (x, aux); aux: the attention plan's DSV outputs (predictor loss, profile statistics)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = jnp.unstack(self.modulation(ctx.cond), axis=1)
         y = modulate(x, scale1, shift1, self.cfg)
         no_mod = jnp.zeros_like(scale1)
-        h, y = gated_modulate(x, self.attn(y, ctx, plan), gate1, no_mod, no_mod, self.cfg)
+        o, aux = self.attn(y, ctx, plan, self.predictor, inputs)
+        h, y = gated_modulate(x, o, gate1, no_mod, no_mod, self.cfg)
         h = h + self.cross(y, ctx)
         y = modulate(h, scale2, shift2, self.cfg)
-        return h + (gate2[:, None] * self.mlp(y)).astype(h.dtype)
+        return h + (gate2[:, None] * self.mlp(y)).astype(h.dtype), aux
 
 
 class MMDiTBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, predictor_rank: int = 0, predictor_rope: bool = True):
         self.cfg = cfg
         self.mod_video, self.mod_text = Modulation(cfg, 6, rngs), Modulation(cfg, 6, rngs)
         self.qkv_video, self.qkv_text = QKV(cfg, rngs), QKV(cfg, rngs)
         self.out_video = linear(cfg.hidden, cfg.hidden, cfg, rngs)
         self.out_text = linear(cfg.hidden, cfg.hidden, cfg, rngs)
         self.mlp_video, self.mlp_text = MLP(cfg, cfg.mlp_ratio, rngs), MLP(cfg, cfg.text_mlp_ratio, rngs)
+        self.predictor = _predictor(cfg, predictor_rank, predictor_rope, rngs)  # video tokens only
 
-    def __call__(self, x, ctx: BlockContext, plan):
+    def __call__(self, x, ctx: BlockContext, plan, inputs=None):
         xv, xt = x
         mv = jnp.unstack(self.mod_video(ctx.cond), axis=1)
         mt = jnp.unstack(self.mod_text(ctx.text_cond), axis=1)
-        qv, kv, vv = self.qkv_video(modulate(xv, mv[1], mv[0], self.cfg))
+        yv = modulate(xv, mv[1], mv[0], self.cfg)
+        qv, kv, vv = self.qkv_video(yv)
         qt, kt, vt = self.qkv_text(modulate(xt, mt[1], mt[0], self.cfg))
         qv, kv = apply_rope(qv, ctx.rope), apply_rope(kv, ctx.rope)
-        ov, ot = joint_attention((qv, kv, vv), (qt, kt, vt), ctx, plan)
+        ov, ot, aux = plan_joint_attention((qv, kv, vv), (qt, kt, vt), ctx, plan, yv, self.predictor, inputs)
         hv, yv = gated_modulate(xv, self.out_video(merge_heads(ov)), mv[2], mv[4], mv[3], self.cfg)
         ht, yt = gated_modulate(xt, self.out_text(merge_heads(ot)), mt[2], mt[4], mt[3], self.cfg)
         xv = hv + (mv[5][:, None] * self.mlp_video(yv)).astype(hv.dtype)
         xt = ht + (mt[5][:, None] * self.mlp_text(yt)).astype(ht.dtype)
-        return xv, xt
+        return (xv, xt), aux
 
 
 def joint_attention(video, text, ctx: BlockContext, plan):
-    """Attention over the joint video + text sequence, masked by lengths only.
+    """Attention over the joint video + text sequence, masked by lengths only. -> (o_video, o_text)
 
     The joint order is [real video tokens, text tokens, video padding]: since text padding is at the
     end of the text, the valid keys of sample b are the prefix n_real + text_lens[b]. Attention is
-    invariant to the order of keys, so this costs two concatenations and no dense mask.
+    invariant to the order of keys, so this costs two concatenations and no dense mask. Sparse plans
+    (dsv_jax.dsv.backend.joint_attention) keep text tokens dense and make video-video attention sparse.
     """
-    n = ctx.n_real
-    q, k, v = (jnp.concatenate([a[:, :n], b, a[:, n:]], axis=1) for a, b in zip(video, text))
-    o = attention(q, k, v, backend=plan, kv_lens=n + ctx.text_lens)
-    lt = text[0].shape[1]
-    return jnp.concatenate([o[:, :n], o[:, n + lt:]], axis=1), o[:, n:n + lt]
+    ov, ot, _ = plan_joint_attention(video, text, ctx, plan)
+    return ov, ot
 
 
 class FinalLayer(nnx.Module):
@@ -101,7 +111,8 @@ class FinalLayer(nnx.Module):
 class VideoDiT(nnx.Module):
     """velocity = model(latents [B,T,H,W,C], timesteps [B] in [0,1], text [B,L,Dt], text_mask [B,L])."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, predictor_rank: int = 0, predictor_rope: bool = True):
+        """predictor_rank > 0 gives every block a DSV low-rank predictor (attention=dsv)."""
         self.cfg = cfg
         d = cfg.hidden
         self.patch_embed = linear(cfg.patch_dim, d, cfg, rngs)
@@ -118,13 +129,17 @@ class VideoDiT(nnx.Module):
         @nnx.split_rngs(splits=cfg.depth)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_blocks(rngs):
-            return block_cls(cfg, rngs)
+            return block_cls(cfg, rngs, predictor_rank, predictor_rope)
 
         self.blocks = make_blocks(rngs)
         self.final = FinalLayer(cfg, rngs)
 
-    def __call__(self, latents, timesteps, text, text_mask, *, attention: Any | Sequence[Any] = "auto"):
-        """`attention`: the video self-attention backend for every block, or one plan per block."""
+    def __call__(self, latents, timesteps, text, text_mask, *, attention: Any | Sequence[Any] = "auto",
+                 attention_inputs=None, return_aux: bool = False):
+        """`attention`: the video self-attention backend name or AttentionPlan for every block, or one
+        per block. `attention_inputs`: runtime arrays of the plans with a leading block axis (DSV's
+        per-head keep ratios). With `return_aux`, returns (velocity, aux): the blocks' DSV outputs
+        stacked over blocks (predictor loss [depth], profile statistics [depth, H, ...])."""
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         if latents.ndim != 5 or latents.shape[-1] != cfg.in_channels:
@@ -141,7 +156,7 @@ class VideoDiT(nnx.Module):
         ctx = BlockContext(cond=c, text=txt, text_lens=text_lens,
                            rope=jnp.asarray(rope_angles(layout.coords, cfg.head_dim, cfg.rope_theta)),
                            video_lens=jnp.full((b,), layout.n_real, jnp.int32) if layout.padded else None,
-                           n_real=layout.n_real)
+                           n_real=layout.n_real, layout=layout)
         if cfg.arch == "mmdit":
             mask = text_mask.astype(jnp.float32)[..., None]
             pooled = jnp.sum(txt.astype(jnp.float32) * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0)
@@ -156,30 +171,38 @@ class VideoDiT(nnx.Module):
             ctx.text_cond = c
 
         h = (x, txt) if cfg.arch == "mmdit" else x
-        h = self._run_blocks(h, ctx, attention)
+        h, aux = self._run_blocks(h, ctx, attention, attention_inputs)
         x = h[0] if cfg.arch == "mmdit" else h
         out = self.final(x, final_cond)
-        return unpatchify(out, layout, cfg.patch, cfg.in_channels).astype(latents.dtype)
+        velocity = unpatchify(out, layout, cfg.patch, cfg.in_channels).astype(latents.dtype)
+        return (velocity, aux) if return_aux else velocity
 
-    def _run_blocks(self, h, ctx, attention):
+    def _run_blocks(self, h, ctx, attention, inputs=None):
+        """-> (h, aux): aux is each block's output dict stacked over blocks (scan ys, or stacked by hand)."""
         cfg = self.cfg
         plans = list(attention) if isinstance(attention, (list, tuple)) else [attention] * cfg.depth
         if len(plans) != cfg.depth:
             raise ValueError(f"got {len(plans)} attention plans for {cfg.depth} blocks")
+        plans = [as_plan(p) for p in plans]
         graphdef, stacked = nnx.split(self.blocks)
 
-        def run(h, layer_state, plan):
-            return nnx.merge(graphdef, layer_state)(h, ctx, plan)
+        def run(h, layer_state, plan, layer_inputs):
+            return nnx.merge(graphdef, layer_state)(h, ctx, plan, layer_inputs)
 
         if cfg.scan_layers and all(p == plans[0] for p in plans):
-            def body(h, layer_state):
-                return run(h, layer_state, plans[0]), None
+            def body(h, xs):
+                layer_state, layer_inputs = xs
+                return run(h, layer_state, plans[0], layer_inputs)
 
             if cfg.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            h, _ = jax.lax.scan(body, h, stacked)
-            return h
+            return jax.lax.scan(body, h, (stacked, inputs))
         step = jax.checkpoint(run, static_argnums=(2,)) if cfg.remat else run
+        auxes = []
         for i, plan in enumerate(plans):
-            h = step(h, jax.tree.map(lambda a: a[i], stacked), plan)
-        return h
+            layer = jax.tree.map(lambda a: a[i], (stacked, inputs))
+            h, aux = step(h, layer[0], plan, layer[1])
+            auxes.append(aux)
+        if any(a.keys() != auxes[0].keys() for a in auxes):
+            raise ValueError(f"attention plans return different outputs per block: {[sorted(a) for a in auxes]}")
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *auxes)

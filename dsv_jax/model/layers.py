@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from flax import nnx
 
 from dsv_jax.attention import attention
 from dsv_jax.config import ModelConfig
+from dsv_jax.dsv.backend import self_attention
 from dsv_jax.model.rope import apply_rope
 from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
 
@@ -125,10 +127,12 @@ class SelfAttention(nnx.Module):
         self.qkv = QKV(cfg, rngs)
         self.out = linear(cfg.hidden, cfg.hidden, cfg, rngs)
 
-    def __call__(self, x, ctx: "BlockContext", plan):
+    def __call__(self, x, ctx: "BlockContext", plan, predictor=None, inputs=None):
+        """-> (output, aux): aux holds the DSV predictor loss / profile statistics the plan asks for."""
         q, k, v = self.qkv(x)
         q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
-        return self.out(merge_heads(attention(q, k, v, backend=plan, kv_lens=ctx.video_lens)))
+        o, aux = self_attention(q, k, v, x, ctx, plan, predictor, inputs)
+        return self.out(merge_heads(o)), aux
 
 
 class CrossAttention(nnx.Module):
@@ -154,3 +158,4 @@ class BlockContext:
     video_lens: jax.Array | None  # [B] valid video tokens, None when the grid needs no padding
     n_real: int  # valid video tokens (static)
     text_cond: jax.Array | None = None  # MMDiT text-stream conditioning
+    layout: Any = None  # the TokenLayout (static): grid, tile, coordinates; sparse plans need it

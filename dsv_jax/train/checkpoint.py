@@ -3,6 +3,7 @@
     state   TrainState (params, optimizer, step, rng, skipped), sharded arrays
     data    the data iterator's state (JSON), so a resumed run reads the identical batch sequence
     config  the run's config (JSON), checked against the resuming config before any array is read
+    dsv     the DSV controller's state (JSON: stage, per-shape sparsity and decisions), in DSV runs
 
 Saves are asynchronous; a NaN/Inf parameter is never written over a good checkpoint.
 """
@@ -39,14 +40,21 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state, data_state: dict, cfg: Config) -> bool:
+    def save(self, step: int, state, data_state: dict, cfg: Config, controller_state: dict | None = None) -> bool:
         if not _all_finite(state.params):
             log.error("not saving step %d: parameters hold NaN/Inf; the last good checkpoint is kept", step)
             return False
-        return self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(cfg.to_dict())))
+        items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                     config=ocp.args.JsonSave(cfg.to_dict()))
+        if controller_state is not None:
+            items["dsv"] = ocp.args.JsonSave(controller_state)
+        return self.manager.save(step, force=True, args=ocp.args.Composite(**items))
+
+    def controller_state(self, step: int) -> dict | None:
+        """The DSV controller state saved at `step`, or None (not a DSV run)."""
+        if not os.path.isdir(os.path.join(self.directory, str(step), "dsv")):
+            return None
+        return self.manager.restore(step, args=ocp.args.Composite(dsv=ocp.args.JsonRestore()))["dsv"]
 
     def saved_config(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]

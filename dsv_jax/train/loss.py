@@ -18,7 +18,9 @@ def noised(x0, eps, t):
     return (1.0 - tb) * x0 + tb * eps, eps - x0
 
 
-def flow_matching_loss(model, batch, key, cfg: TrainConfig, attention="auto"):
+def flow_matching_loss(model, batch, key, cfg: TrainConfig, attention="auto", attention_inputs=None,
+                       return_aux: bool = False):
+    """Rectified-flow MSE; with `return_aux`, (loss, the blocks' DSV outputs) (see VideoDiT)."""
     x0 = batch["latents"].astype(jnp.float32)
     b = x0.shape[0]
     k_t, k_eps, k_drop = jax.random.split(key, 3)
@@ -26,11 +28,12 @@ def flow_matching_loss(model, batch, key, cfg: TrainConfig, attention="auto"):
     xt, target = noised(x0, jax.random.normal(k_eps, x0.shape), t)
     drop = jax.random.bernoulli(k_drop, cfg.caption_dropout, (b,)) if cfg.caption_dropout > 0 else None
     text, mask = model.encode_text(batch, drop)
-    pred = model(xt, t, text, mask, attention=attention)
-    return jnp.mean(jnp.square(pred.astype(jnp.float32) - target))
+    pred, aux = model(xt, t, text, mask, attention=attention, attention_inputs=attention_inputs, return_aux=True)
+    loss = jnp.mean(jnp.square(pred.astype(jnp.float32) - target))
+    return (loss, aux) if return_aux else loss
 
 
-def fixed_t_loss(model, batch, key, t_values, attention="auto"):
+def fixed_t_loss(model, batch, key, t_values, attention="auto", attention_inputs=None):
     """Held-out loss at fixed timesteps with fixed noise: a low-variance quality measure. -> [len(t_values)]"""
     x0 = batch["latents"].astype(jnp.float32)
     text, mask = model.encode_text(batch)
@@ -39,7 +42,7 @@ def fixed_t_loss(model, batch, key, t_values, attention="auto"):
         i, t = args
         tb = jnp.full((x0.shape[0],), t)
         xt, target = noised(x0, jax.random.normal(jax.random.fold_in(key, i), x0.shape), tb)
-        pred = model(xt, tb, text, mask, attention=attention)
+        pred = model(xt, tb, text, mask, attention=attention, attention_inputs=attention_inputs)
         return jnp.mean(jnp.square(pred.astype(jnp.float32) - target))
 
     return jax.lax.map(at, (jnp.arange(len(t_values)), jnp.asarray(t_values, jnp.float32)))

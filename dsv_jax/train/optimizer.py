@@ -40,3 +40,41 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2),
         optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask),
     )
+
+
+# -- DSV: the predictor trains in the same step with its own optimizer ------------------------------
+# Parameters under a `predictor` module (the blocks' low-rank DSV predictors) get their own AdamW;
+# optax.multi_transform masks each group out of the other's transform, so gradient clipping, moments
+# and weight decay of the model never see predictor parameters, and vice versa.
+
+def param_labels(params):
+    """"predictor" for the DSV predictor's parameters, "main" for everything else."""
+    def label(path, _):
+        return "predictor" if any(getattr(p, "key", getattr(p, "name", None)) == "predictor" for p in path) else "main"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def make_predictor_optimizer(cfg) -> optax.GradientTransformation:
+    """The predictor's AdamW (DSV: lr 1e-4), without lr scaling like `make_optimizer`. cfg: Config."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.train.grad_clip),
+        optax.scale_by_adam(b1=cfg.train.b1, b2=cfg.train.b2),
+        optax.add_decayed_weights(cfg.dsv.predictor_weight_decay),
+    )
+
+
+def make_train_optimizer(cfg) -> optax.GradientTransformation:
+    """The optimizer of a run (cfg: Config): `make_optimizer`, split with the predictor's under DSV."""
+    if not cfg.predictor_rank:
+        return make_optimizer(cfg.train)
+    return optax.multi_transform({"main": make_optimizer(cfg.train), "predictor": make_predictor_optimizer(cfg)},
+                                 param_labels)
+
+
+def scale_updates(updates, lr, predictor_lr=None):
+    """-lr * update for model parameters, -predictor_lr * update for predictor parameters."""
+    if predictor_lr is None:
+        return jax.tree.map(lambda u: -lr * u, updates)
+    return jax.tree.map(lambda u, lab: -(predictor_lr if lab == "predictor" else lr) * u, updates,
+                        param_labels(updates))

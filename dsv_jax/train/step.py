@@ -13,7 +13,7 @@ from flax import nnx
 from dsv_jax.config import Config
 from dsv_jax.model.t2v import TextToVideo
 from dsv_jax.train.loss import flow_matching_loss, fixed_t_loss
-from dsv_jax.train.optimizer import make_optimizer
+from dsv_jax.train.optimizer import make_train_optimizer, param_labels, scale_updates
 
 
 @flax.struct.dataclass
@@ -35,32 +35,53 @@ def init_state(cfg: Config) -> TrainState:
     model = TextToVideo(cfg, rngs=nnx.Rngs(cfg.train.seed))
     _, params = nnx.split(model, nnx.Param)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_optimizer(cfg.train).init(params),
+                      opt_state=make_train_optimizer(cfg).init(params),
                       rng=jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
                       skipped=jnp.zeros((), jnp.int32))
 
 
-def make_train_step(cfg: Config, graphdef, attention="auto"):
-    """(state, batch, lr) -> (state, metrics). A step whose loss or gradient is not finite leaves the
-    parameters and optimizer state untouched and counts itself in `skipped`."""
-    tx = make_optimizer(cfg.train)
+def _norm(tree, labels=None, want="main"):
+    leaves = jax.tree.leaves(tree) if labels is None else [
+        g for g, lab in zip(jax.tree.leaves(tree), jax.tree.leaves(labels)) if lab == want]
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in leaves)) if leaves else jnp.zeros(())
 
-    def train_step(state: TrainState, batch, lr):
+
+def make_train_step(cfg: Config, graphdef, attention="auto"):
+    """(state, batch, lr[, attention_inputs]) -> (state, metrics). A step whose loss or gradient is not
+    finite leaves the parameters and optimizer state untouched and counts itself in `skipped`.
+
+    `attention`: a backend name or per-block plans (static). `attention_inputs` (DSV, runtime):
+    {"keep": [depth, H] per-head keep ratios, "predictor_lr": []}. Under DSV the predictor loss of every
+    block is added to the objective; its gradient reaches only the predictors (stop-gradient inputs),
+    which `make_train_optimizer` updates with their own AdamW at `predictor_lr`."""
+    tx = make_train_optimizer(cfg)
+
+    def train_step(state: TrainState, batch, lr, attention_inputs=None):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        inputs = attention_inputs or {}
+        block_inputs = {k: v for k, v in inputs.items() if k != "predictor_lr"} or None
 
         def loss_fn(params):
-            return flow_matching_loss(nnx.merge(graphdef, params), batch, key, cfg.train, attention)
+            loss, aux = flow_matching_loss(nnx.merge(graphdef, params), batch, key, cfg.train, attention,
+                                           block_inputs, return_aux=True)
+            total = loss + jnp.sum(aux["predictor_loss"]) if "predictor_loss" in aux else loss
+            return total, (loss, aux)
 
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        labels = param_labels(grads) if cfg.predictor_rank else None
+        grad_norm = _norm(grads, labels)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, jax.tree.map(lambda u: -lr * u, updates))
+        predictor_lr = inputs.get("predictor_lr", cfg.dsv.predictor_lr) if cfg.predictor_rank else None
+        params = optax.apply_updates(state.params, scale_updates(updates, lr, predictor_lr))
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if "predictor_loss" in aux:
+            finite &= jnp.all(jnp.isfinite(aux["predictor_loss"])) & jnp.isfinite(_norm(grads, labels, "predictor"))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
                                   opt_state=keep(opt_state, state.opt_state),
                                   skipped=state.skipped + (~finite).astype(jnp.int32))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+        metrics.update({f"dsv/{k}": v for k, v in aux.items()})  # per block: [depth] or [depth, H]
         return new_state, metrics
 
     return train_step
@@ -70,9 +91,10 @@ EVAL_T = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def make_eval_step(cfg: Config, graphdef, attention="auto"):
-    """(params, batch, key) -> loss at each of EVAL_T, with noise fixed by `key`."""
+    """(params, batch, key[, attention_inputs]) -> loss at each of EVAL_T, with noise fixed by `key`."""
 
-    def eval_step(params, batch, key):
-        return fixed_t_loss(nnx.merge(graphdef, params), batch, key, EVAL_T, attention)
+    def eval_step(params, batch, key, attention_inputs=None):
+        block_inputs = {k: v for k, v in (attention_inputs or {}).items() if k != "predictor_lr"} or None
+        return fixed_t_loss(nnx.merge(graphdef, params), batch, key, EVAL_T, attention, block_inputs)
 
     return eval_step

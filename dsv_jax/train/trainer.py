@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 
 from dsv_jax.config import Config
 from dsv_jax.data.feed import make_feed, tokens_per_sample
+from dsv_jax.dsv.controller import DSVController
+from dsv_jax.dsv.plan import static_plans
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.metrics import MetricsWriter
@@ -134,13 +136,18 @@ class Trainer:
         self.state_sharding = state_shardings(abstract, self.mesh)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
-        self.attention = cfg.attention
+        self.attention = static_plans(cfg)  # a backend name, or window plans; DSV plans come from the controller
+        self.controller = DSVController(cfg) if cfg.attention == "dsv" else None
 
         latest = self.checkpointer.latest_step() if resume else None
         if latest is not None:
             self.checkpointer.check_compatible(latest, cfg)
             self.state, data_state = self.checkpointer.restore(latest, self.abstract_state)
             self.feed.set_state(data_state)
+            if self.controller is not None:
+                saved = self.checkpointer.controller_state(latest)
+                if saved is not None:
+                    self.controller.load_state_dict(saved)
             log.info("resumed from step %d in %s", latest, self.checkpointer.directory)
         else:
             self.state = jax.jit(lambda: init_state(cfg), out_shardings=self.state_sharding)()
@@ -149,6 +156,8 @@ class Trainer:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
                 f.write(cfg.to_json())
         self._compiled: dict[Any, Any] = {}
+        self._eval_fns: dict[Any, Any] = {}
+        self._in_loop = False
 
     # -- compilation ------------------------------------------------------------------------
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -163,20 +172,43 @@ class Trainer:
             spec["text_emb"] = ((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32)
         return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(self.mesh, len(s))) for k, (s, d) in spec.items()}
 
-    def compiled_step(self, shape):
-        key = (tuple(shape), self.attention)
+    def attention_for(self, shape, *, train: bool = True, profile: bool = False):
+        """(plans, runtime inputs or None) of a step on `shape`; DSV asks its controller."""
+        if self.controller is None:
+            return self.attention, None
+        inputs = self.controller.inputs(shape)
+        if not train:
+            inputs = {"keep": inputs["keep"]}
+        return self.controller.plans(shape, train=train, profile=profile), inputs
+
+    def compiled_step(self, shape, plans=None):
+        """The compiled train step of a bucket shape and attention plan (cached by (shape, plans))."""
+        if plans is None:
+            plans = self.attention_for(shape)[0]
+        key = (tuple(shape), plans)
         if key not in self._compiled:
-            step = make_train_step(self.cfg, self.graphdef, self.attention)
+            step = make_train_step(self.cfg, self.graphdef, plans)
             jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(self.state_sharding, None))
-            lr = jax.ShapeDtypeStruct((), jnp.float32)
-            self._compiled[key] = jitted.lower(self.abstract_state, self.batch_spec(shape), lr).compile()
+            args = [self.abstract_state, self.batch_spec(shape), jax.ShapeDtypeStruct((), jnp.float32)]
+            if self.controller is not None:
+                replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+                args.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
+                                                                        sharding=replicated),
+                                         self.controller.inputs(shape)))
+            t0 = time.perf_counter()
+            self._compiled[key] = jitted.lower(*args).compile()
+            if self._in_loop:  # a new DSV decision (precompiled variants are not logged)
+                log.info("compiled a new attention variant for %s in %.1fs", "x".join(map(str, shape)),
+                         time.perf_counter() - t0)
         return self._compiled[key]
 
     def precompile(self) -> float:
         t0 = time.perf_counter()
         shapes = self.feed.shapes
         for shape in tqdm(shapes, desc="compiling buckets", disable=not (self.progress and self.is_main), leave=False):
-            self.compiled_step(shape)
+            self.compiled_step(shape, self.attention_for(shape)[0])
+            if self.controller is not None:  # the profiling variant too
+                self.compiled_step(shape, self.attention_for(shape, profile=True)[0])
         return time.perf_counter() - t0
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -196,6 +228,7 @@ class Trainer:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
+            self._in_loop = True
             writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes)})
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
@@ -208,10 +241,20 @@ class Trainer:
                         shape = batch["latents"].shape[1:4]
                         b_global = batch["latents"].shape[0] * jax.process_count()
                         lr = np.float32(lr_at(cfg.train, step))
-                        self.state, metrics = self.compiled_step(shape)(self.state, self.to_global(batch), lr)
+                        profile = False
+                        if self.controller is not None:
+                            self._dsv_events(writer, step, self.controller.before_step(step))
+                            profile = self.controller.profile_due(step, shape)
+                        plans, inputs = self.attention_for(shape, profile=profile)
+                        args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
+                        self.state, metrics = self.compiled_step(shape, plans)(*args)
+                        extra = self.controller.record(shape) if self.controller is not None else {}
                         step += 1
+                        if profile:  # the controller decides on this step's statistics (a host sync)
+                            host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
+                            self._dsv_events(writer, step, self.controller.observe(step - 1, shape, host))
                         window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
-                        pending.append((step, shape, b_global, metrics))
+                        pending.append((step, shape, b_global, metrics, extra))
                         if step % cfg.train.log_every == 0 or step == end:
                             jax.block_until_ready(metrics)
                             elapsed = time.perf_counter() - window_t0
@@ -239,14 +282,23 @@ class Trainer:
         writer.close()
         return records
 
+    def _dsv_events(self, writer, step, lines):
+        for line in lines:
+            log.info(line)
+            writer.write(step, {"dsv/event": line, "dsv/stage": self.controller.stage})
+
     def _records(self, pending, elapsed, tokens):
         if not pending:
             return []
-        host = jax.device_get([m for *_, m in pending])
+        host = jax.device_get([p[3] for p in pending])
         per_step = elapsed / len(pending)
         out = []
-        for (step, shape, b, _), m in zip(pending, host):
-            rec = {k: float(v) for k, v in m.items() if k != "finite"}
+        for (step, shape, b, _, extra), m in zip(pending, host):
+            rec = {}
+            for k, v in m.items():
+                if k != "finite":
+                    rec.update(flatten_metric(k, v))
+            rec.update(extra)
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
                        tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
             if not m["finite"]:
@@ -258,18 +310,23 @@ class Trainer:
         step = int(self.state.step)
         if step in self.checkpointer.all_steps():
             return
-        self.checkpointer.save(step, self.state, data_state, self.cfg)
+        self.checkpointer.save(step, self.state, data_state, self.cfg,
+                               self.controller.state_dict() if self.controller is not None else None)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall."""
         cfg = self.cfg
         eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
                               process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
-        fn = jax.jit(make_eval_step(cfg, self.graphdef, self.attention))
         out, all_losses = {}, []
         for shape in eval_feed.shapes:
+            plans, inputs = self.attention_for(shape, train=False)
+            if plans not in self._eval_fns:
+                self._eval_fns[plans] = jax.jit(make_eval_step(cfg, self.graphdef, plans))
+            fn = self._eval_fns[plans]
+            extra = (inputs,) if inputs is not None else ()
             losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
-                                    jax.random.key(i))) for i in range(cfg.train.eval_batches)]
+                                    jax.random.key(i), *extra)) for i in range(cfg.train.eval_batches)]
             mean = np.mean(losses, axis=0)
             out[f"eval_loss/{'x'.join(map(str, shape))}"] = float(mean.mean())
             all_losses.append(mean)
@@ -280,6 +337,26 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+def flatten_metric(name: str, value) -> dict[str, float]:
+    """A step metric as scalars: per-block arrays [depth] / [depth, H] (DSV) become name/block{i}[/head{h}]
+    plus their means (name, name/block{i}); NaN entries (nothing measured) are left out."""
+    v = np.asarray(value, np.float64)
+    if v.ndim == 0:
+        return {name: float(v)}
+    out = {}
+    if np.isfinite(v).any():
+        out[name] = float(np.nanmean(v))
+    for i, row in enumerate(v):
+        if v.ndim == 1:
+            if np.isfinite(row):
+                out[f"{name}/block{i}"] = float(row)
+            continue
+        if np.isfinite(row).any():
+            out[f"{name}/block{i}"] = float(np.nanmean(row))
+        out.update({f"{name}/block{i}/head{h}": float(x) for h, x in enumerate(np.ravel(row)) if np.isfinite(x)})
+    return out
 
 
 def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None, progress: bool = True,
@@ -293,8 +370,9 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
             from dsv_jax.sample import sample_from_state
 
             path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
+            controller = trainer.controller.state_dict() if trainer.controller is not None else None
             sample_from_state(cfg, trainer.graphdef, trainer.state.params, path, steps=cfg.train.sample_steps,
-                              guidance=cfg.train.guidance)
+                              guidance=cfg.train.guidance, controller_state=controller)
             log.info("wrote %s", path)
     finally:
         trainer.close()

@@ -1,0 +1,9 @@
+"""DSV dynamic sparse attention: low-rank predictor, sparsity profiler, selection, two-stage controller.
+
+    plan.py        AttentionPlan: the static per-block attention decision (hashable, backend-agnostic)
+    predictor.py   LowRankPredictor and its loss
+    selection.py   top-k KV blocks per query tile (with per-head counts), window baseline index lists
+    profiler.py    sparsity / recall statistics from exact attention rows of sampled queries
+    backend.py     the "dsv" and "window" attention backends and the block glue (DiT, MMDiT)
+    controller.py  stage 1 -> stage 2, per-block sparse/dense decisions on a keep ladder (host side)
+"""

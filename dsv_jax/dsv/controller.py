@@ -1,0 +1,207 @@
+"""The two-stage DSV controller (host side): when to go sparse, and which blocks.
+
+    stage 1  full attention everywhere; every block's predictor learns; sparsity is profiled
+    stage 2  from the step where the predictor loss averaged over blocks falls below dsv.switch_loss
+             (an EMA over profile steps), or after dsv.stage1_steps steps: a block attends sparsely
+             where its mean head sparsity is at least dsv.threshold (the cost-benefit switch); the
+             predictor keeps training at dsv.predictor_lr * dsv.stage2_lr_scale
+
+Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
+profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
+profiled sparsity (a low percentile over sampled queries) is smoothed by an EMA; the per-head keep
+ratio min(1, scale * (1 - sparsity)) is a runtime input of the step, while the block's static
+top_k is the smallest rung of dsv.ladder that holds its largest head keep ratio. Moving to a sparser
+rung, or from sparse back to dense, needs a margin (dsv.hysteresis), so decisions, and with them the
+compiled variants (cached by the trainer, keyed by (shape, plans)), change rarely.
+
+The scale is dsv.keep_scale, or, with dsv.recall_target > 0 (our addition), a per-block factor that
+grows by 25% while a sparse block's measured recall is below the target and shrinks back by 10% while
+it is clearly above, between keep_scale and 4 x keep_scale: theta bounds the mass of the exact top keys,
+while a shared tile-level selection needs some more keys to hold the same mass.
+
+All decisions depend only on the step number and the profiled metrics, and the whole state is JSON
+(checkpointed with the run), so a resumed run makes the same decisions as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dsv_jax.dsv.plan import AttentionPlan
+
+
+def shape_key(shape) -> str:
+    return "x".join(str(int(v)) for v in shape)
+
+
+class DSVController:
+    def __init__(self, cfg, state: dict | None = None):
+        if cfg.attention != "dsv":
+            raise ValueError(f"the DSV controller needs attention=dsv, got attention={cfg.attention!r}")
+        self.cfg, self.dsv = cfg, cfg.dsv
+        self.depth, self.heads = cfg.model.depth, cfg.model.heads
+        self.stage, self.switch_step, self.loss_ema = 1, None, None
+        # shape key -> {"sparsity": [depth][H] EMA, "rungs": [depth], "scale": [depth], "profiles": n}
+        self.shapes: dict[str, dict[str, Any]] = {}
+        # The selection measured for recall while a block is dense: the rung at the threshold.
+        self.prospective = self.rung_for(1.0 - self.dsv.threshold) or self.dsv.ladder[-1]
+        if state:
+            self.load_state_dict(state)
+
+    # -- what the next step runs ----------------------------------------------------------------
+    def profile_due(self, step: int, shape) -> bool:
+        return step % self.dsv.profile_every == 0 or shape_key(shape) not in self.shapes
+
+    def plans(self, shape, *, train: bool = True, profile: bool = False) -> tuple[AttentionPlan, ...]:
+        """Static per-block plans of a step on `shape`: train adds the predictor loss, profile the
+        sparsity statistics (see `profile_due`); neither for evaluation and sampling."""
+        d = self.dsv
+        profile = train and profile
+        out = []
+        for rung in self.rungs(shape):
+            sparse = self.stage == 2 and rung > 0
+            keep = rung if sparse else (self.prospective if profile else 0.0)
+            out.append(AttentionPlan(mode="dsv", backend=d.dense_backend, sparse=sparse, keep=keep, kv_block=d.kv_block,
+                                     predictor=train, profile=profile, block_reduce=d.block_reduce,
+                                     query_stride=d.query_stride, max_queries=d.max_queries, theta=d.theta,
+                                     percentile=d.percentile))
+        return tuple(out)
+
+    def inputs(self, shape) -> dict[str, np.ndarray]:
+        """Runtime inputs: per-head keep ratios [depth, H] and the predictor's learning rate."""
+        lr = self.dsv.predictor_lr * (self.dsv.stage2_lr_scale if self.stage == 2 else 1.0)
+        return {"keep": self.keep(shape).astype(np.float32), "predictor_lr": np.float32(lr)}
+
+    def keep(self, shape) -> np.ndarray:
+        entry = self.shapes.get(shape_key(shape))
+        if entry is None:
+            return np.ones((self.depth, self.heads))
+        return _keep(entry)
+
+    def rungs(self, shape) -> list[float]:
+        entry = self.shapes.get(shape_key(shape))
+        return list(entry["rungs"]) if entry else [0.0] * self.depth
+
+    # -- decisions --------------------------------------------------------------------------------
+    def rung_for(self, keep: float) -> float:
+        """The smallest ladder rung >= keep, or 0.0 (dense) where none is."""
+        return next((float(r) for r in self.dsv.ladder if r >= keep - 1e-9), 0.0)
+
+    def decide(self, keep_heads: np.ndarray, current: float) -> float:
+        """A block's rung (0.0: dense) from its heads' keep ratios and its current rung."""
+        d = self.dsv
+        threshold = d.threshold - (d.hysteresis if current > 0 else 0.0)
+        if 1.0 - float(np.mean(keep_heads)) < threshold:
+            return 0.0
+        need = float(np.max(keep_heads))
+        rung = self.rung_for(need)
+        if 0 < rung < current and need > rung * (1.0 - d.hysteresis):
+            # not clearly inside the smaller rung: stop one rung above it (never above the current one)
+            above = [float(r) for r in d.ladder if r > rung]
+            rung = min(above[0], current) if above else current
+        return rung
+
+    def before_step(self, step: int) -> list[str]:
+        """Called before step `step` runs; switches to stage 2 after dsv.stage1_steps steps."""
+        if self.stage == 1 and self.dsv.stage1_steps and step >= self.dsv.stage1_steps:
+            return self._switch(step, f"after {self.dsv.stage1_steps} stage-1 steps")
+        return []
+
+    def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]:
+        """Feed the host copy of a profile step's metrics (dsv/predictor_loss [depth], dsv/sparsity
+        [depth, H]). Returns the decisions it changed, as log lines."""
+        d = self.dsv
+        loss = float(np.mean(metrics["dsv/predictor_loss"]))
+        self.loss_ema = loss if self.loss_ema is None else d.ema * self.loss_ema + (1 - d.ema) * loss
+        key = shape_key(shape)
+        measured = np.asarray(metrics["dsv/sparsity"], np.float64)
+        entry = self.shapes.get(key)
+        if entry is None:
+            entry = self.shapes[key] = {"sparsity": measured.tolist(), "rungs": [0.0] * self.depth,
+                                        "scale": [d.keep_scale] * self.depth, "profiles": 0}
+        else:
+            entry["sparsity"] = (d.ema * np.asarray(entry["sparsity"]) + (1 - d.ema) * measured).tolist()
+        entry["profiles"] += 1
+        if d.recall_target and self.stage == 2 and "dsv/recall" in metrics:
+            recall = np.asarray(metrics["dsv/recall"], np.float64).reshape(self.depth, -1).mean(axis=1)
+            for i, r in enumerate(recall):
+                if entry["rungs"][i] > 0 and np.isfinite(r):  # only a sparse block measures its own selection
+                    if r < d.recall_target:
+                        entry["scale"][i] = min(entry["scale"][i] * 1.25, 4 * d.keep_scale)
+                    elif r > d.recall_target + 0.02:
+                        entry["scale"][i] = max(entry["scale"][i] / 1.1, d.keep_scale)
+        if self.stage == 1:
+            if self.loss_ema < d.switch_loss:
+                return self._switch(step + 1, f"predictor loss {self.loss_ema:.4f} < {d.switch_loss}")
+            return []
+        return self._update_rungs(key)
+
+    def _update_rungs(self, key: str) -> list[str]:
+        entry = self.shapes[key]
+        keep = _keep(entry)
+        events = []
+        for i in range(self.depth):
+            new = self.decide(keep[i], entry["rungs"][i])
+            if new != entry["rungs"][i]:
+                events.append(f"block {i}: {_describe(entry['rungs'][i])} -> {_describe(new)}")
+                entry["rungs"][i] = new
+        return [f"DSV {key}: " + ", ".join(events)] if events else []
+
+    def _switch(self, step: int, reason: str) -> list[str]:
+        self.stage, self.switch_step = 2, int(step)
+        lines = [f"DSV stage 2 from step {step} ({reason})"]
+        for key in sorted(self.shapes):
+            self._update_rungs(key)
+            lines.append(f"  {key}: " + ", ".join(_describe(r) for r in self.shapes[key]["rungs"]))
+        return ["\n".join(lines)]
+
+    # -- logging and checkpoints --------------------------------------------------------------------
+    def record(self, shape) -> dict[str, float]:
+        """Scalars for the metrics log of a step on `shape`: stage and per-block decisions."""
+        rungs = self.rungs(shape)
+        sparse = [self.stage == 2 and r > 0 for r in rungs]
+        rec = {"dsv/stage": self.stage, "dsv/sparse_blocks": int(sum(sparse))}
+        for i, (s, r) in enumerate(zip(sparse, rungs)):
+            rec[f"dsv/sparse/block{i}"] = int(s)
+            rec[f"dsv/keep/block{i}"] = float(r) if s else 1.0
+        return rec
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "switch_step": self.switch_step, "loss_ema": self.loss_ema,
+                "shapes": {k: {"sparsity": v["sparsity"], "rungs": v["rungs"], "scale": v["scale"],
+                               "profiles": v["profiles"]} for k, v in self.shapes.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage, self.switch_step, self.loss_ema = int(state["stage"]), state["switch_step"], state["loss_ema"]
+        self.shapes = {}
+        for k, v in state["shapes"].items():
+            sparsity = np.asarray(v["sparsity"], np.float64)
+            if sparsity.shape != (self.depth, self.heads) or len(v["rungs"]) != self.depth:
+                raise ValueError(f"DSV controller state for {k} has sparsity {sparsity.shape} and {len(v['rungs'])} "
+                                 f"rungs; the model has {self.depth} blocks x {self.heads} heads")
+            self.shapes[k] = {"sparsity": sparsity.tolist(), "rungs": [float(r) for r in v["rungs"]],
+                              "scale": [float(x) for x in v.get("scale", [self.dsv.keep_scale] * self.depth)],
+                              "profiles": int(v["profiles"])}
+
+
+def _keep(entry) -> np.ndarray:
+    """Per-head keep ratios [depth, H] of a shape's statistics."""
+    scale = np.asarray(entry["scale"], np.float64)[:, None]
+    return np.minimum(1.0, scale * (1.0 - np.asarray(entry["sparsity"], np.float64)))
+
+
+def _describe(rung: float) -> str:
+    return f"sparse keep<={rung:g}" if rung > 0 else "dense"
+
+
+def attention_for(cfg, shape, controller_state: dict | None = None):
+    """(attention, attention_inputs) of inference on `shape` (evaluation, sampling): the trained plans
+    of a DSV run from its controller state, the window plans, or a backend name."""
+    from dsv_jax.dsv.plan import static_plans
+
+    if cfg.attention != "dsv":
+        return static_plans(cfg), None
+    ctl = DSVController(cfg, controller_state)
+    return ctl.plans(shape, train=False), {"keep": ctl.keep(shape).astype(np.float32)}

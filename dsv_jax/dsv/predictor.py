@@ -1,0 +1,77 @@
+"""The DSV predictor: per block, per head low-rank projections whose logits q_lr k_lr^T approximate q k^T.
+
+    q_lr = RoPE(x W_Q^lr),  k_lr = RoPE(x W_K^lr)     x: the block's normalised input (what QKV sees), detached
+    loss = 0.9 * mean_rows(1 - cos(z_hat, z)) + 0.1 * mean_rows(MSE(z_hat / |z_hat|, z / |z|))
+
+z are the true scaled logits q k^T * D**-0.5 of sampled queries (every `query_stride`-th) against all
+valid keys, detached; z_hat the predicted ones. The predictor's inputs and targets are stop-gradient,
+so its loss never reaches the model, and the model's loss never reaches it (it only feeds the integer
+top-k selection). It trains with its own optimizer (see `dsv_jax.train.optimizer`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv_jax.config import ModelConfig
+
+
+class LowRankPredictor(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rank: int, rngs: nnx.Rngs, *, rope: bool = True):
+        self.heads, self.rank, self.rope, self.rope_theta = cfg.heads, rank, rope, cfg.rope_theta
+        init = nnx.initializers.lecun_normal()
+        self.wq = nnx.Linear(cfg.hidden, cfg.heads * rank, use_bias=False, kernel_init=init,
+                             param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
+        self.wk = nnx.Linear(cfg.hidden, cfg.heads * rank, use_bias=False, kernel_init=init,
+                             param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x, coords: np.ndarray):
+        """x [B, S, hidden] (already detached by the caller) -> q_lr, k_lr [B, S, H, rank] in fp32."""
+        b, s, _ = x.shape
+        x = x.astype(jnp.float32)
+        q = self.wq(x).reshape(b, s, self.heads, self.rank)
+        k = self.wk(x).reshape(b, s, self.heads, self.rank)
+        if self.rope:
+            from dsv_jax.model.rope import apply_rope, rope_angles  # noqa: PLC0415 (dsv_jax.model imports this module)
+
+            angles = jnp.asarray(rope_angles(coords, self.rank, self.rope_theta))
+            q, k = apply_rope(q, angles), apply_rope(k, angles)
+        return q, k
+
+
+@functools.lru_cache(maxsize=256)
+def sample_positions(n_real: int, stride: int, max_queries: int) -> np.ndarray:
+    """Static query positions: one per `stride` tokens (more stride when that exceeds `max_queries`).
+
+    The offset inside each stride cycles (i * 37 mod stride) so the samples do not all sit at the same
+    corner of a 3D tile, which a plain every-Nth sample of tile-major tokens would do."""
+    stride = max(stride, -(-n_real // max_queries))
+    starts = np.arange(0, n_real, stride)
+    pos = starts + (np.arange(len(starts)) * 37) % stride
+    return np.minimum(pos, n_real - 1).astype(np.int32)
+
+
+def true_logits(q, k, positions, n_real, sm_scale):
+    """Scaled logits [B, H, Q, S] of the sampled queries (fp32, detached); invalid keys -inf."""
+    qs = jax.lax.stop_gradient(q[:, positions]).astype(jnp.float32)
+    z = jnp.einsum("bqhd,bkhd->bhqk", qs, jax.lax.stop_gradient(k).astype(jnp.float32)) * sm_scale
+    return jnp.where(jnp.arange(k.shape[1]) < n_real, z, -jnp.inf)
+
+
+def predictor_loss(q_lr, k_lr, z, positions, n_real):
+    """The paper's loss between predicted and true logit rows; z from `true_logits`. -> scalar."""
+    valid = jnp.arange(k_lr.shape[1]) < n_real
+    zh = jnp.einsum("bqhr,bkhr->bhqk", q_lr[:, positions], k_lr) * (q_lr.shape[-1] ** -0.5)
+    zh = jnp.where(valid, zh, 0.0)
+    zt = jnp.where(valid, z, 0.0)
+    eps = 1e-6
+    nh = jnp.sqrt(jnp.sum(zh * zh, -1, keepdims=True) + eps)
+    nt = jnp.sqrt(jnp.sum(zt * zt, -1, keepdims=True) + eps)
+    cosine = jnp.sum(zh * zt, -1) / (nh[..., 0] * nt[..., 0])
+    mse = jnp.sum(jnp.square(zh / nh - zt / nt), -1) / n_real
+    return 0.9 * jnp.mean(1.0 - cosine) + 0.1 * jnp.mean(mse)

@@ -1,0 +1,104 @@
+"""Which KV blocks each query tile attends to, in the layout of `pallas_kernels.sparse_attention`:
+kv_index int32 [B, H, T, K] (block ids, ascending within the first kv_count entries), kv_count [B, H, T].
+
+DSV (`select_kv`): every query tile shares one KV list, chosen from the low-rank projections by
+`lowrank_topk` (proxy = the tile's mean q_lr; DSV's paper uses the middle token). K = top_k is static
+(a rung of the keep ladder); each head keeps its own runtime count <= K. Because `lowrank_topk` returns
+its K ids in ascending order (not by score) and the kernel reads only the first kv_count entries, a head
+with count < K re-ranks the K candidates by score and moves its best `count` to the front, ascending.
+
+Window baseline (`window_selection`): a static 3D neighbourhood of tiles around each query tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.lowrank_topk import lowrank_topk
+
+
+def head_counts(keep, n_blocks: int, top_k: int) -> jax.Array:
+    """Per-head KV block counts from keep ratios [..., H] (runtime): ceil(keep * n_blocks), in 1..top_k."""
+    counts = jnp.ceil(jnp.asarray(keep, jnp.float32) * n_blocks - 1e-4).astype(jnp.int32)
+    return jnp.clip(counts, 1, top_k)
+
+
+def candidate_scores(q_lr, k_lr, kv_index, *, q_tile: int, kv_block: int, block_reduce: str = "mean"):
+    """Scores [B, H, T, K] of the selected blocks, as `lowrank_topk` scores them."""
+    b, s, h, r = q_lr.shape
+    tiles, nb = s // q_tile, s // kv_block
+    proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, tiles, q_tile, h, r), axis=2).transpose(0, 2, 1, 3)
+    keys = k_lr.astype(jnp.float32).reshape(b, nb, kv_block, h, r)
+    if block_reduce == "mean":  # mean of dot products = dot product with the block's mean key
+        kbar = jnp.mean(keys, axis=2).transpose(0, 2, 1, 3)  # [B, H, nb, r]
+        picked = jnp.take_along_axis(kbar[:, :, None], kv_index[..., None], axis=3)  # [B, H, T, K, r]
+        return jnp.einsum("bhtr,bhtkr->bhtk", proxy, picked)
+    keys = keys.transpose(0, 3, 1, 2, 4)  # [B, H, nb, kv_block, r]
+
+    def one_tile(args):  # the max over a block is not linear: gather one query tile at a time
+        p, idx = args  # [B, H, r], [B, H, K]
+        blocks = jnp.take_along_axis(keys, idx[..., None, None], axis=2)  # [B, H, K, kv_block, r]
+        return jnp.max(jnp.einsum("bhr,bhkjr->bhkj", p, blocks), axis=-1)
+
+    out = jax.lax.map(one_tile, (proxy.transpose(2, 0, 1, 3), kv_index.transpose(2, 0, 1, 3)))
+    return out.transpose(1, 2, 0, 3)
+
+
+def keep_best(kv_index, scores, counts):
+    """Per row, move the `counts` best-scoring ids to the front in ascending order (the rest follow)."""
+    rank = jnp.argsort(jnp.argsort(-scores, axis=-1), axis=-1)  # 0 = best
+    big = jnp.iinfo(jnp.int32).max // 2
+    key = jnp.where(rank < counts[..., None], kv_index, big + kv_index)
+    key = jnp.sort(key, axis=-1)
+    return jnp.where(key >= big, key - big, key).astype(jnp.int32)
+
+
+def select_kv(q_lr, k_lr, top_k: int, keep=None, *, q_tile: int, kv_block: int, block_reduce: str = "mean"):
+    """(kv_index [B, H, T, top_k], kv_count [B, H, T]) from the predictor's projections [B, S, H, r].
+
+    keep: optional per-head keep ratios [H] or [B, H] (runtime); None keeps all top_k blocks per head."""
+    b, s, h, _ = q_lr.shape
+    tiles, nb = s // q_tile, s // kv_block
+    q_lr, k_lr = jax.lax.stop_gradient(q_lr), jax.lax.stop_gradient(k_lr)
+    kv_index = lowrank_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
+                            impl="auto")
+    if keep is None:
+        return kv_index, jnp.full((b, h, tiles), top_k, jnp.int32)
+    per_head = head_counts(keep, nb, top_k)
+    per_head = jnp.broadcast_to(per_head if per_head.ndim == 2 else per_head[None], (b, h))
+    counts = jnp.broadcast_to(per_head[..., None], (b, h, tiles))
+    if top_k == 1:
+        return kv_index, counts
+    scores = candidate_scores(q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+    return keep_best(kv_index, scores, counts), counts
+
+
+def window_extent(n: int, fraction: float) -> int:
+    """Tiles per window along a dimension of n tiles: fraction of it, at least one."""
+    return max(1, min(n, math.floor(fraction * n + 0.5)))
+
+
+@functools.lru_cache(maxsize=128)
+def window_selection(tile_grid: tuple[int, int, int], fraction: float) -> np.ndarray:
+    """Static kv_index [T, K] of the window baseline over a grid of tiles (raster order = tile-major).
+
+    Each query tile attends to the m_t x m_h x m_w tiles (m_d = fraction of the tiles along d, at least
+    one) of a box centred on it and shifted inside the grid, so every tile has the same count K."""
+    ms = [window_extent(n, fraction) for n in tile_grid]
+    starts = [np.clip(np.arange(n) - (m - 1) // 2, 0, n - m) for n, m in zip(tile_grid, ms)]
+    nt, nh, nw = tile_grid
+    rows = []
+    for a in range(nt):
+        for c in range(nh):
+            for e in range(nw):
+                t = starts[0][a] + np.arange(ms[0])
+                y = starts[1][c] + np.arange(ms[1])
+                x = starts[2][e] + np.arange(ms[2])
+                ids = (t[:, None, None] * nh + y[None, :, None]) * nw + x[None, None, :]
+                rows.append(ids.reshape(-1))
+    return np.asarray(rows, np.int32)  # ascending: raster order of (t, y, x) within the box

@@ -1,0 +1,242 @@
+"""Attention sparsity of a trained model (the DSV paper's observations), as JSON + plots.
+
+    PYTHONPATH=. python experiments/sparsity_analysis.py --workdir runs/quality/dsv [--shape 8,64,64]
+    PYTHONPATH=. python experiments/sparsity_analysis.py --quick    # trains a tiny model on the CPU first
+
+For held-out batches at fixed noise levels t, every block's exact attention rows of sampled queries
+(every dsv.query_stride-th token) give, per block and head:
+  * the share of attention mass held by the top 1, 2, 5, 10, 20, 50% of keys (mean over queries);
+  * sparsity at theta (1 - critical / S, critical = fewest keys with theta of the mass): the
+    conservative low percentile DSV uses, and the mean over queries;
+  * the mean distance, per axis (t, h, w in tokens), of a query's critical keys from it, next to the
+    mean distance of all keys (what uniform attention would give): how local attention is;
+  * for a DSV run, the recall of its selection (the trained stage-2 plans; dense blocks measured at the
+    rung of the cost-benefit threshold).
+Plots (matplotlib, `pip install -e ".[plots]"`): top-key mass curves, a block x head sparsity map,
+critical-KV distances, named sparsity_<run>_*.png after the workdir's last component; results JSON
+sparsity_analysis_<run>.json. Written to $OUT, or experiments/results/sparsity_analysis/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if "--quick" in sys.argv:  # CPU, and XLA's cheapest compile (the quick run is mostly compilation)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments.harness import print_table, write_results  # noqa: E402
+
+AXES = ("t", "h", "w")
+
+
+def load(workdir: str):
+    from dsv_jax.config import Config
+    from dsv_jax.train.checkpoint import Checkpointer
+    from dsv_jax.train.step import abstract_model, init_state
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+        cfg = Config.from_dict(ckpt.saved_config(step))
+        graphdef, _ = abstract_model(cfg)
+        state, _ = ckpt.restore(step, jax.eval_shape(lambda: init_state(cfg)))
+        controller = ckpt.controller_state(step)
+    finally:
+        ckpt.close()
+    return cfg, graphdef, state.params, controller, step
+
+
+def analysis_plans(cfg, shape, controller):
+    """Per-block plans that profile with the analysis statistics (and, for DSV, the trained selection)."""
+    from dsv_jax.dsv.controller import DSVController
+    from dsv_jax.dsv.plan import AttentionPlan
+
+    d = cfg.dsv
+    if cfg.attention != "dsv":
+        plan = AttentionPlan(mode="dense", backend=d.dense_backend, profile=True, analysis=True, theta=d.theta,
+                             percentile=d.percentile, query_stride=d.query_stride, max_queries=d.max_queries)
+        return [plan] * cfg.model.depth, None
+    ctl = DSVController(cfg, controller)
+    plans = [dataclasses.replace(p, profile=True, analysis=True, keep=p.keep or ctl.prospective)
+             for p in ctl.plans(shape, train=False)]
+    return plans, {"keep": jnp.asarray(ctl.keep(shape), jnp.float32)}
+
+
+def uniform_distance(layout, positions) -> np.ndarray:
+    """Mean per-axis distance from the sampled queries to all valid keys (uniform attention) [3]."""
+    c = layout.coords[: layout.n_real].astype(np.float64)
+    return np.mean(np.abs(c[None] - c[positions][:, None]), axis=(0, 1))
+
+
+def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int):
+    from flax import nnx
+
+    from dsv_jax.data.feed import make_feed
+    from dsv_jax.dsv.predictor import sample_positions
+    from dsv_jax.model.tokens import grid_shape, token_layout
+    from dsv_jax.train.loss import noised
+
+    plans, inputs = analysis_plans(cfg, shape, controller)
+    feed = make_feed(cfg, batch_multiple=1, process_index=0, process_count=1, split="eval")
+
+    @jax.jit
+    def stats(params, batch, t, key):
+        model = nnx.merge(graphdef, params)
+        x0 = batch["latents"].astype(jnp.float32)
+        text, mask = model.encode_text(batch)
+        tb = jnp.full((x0.shape[0],), t)
+        xt, _ = noised(x0, jax.random.normal(key, x0.shape), tb)
+        _, aux = model(xt, tb, text, mask, attention=plans, attention_inputs=inputs, return_aux=True)
+        return aux
+
+    per_t = {}
+    for t in t_values:
+        runs = [jax.device_get(stats(params, {k: jnp.asarray(v) for k, v in feed.batch_at(i, shape).items()},
+                                     jnp.float32(t), jax.random.key(seed + i))) for i in range(batches)]
+        per_t[t] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
+    layout = token_layout(grid_shape(shape, cfg.model.patch), cfg.model.tile)
+    positions = sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)
+    return per_t, uniform_distance(layout, positions), layout
+
+
+def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[plots]'): no plots")
+        return []
+    from dsv_jax.dsv.profiler import TOP_FRACTIONS
+
+    paths = []
+    ts = sorted(per_t)
+    fig, axes = plt.subplots(1, len(ts), figsize=(4 * len(ts), 3.4), squeeze=False)
+    for ax, t in zip(axes[0], ts):
+        mass = per_t[t]["top_mass"].mean(axis=1)  # [depth, F]
+        for i, row in enumerate(mass):
+            ax.plot([100 * f for f in TOP_FRACTIONS], row, marker="o", label=f"block {i}")
+        ax.set_xscale("log")
+        ax.set_xlabel("top keys (% of S)")
+        ax.set_ylabel("share of attention mass")
+        ax.set_title(f"t = {t}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, f"{prefix}_top_key_mass.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(ts), figsize=(3.6 * len(ts) + 1, 3.4), squeeze=False, layout="constrained")
+    for ax, t in zip(axes[0], ts):
+        sp = per_t[t]["sparsity"]
+        im = ax.imshow(sp, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(sp.shape[1]))
+        ax.set_yticks(range(sp.shape[0]))
+        ax.set_xlabel("head")
+        ax.set_ylabel("block")
+        ax.set_title(f"sparsity, t = {t}")
+    fig.colorbar(im, ax=axes[0].tolist())
+    paths.append(os.path.join(out_dir, f"{prefix}_sparsity_block_head.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    t = ts[len(ts) // 2]
+    dist = per_t[t]["critical_distance"].mean(axis=1)  # [depth, 3]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    width = 0.8 / (len(dist) + 1)
+    for i, row in enumerate(dist):
+        ax.bar(np.arange(3) + i * width, row, width, label=f"block {i}")
+    ax.bar(np.arange(3) + len(dist) * width, uniform, width, color="grey", label="all keys")
+    ax.set_xticks(np.arange(3) + 0.4 - width / 2, AXES)
+    ax.set_ylabel("mean |distance| to the query (tokens)")
+    ax.set_title(f"critical KV distance, t = {t}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, f"{prefix}_critical_distance.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def quick_workdir() -> str:
+    from dsv_jax.config import get_config
+    from dsv_jax.train.trainer import train
+
+    workdir = tempfile.mkdtemp(prefix="sparsity_analysis_")
+    cfg = get_config("tiny", ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16",
+                              "model.patch=[1,2,2]", "text.max_len=8", "text.hash_buckets=8",
+                              "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]", "data.tokens_per_batch=512",
+                              "train.steps=4", "train.sample_at_end=false", "train.eval_batches=1",
+                              "attention=dsv", "dsv.stage1_steps=2", "dsv.threshold=0.2", "dsv.profile_every=2"])
+    train(cfg, workdir, progress=False)
+    return workdir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", help="a training workdir with checkpoints")
+    p.add_argument("--quick", action="store_true", help="train a tiny model on the CPU, then analyse it")
+    p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
+    p.add_argument("--t", default="0.2,0.5,0.8", help="noise levels")
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.workdir and not args.quick:
+        p.error("give --workdir (a trained run) or --quick")
+    workdir = args.workdir or quick_workdir()
+    cfg, graphdef, params, controller, step = load(workdir)
+    from dsv_jax.sample import default_shape
+
+    shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else default_shape(cfg)
+    t_values = [float(v) for v in args.t.split(",")]
+    per_t, uniform, layout = analyse(cfg, graphdef, params, controller, shape, t_values, args.batches, args.seed)
+
+    from dsv_jax.dsv.profiler import TOP_FRACTIONS
+
+    rows = []
+    for t in t_values:
+        r = per_t[t]
+        for i in range(cfg.model.depth):
+            row = {"t": t, "block": i, "sparsity": float(r["sparsity"][i].mean()),
+                   "sparsity_mean": float(r["sparsity_mean"][i].mean()),
+                   "top10%_mass": float(r["top_mass"][i, :, TOP_FRACTIONS.index(0.1)].mean())}
+            row.update({f"dist_{a}": float(r["critical_distance"][i, :, j].mean()) for j, a in enumerate(AXES)})
+            if np.isfinite(r["recall"][i]).all():
+                row["recall"] = float(r["recall"][i].mean())
+            rows.append(row)
+    print(f"{workdir} (step {step}, attention={cfg.attention}), shape {shape}: {layout.n_real} tokens; "
+          f"uniform-attention distance t/h/w = {np.round(uniform, 2).tolist()}")
+    print_table(rows, ["t", "block", "sparsity", "sparsity_mean", "top10%_mass", "dist_t", "dist_h", "dist_w",
+                       "recall"])
+    out_dir = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="sparsity_plots_") if args.quick else os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", "sparsity_analysis"))
+    os.makedirs(out_dir, exist_ok=True)
+    run_name = os.path.basename(os.path.abspath(workdir))
+    prefix = "quick" if args.quick else run_name
+    paths = plot(per_t, uniform, out_dir, f"{run_name} step {step}, {shape}", f"sparsity_{prefix}")
+    payload = {"workdir": workdir, "step": step, "attention": cfg.attention, "shape": shape, "tokens": layout.n_real,
+               "theta": cfg.dsv.theta, "percentile": cfg.dsv.percentile, "top_fractions": TOP_FRACTIONS,
+               "uniform_distance": uniform.tolist(), "rows": rows, "plots": paths,
+               "per_t": {str(t): {k: np.asarray(v).tolist() for k, v in r.items()} for t, r in per_t.items()}}
+    print("wrote", write_results(f"sparsity_analysis_{prefix}", payload), *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
