@@ -132,6 +132,10 @@ class Trainer:
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
         self.attention = cfg.attention
+        if self.mesh.shape["context"] > 1:  # the sequence of a sample spans the context axis
+            from dsv_jax.parallel.context import ContextPlan
+
+            self.attention = ContextPlan(self.mesh, cfg.parallel.context_strategy, backend=cfg.attention)
 
         latest = self.checkpointer.latest_step() if resume else None
         if latest is not None:

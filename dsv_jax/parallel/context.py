@@ -1,0 +1,306 @@
+"""`context_attention`: attention over a sequence split across the mesh's `context` axis.
+
+    out = context_attention(q, k, v, mesh=mesh, strategy="hybrid")   # q, k, v [B, S, H, D], S on `context`
+
+Strategies (n = size of the context axis):
+  ulysses    HCP: all-to-all to head shards, attention on all S tokens of H/n heads, all-to-all back
+  ring       SCP: K/V chunks circulate (ppermute), online-softmax merge
+  allgather  SCP: all-gather K/V, attend locally
+  selective  SCP, sparse: fetch only the KV blocks the local query tiles selected
+  hybrid     HCP degree x SCP degree = n (from `degrees` and `scp`, or from the planner)
+
+The context axis is viewed as a (cp_seq, cp_head) grid with cp_head the minor axis, so the HCP groups
+are neighbouring devices (one node's NVLink) and each HCP all-to-all leaves a device with a contiguous
+slice of the sequence: the SCP strategies then run on cp_seq exactly as on their own.
+
+Sparse attention: pass kv_index / kv_count in the layout of `pallas_kernels.sparse_attention`
+(block ids over the whole sequence); the result equals single-device `sparse_attention` with the
+same selection. With HCP, heads are balanced across devices by their selected work (`head_perm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dsv_jax.parallel import hcp, local, scp
+
+log = logging.getLogger("dsv_jax")
+
+STRATEGIES = ("ulysses", "allgather", "ring", "selective", "hybrid")
+SCP_STRATEGIES = ("ring", "allgather", "selective")
+SEQ, HEAD = "cp_seq", "cp_head"  # the two views of the context axis
+
+
+@functools.lru_cache(maxsize=64)
+def split_context_mesh(mesh: Mesh, hcp_degree: int, scp_degree: int) -> Mesh:
+    """The same devices with the `context` axis reshaped to (cp_seq, cp_head) = (scp_degree, hcp_degree)."""
+    names = tuple(mesh.axis_names)
+    if "context" not in names:
+        raise ValueError(f"mesh axes {names} have no 'context' axis; build it with dsv_jax.parallel.make_mesh")
+    c = names.index("context")
+    n = mesh.devices.shape[c]
+    if hcp_degree * scp_degree != n:
+        raise ValueError(f"HCP degree {hcp_degree} x SCP degree {scp_degree} != context axis size {n}")
+    shape = mesh.devices.shape[:c] + (scp_degree, hcp_degree) + mesh.devices.shape[c + 1:]
+    return Mesh(mesh.devices.reshape(shape), names[:c] + (SEQ, HEAD) + names[c + 1:])
+
+
+def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, heads=None, plan_fn=None):
+    """(hcp_degree, scp_degree, scp_strategy) of a call."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
+    if strategy == "ulysses":
+        return n, 1, "allgather"
+    if strategy in SCP_STRATEGIES:
+        return 1, n, strategy
+    if degrees is None:
+        if plan_fn is None:
+            raise ValueError("strategy='hybrid' needs degrees=(hcp, scp) or a planner decision")
+        degrees, scp_strategy = plan_fn()
+    ph, ps = (int(d) for d in degrees)
+    if ph * ps != n:
+        raise ValueError(f"hybrid degrees {ph} x {ps} do not multiply to the context axis size {n}")
+    scp_strategy = scp_strategy or "ring"
+    if scp_strategy not in SCP_STRATEGIES:
+        raise ValueError(f"scp={scp_strategy!r} is not one of {list(SCP_STRATEGIES)}")
+    return ph, ps, scp_strategy
+
+
+def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block):
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"context_attention expects q, k, v of one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+    b, s, h, _ = q.shape
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by the context axis size {n}")
+    hcp.check_heads(h, ph)
+    sparse = kv_index is not None
+    if (kv_count is None) != (kv_index is None):
+        raise ValueError("pass kv_index and kv_count together (a sparse selection) or neither (dense)")
+    if scp_strategy == "selective" and ps > 1 and not sparse:
+        raise ValueError("strategy 'selective' exchanges selected KV blocks: it needs kv_index and kv_count")
+    if sparse:
+        if kv_lens is not None:
+            raise ValueError("kv_lens with a sparse selection: mask padded keys through the selection instead")
+        if (s // n) % q_tile or (s // ps) % kv_block:
+            raise ValueError(f"sequence {s} over context {n}: each device's {s // n} tokens must be whole query "
+                             f"tiles of {q_tile}, and each SCP slice ({s // ps}) whole KV blocks of {kv_block}")
+        tiles = s // q_tile
+        if kv_index.ndim != 4 or kv_index.shape[:3] != (b, h, tiles) or kv_count.shape != (b, h, tiles):
+            raise ValueError(f"kv_index must be [B, H, S // q_tile, K] = [{b}, {h}, {tiles}, K] and kv_count "
+                             f"[{b}, {h}, {tiles}]; got {kv_index.shape}, {kv_count.shape}")
+
+
+def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_scale: float | None = None,
+                      kv_index=None, kv_count=None, q_tile: int = 64, kv_block: int = 64,
+                      head_perm: Any = "auto", degrees: tuple[int, int] | None = None, scp: str | None = None,
+                      capacity: int | float | None = None, sparsity: Any = None, backend: str = "auto",
+                      impl: str = "auto", q_chunk: int | None = 1024, return_stats: bool = False):
+    """softmax(q k^T * sm_scale) v with the sequence of q, k, v [B, S, H, D] split over `context`.
+
+    mesh: from `dsv_jax.parallel.make_mesh`; batch stays on (data, fsdp), sequence on context.
+    strategy: "ulysses" | "ring" | "allgather" | "selective" | "hybrid".
+    kv_lens: [B] valid key prefix (dense only). kv_index / kv_count: a block-sparse selection.
+    head_perm: HCP head assignment: "auto" (balance the selected work, sparse only), None (heads in
+        order) or an int array [H] (device j gets heads perm[j*H/d:(j+1)*H/d]); a runtime input.
+    degrees, scp: for "hybrid", (HCP degree, SCP degree) and the SCP strategy; without them the
+        planner decides from the shapes and `sparsity` (a float or per-head tuple; a hint only).
+    capacity: "selective": KV blocks each device may request per peer (an int, or a float fraction of
+        the peer's blocks); default: everything (never overflows). Overflow takes the exact all-gather path.
+    backend: dense per-device attention backend (the attention entry point); impl: the sparse kernel's.
+    q_chunk: query rows per block in the ring's plain-JAX inner attention (bounds its memory).
+    return_stats: also return {"requested_blocks", "overflow_blocks", "fallback", "max_head_load",
+        "mean_head_load"} as arrays.
+    """
+    n = mesh.shape["context"] if "context" in mesh.shape else None
+    if n is None:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no 'context' axis")
+    b, s, h, d = q.shape if q.ndim == 4 else (None,) * 4
+    sparse = kv_index is not None
+
+    def plan_fn():
+        from dsv_jax.parallel.planner import default_plan
+        return default_plan(seq_len=s, heads=h, head_dim=d, batch=b, devices=n, sparse=sparse, sparsity=sparsity,
+                            dtype_bytes=jnp.dtype(q.dtype).itemsize)
+
+    ph, ps, scp_strategy = resolve_degrees(strategy, n, degrees=degrees, scp_strategy=scp, heads=h, plan_fn=plan_fn)
+    _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block)
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+
+    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
+    dp = math.prod(mesh.shape[a] for a in batch_axes)
+    bspec = batch_axes if b % dp == 0 else None  # batch not divisible: replicate it over those axes
+    sub = split_context_mesh(mesh, ph, ps)
+
+    args = {"q": q, "k": k, "v": v}
+    specs = {"q": P(bspec, (SEQ, HEAD)), "k": P(bspec, (SEQ, HEAD)), "v": P(bspec, (SEQ, HEAD))}
+    if kv_lens is not None:
+        args["kv_lens"] = jnp.broadcast_to(jnp.asarray(kv_lens, jnp.int32), (b,))
+        specs["kv_lens"] = P(bspec)
+    if sparse:
+        args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
+        specs["kv_index"] = specs["kv_count"] = P(bspec, None, (SEQ, HEAD))
+    loads = head_loads = None
+    if ph > 1:
+        if isinstance(head_perm, str):
+            if head_perm != "auto":
+                raise ValueError(f"head_perm={head_perm!r}: use 'auto', None or an int array of the {h} heads")
+            if sparse:
+                head_loads = hcp.head_loads_from_counts(kv_count)
+                head_perm = hcp.balance_heads(head_loads, ph)
+            else:
+                head_perm = None
+        if head_perm is not None:
+            head_perm = jnp.asarray(head_perm, jnp.int32)
+            if head_perm.shape != (h,):
+                raise ValueError(f"head_perm must be a permutation of the {h} heads, got shape {head_perm.shape}")
+            args["perm"] = head_perm
+            specs["perm"] = P()
+    if capacity is None or isinstance(capacity, float):
+        rows = (b // dp if bspec else b) * (h // ph) * (s // ps // kv_block)  # all of one peer's blocks
+        capacity = rows if capacity is None else max(1, math.ceil(capacity * rows))
+
+    body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
+                             q_tile=q_tile, kv_block=kv_block, capacity=int(capacity), backend=backend, impl=impl,
+                             q_chunk=q_chunk, stat_axes=tuple(sub.axis_names))
+    out_specs = (P(bspec, (SEQ, HEAD)), P())
+    out, stats = jax.shard_map(body, mesh=sub, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
+    if scp_strategy == "selective" and ps > 1:
+        jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
+    if not return_stats:
+        return out
+    if head_loads is None and sparse:
+        head_loads = hcp.head_loads_from_counts(kv_count)
+    if head_loads is not None:
+        perm = args.get("perm", jnp.arange(h))
+        per_dev = head_loads[perm].reshape(ph, -1).sum(axis=1)
+        stats["max_head_load"], stats["mean_head_load"] = jnp.max(per_dev), jnp.mean(per_dev)
+    return out, stats
+
+
+def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_block: int = 64, block_reduce="mean"):
+    """Block selection of every query tile with q_lr, k_lr [B, S, H, r] sharded over `context`:
+    each device all-gathers the low-rank keys (rank r: cheap) and selects for its own query tiles.
+    Returns (kv_index [B, H, S // q_tile, K], kv_count) sharded over the tiles, ready for
+    context_attention; equal to `pallas_kernels.lowrank_topk` on one device (top_k an int, or one per head)."""
+    n = mesh.shape["context"]
+    b, s, h, _ = q_lr.shape
+    if k_lr.shape != q_lr.shape or (s // n) % q_tile or s % kv_block:
+        raise ValueError(f"q_lr {q_lr.shape} / k_lr {k_lr.shape}: need one shape [B, S, H, r] with S / context "
+                         f"({s} / {n}) whole query tiles of {q_tile} and S whole KV blocks of {kv_block}")
+    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
+    dp = math.prod(mesh.shape[a] for a in batch_axes)
+    bspec = batch_axes if b % dp == 0 else None
+    top_k = tuple(int(t) for t in top_k) if isinstance(top_k, (tuple, list, np.ndarray)) else int(top_k)
+
+    def body(q_lr, k_lr):
+        k_all = jax.lax.all_gather(k_lr, "context", axis=1, tiled=True)
+        return scp.local_selection(q_lr, k_all, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+
+    spec_in = P(bspec, "context")
+    spec_out = P(bspec, None, "context")
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec_in, spec_in), out_specs=(spec_out, spec_out),
+                         check_vma=False)(q_lr, k_lr)
+
+
+OVERFLOW_EVENTS = {"calls": 0, "blocks": 0}  # host-side tally of selective-exchange overflows
+
+
+def _report_overflow(blocks, fallback):
+    if int(fallback):
+        OVERFLOW_EVENTS["calls"] += 1
+        OVERFLOW_EVENTS["blocks"] += int(blocks)
+        log.warning("selective context attention: %d requested KV blocks over capacity; took the all-gather path",
+                    int(blocks))
+
+
+def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
+                      stat_axes):
+    q, k, v = args["q"], args["k"], args["v"]
+    kv_lens, perm = args.get("kv_lens"), args.get("perm")
+    kv_index, kv_count = args.get("kv_index"), args.get("kv_count")
+    sparse = kv_index is not None
+    stats = {"requested_blocks": jnp.zeros((), jnp.int32), "overflow_blocks": jnp.zeros((), jnp.int32),
+             "fallback": jnp.zeros((), jnp.int32)}
+
+    if ph > 1:  # HCP: sequence shards -> head shards (heads gathered in the balanced order first)
+        if perm is not None:
+            q, k, v = (jnp.take(x, perm, axis=2) for x in (q, k, v))
+            if sparse:
+                kv_index, kv_count = jnp.take(kv_index, perm, axis=1), jnp.take(kv_count, perm, axis=1)
+        q, k, v = (hcp.seq_to_heads(x, HEAD) for x in (q, k, v))
+        if sparse:
+            kv_index = hcp.seq_to_heads(kv_index, HEAD, head_axis=1, seq_axis=2)
+            kv_count = hcp.seq_to_heads(kv_count, HEAD, head_axis=1, seq_axis=2)
+
+    if ps == 1:
+        if sparse:
+            out = local.sparse_local(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
+                                     sm_scale=sm_scale, impl=impl)
+        else:
+            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
+    elif scp_strategy == "allgather":
+        out = scp.allgather_attention(q, k, v, axis=SEQ, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
+                                      kv_index=kv_index, kv_count=kv_count, q_tile=q_tile, kv_block=kv_block,
+                                      impl=impl)
+    elif scp_strategy == "ring":
+        sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
+        out = scp.ring_attention(q, k, v, kv_lens, sel, SEQ, ps, sm_scale, q_chunk, q_tile, kv_block)
+    else:
+        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=SEQ, n=ps, capacity=capacity,
+                                          sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl)
+        stats.update(st)
+
+    if ph > 1:
+        out = hcp.heads_to_seq(out, HEAD)
+        if perm is not None:
+            out = jnp.take(out, jnp.argsort(perm), axis=2)
+    if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)
+        stats = {"requested_blocks": jax.lax.psum(stats["requested_blocks"], stat_axes),
+                 "overflow_blocks": jax.lax.psum(stats["overflow_blocks"], stat_axes),
+                 "fallback": jax.lax.pmax(stats["fallback"], stat_axes)}
+    return out, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+    """Context-parallel attention as an attention plan: pass it wherever a backend name goes
+    (`attention(q, k, v, backend=plan)`, `VideoDiT(..., attention=plan)`); hashable, so it is a static
+    argument of jit / remat like a backend name. The trainer builds one when `parallel.context > 1`.
+
+    A sequence that does not divide over the context axis (e.g. MMDiT's joint video + text tokens) is
+    padded at the end with keys masked by kv_lens, and the padded query rows are dropped."""
+
+    mesh: Mesh
+    strategy: str = "hybrid"
+    backend: str = "auto"  # per-device dense attention backend
+    options: tuple[tuple[str, Any], ...] = ()  # more context_attention keywords, e.g. (("degrees", (2, 4)),)
+
+    def __call__(self, q, k, v, *, kv_lens=None, sm_scale=None, **options):
+        n = self.mesh.shape["context"]
+        s = q.shape[1]
+        pad = -s % n
+        if pad and "kv_index" not in options:
+            widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+            q, k, v = widen(q), widen(k), widen(v)
+            kv_lens = s if kv_lens is None else jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s)
+        out = context_attention(q, k, v, mesh=self.mesh, strategy=self.strategy, kv_lens=kv_lens, sm_scale=sm_scale,
+                                backend=self.backend, **{**dict(self.options), **options})
+        return out[:, :s] if pad else out
+
+    def constrain(self, x):
+        """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence over context."""
+        batch_axes = tuple(a for a in self.mesh.axis_names if a != "context")
+        dp = math.prod(self.mesh.shape[a] for a in batch_axes)
+        if x.shape[1] % self.mesh.shape["context"] or x.shape[0] % dp:
+            return x
+        spec = P(batch_axes, "context", *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
