@@ -23,30 +23,35 @@ INT_BYTES = 4
 
 def context_bytes(*, hcp: int, scp: int, scp_strategy: str, batch: int, seq_len: int, heads: int, head_dim: int,
                   itemsize: int, sparse: bool = False, top_k: int = 0, q_tile: int = 64, kv_block: int = 64,
-                  capacity: int = 0, mesh_devices: int | None = None) -> dict[str, float]:
+                  capacity: int = 0, mesh_devices: int | None = None, hcp_slots: int | None = None
+                  ) -> dict[str, float]:
     """Bytes one device sends in one context-parallel attention call (forward, backward, per part).
 
     batch: samples per device (the batch after the data axes); itemsize: bytes per q/k/v element
     (gradients travel in the same dtype, except the ring's dK/dV accumulators, which are float32);
     top_k: K of kv_index; capacity: selective blocks per peer; mesh_devices: all devices of the mesh
-    (selective reduces three int32 scalars of statistics over it)."""
+    (selective reduces three int32 scalars of statistics over it); hcp_slots: head slots per HCP
+    device (default heads / hcp; more slots move hcp * slots / heads times the HCP bytes)."""
     n = hcp * scp
-    x = batch * (seq_len // n) * heads * head_dim * itemsize  # one local q/k/v/o shard; unchanged by HCP
+    slots = heads // hcp if hcp_slots is None else hcp_slots
+    # One device's q/k/v/o after HCP (S/scp tokens of its head slots); without extra slots it has the
+    # size of the sequence shard before HCP.
+    y = batch * (seq_len // scp) * slots * head_dim * itemsize
     parts = defaultdict(float)
     if hcp > 1:
         a2a = (hcp - 1) / hcp
-        parts["hcp_forward"] = 4 * a2a * x  # q, k, v in; o out
-        parts["hcp_backward"] = 4 * a2a * x  # dO in; dq, dk, dv out
+        parts["hcp_forward"] = 4 * a2a * y  # q, k, v in; o out
+        parts["hcp_backward"] = 4 * a2a * y  # dO in; dq, dk, dv out
         if sparse:
-            tiles = batch * heads * (seq_len // q_tile // n)
+            tiles = batch * hcp * slots * (seq_len // q_tile // n)
             parts["hcp_forward"] += a2a * tiles * (top_k + 1) * INT_BYTES  # kv_index, kv_count
     if scp > 1:
         if scp_strategy == "ring":
-            parts["scp_forward"] = 2 * (scp - 1) * x
-            parts["scp_backward"] = 2 * (scp - 1) * x + 2 * scp * x * 4 / itemsize
+            parts["scp_forward"] = 2 * (scp - 1) * y
+            parts["scp_backward"] = 2 * (scp - 1) * y + 2 * scp * y * 4 / itemsize
         elif scp_strategy == "allgather":
-            parts["scp_forward"] = 2 * (scp - 1) * x
-            parts["scp_backward"] = 2 * (scp - 1) * x
+            parts["scp_forward"] = 2 * (scp - 1) * y
+            parts["scp_backward"] = 2 * (scp - 1) * y
         elif scp_strategy == "selective":
             kv = 2 * (scp - 1) * capacity * kv_block * head_dim * itemsize
             control = 2 * (scp - 1) / scp * INT_BYTES + (scp - 1) * capacity * INT_BYTES

@@ -101,7 +101,8 @@ def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile
 
 def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_scale: float | None = None,
                       kv_index=None, kv_count=None, q_tile: int = 64, kv_block: int = 64,
-                      head_perm: Any = "auto", degrees: tuple[int, int] | None = None, scp: str | None = None,
+                      head_perm: Any = "auto", hcp_slots: int | None = None,
+                      degrees: tuple[int, int] | None = None, scp: str | None = None,
                       capacity: int | float | None = None, sparsity: Any = None, backend: str = "auto",
                       impl: str = "auto", q_chunk: int | None = 1024, return_stats: bool = False):
     """softmax(q k^T * sm_scale) v with the sequence of q, k, v [B, S, H, D] split over `context`.
@@ -110,7 +111,11 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     strategy: "ulysses" | "ring" | "allgather" | "selective" | "hybrid".
     kv_lens: [B] valid key prefix (dense only). kv_index / kv_count: a block-sparse selection.
     head_perm: HCP head assignment: "auto" (balance the selected work, sparse only), None (heads in
-        order) or an int array [H] (device j gets heads perm[j*H/d:(j+1)*H/d]); a runtime input.
+        order) or an int array [d * slots] from `hcp.balance_heads` (device j runs heads
+        perm[j*slots:(j+1)*slots], an entry H is an empty slot); a runtime input: no recompilation.
+    hcp_slots: head slots per HCP device (static; default H/d). More slots let a device holding a
+        dense head take fewer heads (sparse only: empty slots cost a kernel almost nothing, but the
+        all-to-alls move d * slots / H times the bytes).
     degrees, scp: for "hybrid", (HCP degree, SCP degree) and the SCP strategy; without them the
         planner decides from the shapes and `sparsity` (a float or per-head tuple; a hint only).
     capacity: "selective": KV blocks each device may request per peer (an int, or a float fraction of
@@ -148,24 +153,31 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     if sparse:
         args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
         specs["kv_index"] = specs["kv_count"] = P(bspec, None, (SEQ, HEAD))
-    loads = head_loads = None
+    head_loads = None
+    slots = h // ph if hcp_slots is None else int(hcp_slots)
+    if slots != h // ph and not (sparse and ph > 1 and h // ph < slots <= h):
+        raise ValueError(f"hcp_slots={hcp_slots}: extra head slots need a sparse selection and HCP degree > 1, "
+                         f"and lie in {h // ph}..{h} (H / HCP degree .. H)")
     if ph > 1:
         if isinstance(head_perm, str):
             if head_perm != "auto":
-                raise ValueError(f"head_perm={head_perm!r}: use 'auto', None or an int array of the {h} heads")
+                raise ValueError(f"head_perm={head_perm!r}: use 'auto', None or an int array from balance_heads")
             if sparse:
                 head_loads = hcp.head_loads_from_counts(kv_count)
-                head_perm = hcp.balance_heads(head_loads, ph)
+                head_perm = hcp.balance_heads(head_loads, ph, slots)
             else:
                 head_perm = None
+        if head_perm is None and slots != h // ph:
+            raise ValueError("hcp_slots needs a head assignment (head_perm='auto' or an array)")
         if head_perm is not None:
             head_perm = jnp.asarray(head_perm, jnp.int32)
-            if head_perm.shape != (h,):
-                raise ValueError(f"head_perm must be a permutation of the {h} heads, got shape {head_perm.shape}")
+            if head_perm.shape != (ph * slots,):
+                raise ValueError(f"head_perm must hold HCP degree x slots = {ph} x {slots} head ids (H = {h} marks "
+                                 f"an empty slot); got shape {head_perm.shape}")
             args["perm"] = head_perm
             specs["perm"] = P()
     if capacity is None or isinstance(capacity, float):
-        rows = (b // dp if bspec else b) * (h // ph) * (s // ps // kv_block)  # all of one peer's blocks
+        rows = (b // dp if bspec else b) * slots * (s // ps // kv_block)  # all of one peer's blocks
         capacity = rows if capacity is None else max(1, math.ceil(capacity * rows))
 
     body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
@@ -181,7 +193,7 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
         head_loads = hcp.head_loads_from_counts(kv_count)
     if head_loads is not None:
         perm = args.get("perm", jnp.arange(h))
-        per_dev = head_loads[perm].reshape(ph, -1).sum(axis=1)
+        per_dev = jnp.concatenate([head_loads, jnp.zeros(1)])[perm].reshape(ph, -1).sum(axis=1)
         stats["max_head_load"], stats["mean_head_load"] = jnp.max(per_dev), jnp.mean(per_dev)
     return out, stats
 
@@ -225,17 +237,20 @@ def _report_overflow(blocks, fallback):
 def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
                       stat_axes):
     q, k, v = args["q"], args["k"], args["v"]
+    heads = q.shape[2]
     kv_lens, perm = args.get("kv_lens"), args.get("perm")
     kv_index, kv_count = args.get("kv_index"), args.get("kv_count")
     sparse = kv_index is not None
     stats = {"requested_blocks": jnp.zeros((), jnp.int32), "overflow_blocks": jnp.zeros((), jnp.int32),
              "fallback": jnp.zeros((), jnp.int32)}
 
-    if ph > 1:  # HCP: sequence shards -> head shards (heads gathered in the balanced order first)
-        if perm is not None:
-            q, k, v = (jnp.take(x, perm, axis=2) for x in (q, k, v))
+    if ph > 1:  # HCP: sequence shards -> head shards (heads gathered into their device's slots first)
+        if perm is not None:  # head id H: an empty slot, a zero head selecting one block
+            extend = lambda x, fill, axis: jnp.concatenate([x, jnp.full_like(jnp.take(x, jnp.array([0]), axis=axis), fill)], axis)
+            q, k, v = (jnp.take(extend(x, 0, 2), perm, axis=2) for x in (q, k, v))
             if sparse:
-                kv_index, kv_count = jnp.take(kv_index, perm, axis=1), jnp.take(kv_count, perm, axis=1)
+                kv_index = jnp.take(extend(kv_index, 0, 1), perm, axis=1)
+                kv_count = jnp.take(extend(kv_count, 1, 1), perm, axis=1)
         q, k, v = (hcp.seq_to_heads(x, HEAD) for x in (q, k, v))
         if sparse:
             kv_index = hcp.seq_to_heads(kv_index, HEAD, head_axis=1, seq_axis=2)
@@ -261,8 +276,8 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
 
     if ph > 1:
         out = hcp.heads_to_seq(out, HEAD)
-        if perm is not None:
-            out = jnp.take(out, jnp.argsort(perm), axis=2)
+        if perm is not None:  # each head's slot (real heads occur once; empty slots sort last)
+            out = jnp.take(out, jnp.argsort(perm, stable=True)[:heads], axis=2)
     if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)
         stats = {"requested_blocks": jax.lax.psum(stats["requested_blocks"], stat_axes),
                  "overflow_blocks": jax.lax.psum(stats["overflow_blocks"], stat_axes),

@@ -10,7 +10,7 @@ communication of `comm.context_bytes` over the links its groups span. HCP groups
 devices (NVLink inside a node); SCP groups stride by d_h and cross nodes (InfiniBand) once
 d_h * d_s exceeds a node. The ring overlaps each hop with the previous block; the all-to-alls and
 all-gathers do not overlap. Candidates whose attention memory exceeds the cap are dropped.
-Everything is a pure function of its inputs (no jax), so it is cheap to call per block and per step.
+Everything is a pure function of its inputs (numpy only), cheap to call per block and per step.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dsv_jax.parallel.comm import context_bytes
+from dsv_jax.parallel.hcp import balance_heads_host
 
 FWD_BWD_OVER_FWD = 3.5  # attention fwd + bwd FLOPs over fwd FLOPs (DESIGN.md)
 
@@ -158,6 +159,7 @@ class Cost:
     memory_bytes: float  # attention working set per device
     device_loads: tuple[float, ...] = ()
     fits: bool = True
+    hcp_slots: int = 0  # head slots per HCP device (heads / hcp: equal heads per device)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +174,10 @@ class Plan:
     candidates: tuple[Cost, ...] = field(default=(), repr=False)
 
     @property
+    def hcp_slots(self) -> int:
+        return self.cost.hcp_slots
+
+    @property
     def time_s(self) -> float:
         return self.cost.time_s
 
@@ -181,21 +187,6 @@ class Plan:
         if self.scp == 1:
             return "ulysses"
         return self.scp_strategy if self.hcp == 1 else "hybrid"
-
-
-def lpt_groups(loads, groups: int, rebalance: bool = True) -> list[list[int]]:
-    """Heads per device: longest processing time first under equal head counts (rebalance), or in order."""
-    loads = np.asarray(loads, np.float64)
-    h = len(loads)
-    per = h // groups
-    if not rebalance:
-        return [list(range(j * per, (j + 1) * per)) for j in range(groups)]
-    out, total = [[] for _ in range(groups)], np.zeros(groups)
-    for head in np.argsort(-loads, kind="stable"):
-        j = min((j for j in range(groups) if len(out[j]) < per), key=lambda j: total[j])
-        out[j].append(int(head))
-        total[j] += loads[head]
-    return out
 
 
 def _link_time(nbytes, group: int, stride: int, hw: Hardware, pattern: str) -> float:
@@ -213,12 +204,16 @@ def _link_time(nbytes, group: int, stride: int, hw: Hardware, pattern: str) -> f
 
 
 def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardware, km: KernelModel, *,
-                   rebalance: bool = True, memory_cap: float | None = None) -> Cost:
+                   rebalance: bool = True, memory_cap: float | None = None, slots: int | None = None) -> Cost:
+    """Cost of one candidate; slots: head slots per HCP device (sparse; default heads / hcp)."""
     n = hcp * scp
     keep = w.keep
     sparse = w.sparse
-    groups = lpt_groups(keep, hcp, rebalance)
-    loads = tuple(float(np.sum(keep[g])) for g in groups)
+    slots = w.heads // hcp if slots is None else slots
+    groups = balance_heads_host(keep, hcp, rebalance, slots if rebalance else None)
+    nb = w.seq_len // w.kv_block
+    # an empty slot is a zero head selecting one block per tile
+    loads = tuple(float(np.sum(keep[g])) + (slots - len(g)) / nb for g in groups)
     q_len = w.seq_len // scp
     passes = 1 + (1 / FWD_BWD_OVER_FWD if w.recompute_forward else 0)  # fwd + bwd (+ recomputed fwd)
 
@@ -228,6 +223,8 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
         if scp > 1 and scp_strategy == "ring":  # ps blocks of (S/ps x S/ps); a selection only masks (dense work)
             return scp * km.attention_s(q_len, w.seq_len // scp, np.ones(len(g)), w.head_dim, kind="ring") * passes
         kind = "sparse" if sparse else "dense"
+        if sparse:
+            kg = np.concatenate([kg, np.full(slots - len(g), 1 / nb)])
         return km.attention_s(q_len, w.seq_len, kg if sparse else np.ones(len(g)), w.head_dim, kind=kind) * passes
 
     per_group = [w.batch * group_compute(g) for g in groups]
@@ -235,10 +232,11 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
 
     nb_loc = w.seq_len // scp // w.kv_block
     need = np.minimum(1.0, w.needed_factor * keep)
-    capacity = max(int(math.ceil(w.batch * nb_loc * float(np.sum(need[g])))) for g in groups) if sparse else 0
+    capacity = max(int(math.ceil(w.batch * nb_loc * (float(np.sum(need[g])) + (slots - len(g)) / nb)))
+                   for g in groups) if sparse else 0
     b = context_bytes(hcp=hcp, scp=scp, scp_strategy=scp_strategy, batch=w.batch, seq_len=w.seq_len,
                       heads=w.heads, head_dim=w.head_dim, itemsize=w.itemsize, sparse=sparse, top_k=w.top_k,
-                      q_tile=w.q_tile, kv_block=w.kv_block, capacity=capacity)
+                      q_tile=w.q_tile, kv_block=w.kv_block, capacity=capacity, hcp_slots=slots)
     again = 1 if w.recompute_forward else 0
     hcp_bytes = b["hcp_forward"] * (1 + again) + b["hcp_backward"]
     scp_bytes = b["scp_forward"] * (1 + again) + b["scp_backward"]
@@ -256,17 +254,17 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
         comm = t_hcp + t_scp
         time = compute + comm
 
-    x = w.batch * (w.seq_len // n) * w.heads * w.head_dim * w.itemsize
+    x = w.batch * (w.seq_len // scp) * slots * w.head_dim * w.itemsize  # q/k/v/o per device after HCP
     mem = 8 * x  # q, k, v, o and their gradients
     if scp > 1:
         if scp_strategy == "allgather":
             mem += 4 * x * scp  # gathered K, V and their gradients
         elif scp_strategy == "ring":
-            mem += 2 * x + 2 * x * 4 / w.itemsize + 3 * min(q_len, 1024) * q_len * (w.heads // hcp) * 4 * w.batch
+            mem += 2 * x + 2 * x * 4 / w.itemsize + 3 * min(q_len, 1024) * q_len * slots * 4 * w.batch
         else:
             mem += 4 * scp * capacity * w.kv_block * w.head_dim * w.itemsize
     fits = memory_cap is None or mem <= memory_cap
-    return Cost(hcp, scp, scp_strategy, time, compute, comm, hcp_bytes + scp_bytes, mem, loads, fits)
+    return Cost(hcp, scp, scp_strategy, time, compute, comm, hcp_bytes + scp_bytes, mem, loads, fits, slots)
 
 
 def factorisations(devices: int, heads: int) -> list[tuple[int, int]]:
@@ -283,15 +281,20 @@ def plan_attention(w: Workload, devices: int, hardware: Hardware | None = None, 
         strategies = ("selective", "allgather", "ring") if w.sparse else ("ring", "allgather")
     cands = []
     for ph, ps in factorisations(devices, w.heads):
+        equal = w.heads // ph
+        # sparse HCP: also uneven head counts (extra slots, up to twice the equal share)
+        slot_options = range(equal, min(w.heads, 2 * equal) + 1) if w.sparse and ph > 1 and rebalance else (equal,)
         for s in strategies if ps > 1 else ("allgather",):
-            cands.append(candidate_cost(w, ph, ps, s, hw, km, rebalance=rebalance, memory_cap=memory_cap))
+            for slots in slot_options:
+                cands.append(candidate_cost(w, ph, ps, s, hw, km, rebalance=rebalance, memory_cap=memory_cap,
+                                            slots=slots))
     fitting = [c for c in cands if c.fits]
     if not fitting:
         least = min(cands, key=lambda c: c.memory_bytes)
         raise ValueError(f"no context-parallel plan of {devices} devices fits the memory cap {memory_cap:.3g} B "
                          f"for S={w.seq_len}; the smallest needs {least.memory_bytes:.3g} B "
                          f"(HCP {least.hcp} x SCP {least.scp} {least.scp_strategy})")
-    best = min(fitting, key=lambda c: (round(c.time_s, 12), c.bytes_sent, -c.hcp))
+    best = min(fitting, key=lambda c: (round(c.time_s, 12), c.bytes_sent, -c.hcp, c.hcp_slots))
     return Plan(best.hcp, best.scp, best.scp_strategy, best, tuple(cands))
 
 
