@@ -15,7 +15,7 @@ import pytest
 
 from dsv_jax.attention import attention
 from dsv_jax.config import ParallelConfig
-from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_kv_blocks
+from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_kv_blocks, selective_capacity
 from dsv_jax.parallel.comm import collective_bytes, context_bytes
 from dsv_jax.parallel.hcp import balance_heads, balance_heads_host, device_loads
 from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention
@@ -109,9 +109,21 @@ def test_sparse_equals_single_device(mesh, inputs, selection, sparse_ref, strate
     q, k, v, cot = inputs
     idx, cnt = selection
     slots = 3 if strategy == "hybrid-uneven" else None  # 3 head slots per device instead of 2
+    capacity = None
+    if scp == "selective":  # exactly the capacity this selection needs: no overflow, nothing to spare
+        capacity = int(selective_capacity(idx, cnt, mesh=mesh, degrees=degrees, q_tile=QT, kv_block=KB))
+        assert 0 < capacity < B * (H // degrees[0]) * (S // degrees[1] // KB)  # less than everything
     f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy.split("-")[0], degrees=degrees,
-                                          scp=scp, kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB, hcp_slots=slots)
-    assert_close(jax.jit(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot), sparse_ref)
+                                          scp=scp, kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB, hcp_slots=slots,
+                                          capacity=capacity, return_stats=True)
+
+    def run(q, k, v, c):
+        (out, stats), vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp((c, jax.tree.map(jnp.zeros_like, stats)))), stats
+
+    got, stats = jax.jit(run)(q, k, v, cot)
+    assert_close(got, sparse_ref)
+    assert int(stats["fallback"]) == 0 and int(stats["overflow_blocks"]) == 0
 
 
 def test_selection_from_low_rank_keys_matches_reference(mesh):
@@ -231,6 +243,7 @@ def test_selective_capacity_overflow_is_counted_and_exact(mesh, inputs, selectio
     q, k, v, cot = inputs
     idx, cnt = selection
     req = _expected_requests(idx, cnt, 8)
+    assert int(selective_capacity(idx, cnt, mesh=mesh, q_tile=QT, kv_block=KB)) == req.max()
     assert capacity is None or req.max() > capacity  # the small capacity really overflows
 
     def f(q, k, v):

@@ -234,6 +234,55 @@ def _report_overflow(blocks, fallback):
                     int(blocks))
 
 
+def _extend(x, fill, axis):
+    """x with one more entry of value `fill` along `axis` (the empty head slot)."""
+    return jnp.concatenate([x, jnp.full_like(jnp.take(x, jnp.array([0]), axis=axis), fill)], axis)
+
+
+def _selection_to_heads(kv_index, kv_count, perm):
+    """HCP of a selection (inside shard_map): into head slots, then tiles of all S for the local slots."""
+    if perm is not None:
+        kv_index = jnp.take(_extend(kv_index, 0, 1), perm, axis=1)
+        kv_count = jnp.take(_extend(kv_count, 1, 1), perm, axis=1)
+    return (hcp.seq_to_heads(kv_index, HEAD, head_axis=1, seq_axis=2),
+            hcp.seq_to_heads(kv_count, HEAD, head_axis=1, seq_axis=2))
+
+
+def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, int] | None = None,
+                       head_perm: Any = "auto", hcp_slots: int | None = None, q_tile: int = 64,
+                       kv_block: int = 64) -> jax.Array:
+    """The per-peer capacity `selective` needs for this selection without overflow: the largest
+    number of remote KV blocks any device requests from one peer (int32 scalar), under the head
+    assignment context_attention would use (same head_perm / hcp_slots). Selection bookkeeping
+    only, no K/V moves: cheap enough to size the capacity before the first step."""
+    n = mesh.shape["context"]
+    ph, ps = degrees if degrees is not None else (1, n)
+    if ph * ps != n:
+        raise ValueError(f"degrees {ph} x {ps} do not multiply to the context axis size {n}")
+    b, h, tiles, _ = kv_index.shape
+    hcp.check_heads(h, ph)
+    slots = h // ph if hcp_slots is None else int(hcp_slots)
+    if isinstance(head_perm, str):
+        head_perm = hcp.balance_heads(hcp.head_loads_from_counts(kv_count), ph, slots) if ph > 1 else None
+    if head_perm is None:
+        head_perm = jnp.arange(h, dtype=jnp.int32)
+    nb_loc = tiles * q_tile // kv_block // ps  # KV blocks of one SCP device
+    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
+    dp = math.prod(mesh.shape[a] for a in batch_axes)
+    bspec = batch_axes if b % dp == 0 else None
+    sub = split_context_mesh(mesh, ph, ps)
+
+    def body(kv_index, kv_count, perm):
+        if ph > 1:
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm)
+        _, requested = scp.peer_requests(kv_index, kv_count, axis=SEQ, n=ps, nb_loc=nb_loc)
+        return jax.lax.pmax(jnp.max(requested), tuple(sub.axis_names))
+
+    spec = P(bspec, None, (SEQ, HEAD))
+    return jax.shard_map(body, mesh=sub, in_specs=(spec, spec, P()), out_specs=P(), check_vma=False)(
+        kv_index.astype(jnp.int32), kv_count.astype(jnp.int32), jnp.asarray(head_perm, jnp.int32))
+
+
 def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
                       stat_axes):
     q, k, v = args["q"], args["k"], args["v"]
@@ -246,15 +295,10 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
 
     if ph > 1:  # HCP: sequence shards -> head shards (heads gathered into their device's slots first)
         if perm is not None:  # head id H: an empty slot, a zero head selecting one block
-            extend = lambda x, fill, axis: jnp.concatenate([x, jnp.full_like(jnp.take(x, jnp.array([0]), axis=axis), fill)], axis)
-            q, k, v = (jnp.take(extend(x, 0, 2), perm, axis=2) for x in (q, k, v))
-            if sparse:
-                kv_index = jnp.take(extend(kv_index, 0, 1), perm, axis=1)
-                kv_count = jnp.take(extend(kv_count, 1, 1), perm, axis=1)
+            q, k, v = (jnp.take(_extend(x, 0, 2), perm, axis=2) for x in (q, k, v))
         q, k, v = (hcp.seq_to_heads(x, HEAD) for x in (q, k, v))
         if sparse:
-            kv_index = hcp.seq_to_heads(kv_index, HEAD, head_axis=1, seq_axis=2)
-            kv_count = hcp.seq_to_heads(kv_count, HEAD, head_axis=1, seq_axis=2)
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm)
 
     if ps == 1:
         if sparse:

@@ -148,6 +148,16 @@ def _compact(mask, capacity):
     return out[:, :capacity]
 
 
+def peer_requests(kv_index, kv_count, *, axis, n, nb_loc):
+    """need [n, B*H*nb_loc] (row p: which of peer p's blocks my query tiles selected, flat over
+    (batch, head, block); my own row is empty) and its row counts requested [n]."""
+    b, h = kv_count.shape[:2]
+    need = selection_mask(kv_index, kv_count, n * nb_loc, per_tile=False).reshape(b * h, n, nb_loc)
+    need = jnp.swapaxes(need, 0, 1).reshape(n, b * h * nb_loc)
+    need = need & (jnp.arange(n) != jax.lax.axis_index(axis))[:, None]  # my own blocks are already here
+    return need, jnp.sum(need, axis=1, dtype=jnp.int32)
+
+
 def selective_attention(q, k, v, kv_index, kv_count, *, axis, n, capacity, sm_scale, q_tile=64, kv_block=64,
                         impl="auto"):
     """Sparse attention fetching only the selected remote KV blocks. Returns (out, stats).
@@ -162,10 +172,7 @@ def selective_attention(q, k, v, kv_index, kv_count, *, axis, n, capacity, sm_sc
     bh = b * h
 
     # 1. Which blocks of each peer do my query tiles need?  need [n, B*H*nb_loc] (row p = peer p).
-    need = selection_mask(kv_index, kv_count, nb, per_tile=False).reshape(bh, n, nb_loc)
-    need = jnp.swapaxes(need, 0, 1).reshape(n, bh * nb_loc)
-    need = need & (jnp.arange(n) != me)[:, None]  # my own blocks are already here
-    requested = jnp.sum(need, axis=1, dtype=jnp.int32)  # [n]
+    need, requested = peer_requests(kv_index, kv_count, axis=axis, n=n, nb_loc=nb_loc)
     overflow = jnp.sum(jnp.maximum(requested - capacity, 0))
     group_overflow = jax.lax.psum(overflow, axis)
 
