@@ -363,3 +363,48 @@ class ContextPlan:
             return x
         spec = P(batch_axes, "context", *([None] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    # -- metrics --------------------------------------------------------------------------------
+    def resolve(self, seq_len: int, heads: int, head_dim: int, batch: int, itemsize: int = 2):
+        """(hcp, scp, scp_strategy) this plan runs for a (dense) call of this shape."""
+        opts = dict(self.options)
+        n = self.mesh.shape["context"]
+
+        def plan_fn():
+            from dsv_jax.parallel.planner import default_plan
+            return default_plan(seq_len=seq_len, heads=heads, head_dim=head_dim, batch=batch, devices=n,
+                                sparse=False, sparsity=opts.get("sparsity"), dtype_bytes=itemsize)
+
+        return resolve_degrees(self.strategy, n, degrees=opts.get("degrees"), scp_strategy=opts.get("scp"),
+                               heads=heads, plan_fn=plan_fn)
+
+    def bucket_metrics(self, cfg, shapes, batch_size) -> dict[str, Any]:
+        """Per bucket: the plan and the bytes each device sends per layer (dense attention; formulas of
+        `comm.context_bytes`), for the training metrics. batch_size(shape) -> global batch."""
+        from dsv_jax.model.layers import compute_dtype
+        from dsv_jax.model.tokens import grid_shape, token_layout
+        from dsv_jax.parallel.comm import context_bytes
+
+        m = cfg.model
+        n = self.mesh.shape["context"]
+        dp = math.prod(self.mesh.shape[a] for a in self.mesh.axis_names if a != "context")
+        itemsize = jnp.dtype(compute_dtype(m)).itemsize
+        out = {}
+        for shape in shapes:
+            s = token_layout(grid_shape(tuple(shape), m.patch), m.tile).seq_len
+            if m.arch == "mmdit":  # joint video + text sequence
+                s += cfg.text.max_len
+            s += -s % n
+            b = max(1, batch_size(shape) // dp)
+            ph, ps, scp_strategy = self.resolve(s, m.heads, m.head_dim, b, itemsize)
+            bytes_ = context_bytes(hcp=ph, scp=ps, scp_strategy=scp_strategy, batch=b, seq_len=s, heads=m.heads,
+                                   head_dim=m.head_dim, itemsize=itemsize)
+            key = "cp/" + "x".join(map(str, shape))
+            out[f"{key}/plan"] = f"{ph}x{ps} {scp_strategy if ps > 1 else 'ulysses'}"
+            out[f"{key}/bytes_per_layer"] = bytes_["total"]
+        return out
+
+    @staticmethod
+    def step_metrics() -> dict[str, int]:
+        """Selective-exchange overflows so far (calls that took the all-gather path, and their blocks)."""
+        return {"cp_overflow_calls": OVERFLOW_EVENTS["calls"], "cp_overflow_blocks": OVERFLOW_EVENTS["blocks"]}

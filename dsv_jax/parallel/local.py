@@ -86,7 +86,9 @@ def block_lse(q, k, v, mask_fn, *, sm_scale, q_chunk=None):
             p = jnp.where(mask, p, 0.0)
         l = jnp.sum(p, axis=-1)
         lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.maximum(l, 1e-37)), NEG)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.maximum(l, 1e-37)[..., None], v.astype(jnp.float32))
+        # probabilities in the input dtype for the matmul (bf16 tensor cores), accumulated in float32
+        o = jnp.einsum("bhqk,bkhd->bqhd", (p / jnp.maximum(l, 1e-37)[..., None]).astype(v.dtype), v,
+                       preferred_element_type=jnp.float32)
         return o, lse
 
     o, lse = jax.lax.map(one, (jnp.arange(q.shape[1] // c), _split_q(q, c)))
@@ -97,7 +99,8 @@ def block_grads(q, k, v, do, lse, delta, mask_fn, *, sm_scale, q_chunk=None):
     """Gradients (dq, dk, dv) in float32 of this block's share of attention, given the global
     lse [B, H, Sq] and delta = sum(do * o, -1) [B, H, Sq] of the merged output."""
     c = _chunks(q.shape[1], q_chunk)
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    dt = q.dtype  # matmul inputs in the input dtype, accumulation in float32
+    f32 = jnp.float32
     lse_c = jnp.moveaxis(lse.reshape(lse.shape[0], lse.shape[1], -1, c), 2, 0)  # [n, B, H, c]
     delta_c = jnp.moveaxis(delta.reshape(delta.shape[0], delta.shape[1], -1, c), 2, 0)
 
@@ -108,11 +111,11 @@ def block_grads(q, k, v, do, lse, delta, mask_fn, *, sm_scale, q_chunk=None):
         p = jnp.exp(_logits(qc, k, mask, sm_scale) - lc[..., None])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dof = doc.astype(jnp.float32)
-        dv = dv + jnp.einsum("bhqk,bqhd->bkhd", p, dof)
-        ds = p * (jnp.einsum("bqhd,bkhd->bhqk", dof, vf) - dc[..., None]) * sm_scale
-        dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds, qc.astype(jnp.float32))
-        dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kf)
+        doc = doc.astype(dt)
+        dv = dv + jnp.einsum("bhqk,bqhd->bkhd", p.astype(dt), doc, preferred_element_type=f32)
+        ds = p * (jnp.einsum("bqhd,bkhd->bhqk", doc, v, preferred_element_type=f32) - dc[..., None]) * sm_scale
+        dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds.astype(dt), qc, preferred_element_type=f32)
+        dq = jnp.einsum("bhqk,bkhd->bqhd", ds.astype(dt), k, preferred_element_type=f32)
         return (dk, dv), dq
 
     zeros = jnp.zeros(k.shape, jnp.float32)

@@ -197,7 +197,9 @@ class Trainer:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
-            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes)})
+            cp = self.attention.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
+                if hasattr(self.attention, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
+            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes), **cp})
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
@@ -250,6 +252,8 @@ class Trainer:
             rec = {k: float(v) for k, v in m.items() if k != "finite"}
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
                        tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
+            if hasattr(self.attention, "step_metrics"):
+                rec.update(self.attention.step_metrics())
             if not m["finite"]:
                 log.warning("step %d: non-finite loss or gradient, update skipped", step)
             out.append(rec)

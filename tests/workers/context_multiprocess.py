@@ -13,7 +13,10 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+try:  # CPU collectives across processes (the default in newer jax)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+except (AttributeError, ValueError):
+    pass
 
 
 def main(process_id: int, port: str) -> None:
