@@ -77,8 +77,12 @@ def _nbytes(aval) -> int:
     return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
 
+_ALIASES = {"psum_scatter": "reduce_scatter", "psum2": "psum"}
+
+
 def _sent(eqn, sizes) -> tuple[str, float] | None:
-    name = eqn.primitive.name
+    name = eqn.primitive.name.replace("_invariant", "")  # newer jax names some collectives *_invariant
+    name = _ALIASES.get(name, name)
     p = eqn.params
     if name in ("all_to_all", "all_gather", "reduce_scatter", "ppermute", "psum", "pmax", "pmin"):
         axes = p.get("axis_name", p.get("axes"))

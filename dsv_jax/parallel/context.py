@@ -54,7 +54,7 @@ def split_context_mesh(mesh: Mesh, hcp_degree: int, scp_degree: int) -> Mesh:
     return Mesh(mesh.devices.reshape(shape), names[:c] + (SEQ, HEAD) + names[c + 1:])
 
 
-def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, heads=None, plan_fn=None):
+def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, plan_fn=None):
     """(hcp_degree, scp_degree, scp_strategy) of a call."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
@@ -125,10 +125,12 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     return_stats: also return {"requested_blocks", "overflow_blocks", "fallback", "max_head_load",
         "mean_head_load"} as arrays.
     """
-    n = mesh.shape["context"] if "context" in mesh.shape else None
-    if n is None:
-        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no 'context' axis")
-    b, s, h, d = q.shape if q.ndim == 4 else (None,) * 4
+    if "context" not in mesh.shape:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no 'context' axis; build it with make_mesh")
+    if q.ndim != 4:
+        raise ValueError(f"context_attention expects q, k, v [B, S, H, D]; got q {q.shape}")
+    n = mesh.shape["context"]
+    b, s, h, d = q.shape
     sparse = kv_index is not None
 
     def plan_fn():
@@ -136,7 +138,7 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
         return default_plan(seq_len=s, heads=h, head_dim=d, batch=b, devices=n, sparse=sparse, sparsity=sparsity,
                             dtype_bytes=jnp.dtype(q.dtype).itemsize)
 
-    ph, ps, scp_strategy = resolve_degrees(strategy, n, degrees=degrees, scp_strategy=scp, heads=h, plan_fn=plan_fn)
+    ph, ps, scp_strategy = resolve_degrees(strategy, n, degrees=degrees, scp_strategy=scp, plan_fn=plan_fn)
     _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
 
@@ -376,7 +378,7 @@ class ContextPlan:
                                 sparse=False, sparsity=opts.get("sparsity"), dtype_bytes=itemsize)
 
         return resolve_degrees(self.strategy, n, degrees=opts.get("degrees"), scp_strategy=opts.get("scp"),
-                               heads=heads, plan_fn=plan_fn)
+                               plan_fn=plan_fn)
 
     def bucket_metrics(self, cfg, shapes, batch_size) -> dict[str, Any]:
         """Per bucket: the plan and the bytes each device sends per layer (dense attention; formulas of
