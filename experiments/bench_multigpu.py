@@ -348,7 +348,9 @@ def main():
         say("part 2: training steps with context parallelism")
         payload["training"] = bench_training(mesh, quick, ARGS.train_steps or (1 if quick else 3))
     if MAIN:
-        name = "bench_multigpu" + ("_quick" if quick else "") + (f"_{jax.process_count()}proc" if jax.process_count() > 1 else "")
+        parts = "_attention" if ARGS.skip_train else "_training" if ARGS.skip_attention else ""
+        name = ("bench_multigpu" + parts + ("_quick" if quick else "")
+                + (f"_{jax.process_count()}proc" if jax.process_count() > 1 else ""))
         print("wrote", harness.write_results(name, payload))
 
 
