@@ -161,8 +161,13 @@ class ParallelConfig:
     data: int = 1
     fsdp: int = -1
     context: int = 1
+    # Context-parallel attention when context > 1: hybrid (planner picks HCP x SCP) | ulysses | ring |
+    # allgather | selective (sparse only). See dsv_jax/parallel/context.py.
+    context_strategy: str = "hybrid"
 
     def __post_init__(self):
+        _choice("parallel.context_strategy", self.context_strategy,
+                ("hybrid", "ulysses", "ring", "allgather", "selective"))
         sizes = (self.data, self.fsdp, self.context)
         if sum(s == -1 for s in sizes) > 1:
             raise ConfigError(f"at most one of parallel.data/fsdp/context may be -1, got {sizes}")

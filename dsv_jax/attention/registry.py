@@ -48,7 +48,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto"
               kv_lens: jax.Array | None = None, sm_scale: float | None = None, **options) -> jax.Array:
     """softmax(q k^T * sm_scale) v over heads; q [B, Sq, H, D], k/v [B, Skv, H, D].
 
-    backend: "auto" (cuDNN on GPU for 16-bit inputs, else XLA) or a registered name.
+    backend: "auto" (cuDNN on GPU for 16-bit inputs, else XLA), a registered name, or a callable plan
+        taking (q, k, v, *, kv_lens, sm_scale, **options) such as a context-parallel `ContextPlan`.
     kv_lens: optional int32 [B]; keys at positions >= kv_lens[b] are ignored.
     sm_scale: defaults to D ** -0.5. Other keyword options go to the backend (e.g. a sparse plan).
     """
@@ -56,6 +57,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto"
         raise ValueError(f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, heads or head dim")
-    name = resolve_backend(backend, q)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    if callable(backend):  # a plan object that runs the call itself (e.g. dsv_jax.parallel.ContextPlan)
+        return backend(q, k, v, kv_lens=kv_lens, sm_scale=scale, **options)
+    name = resolve_backend(backend, q)
     return _BACKENDS[name](q, k, v, kv_lens=kv_lens, sm_scale=scale, **options)

@@ -149,6 +149,9 @@ class VideoDiT(nnx.Module):
         b = latents.shape[0]
         tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile)
         x = self.patch_embed(tokens)
+        plan = attention[0] if isinstance(attention, (list, tuple)) else attention
+        if hasattr(plan, "constrain"):  # context parallelism: keep the tokens sharded over the sequence
+            x = plan.constrain(x)
 
         text_lens = jnp.sum(text_mask.astype(jnp.int32), axis=1)
         txt = self.text_mlp(nnx.gelu(self.text_in(text.astype(dtype)), approximate=True))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsv_jax.config import Config
+from dsv_jax.config import Config, ConfigError
 from dsv_jax.data.feed import make_feed, tokens_per_sample
 from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.plan import static_plans
@@ -138,6 +138,14 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
         self.attention = static_plans(cfg)  # a backend name, or window plans; DSV plans come from the controller
         self.controller = DSVController(cfg) if cfg.attention == "dsv" else None
+        if self.mesh.shape["context"] > 1:  # the sequence of a sample spans the context axis
+            if not isinstance(self.attention, str):
+                raise ConfigError(f"attention={cfg.attention!r} with parallel.context={self.mesh.shape['context']}: "
+                                  "the model's context parallelism runs dense backends only so far "
+                                  "(sparse context attention is available as dsv_jax.parallel.context_attention)")
+            from dsv_jax.parallel.context import ContextPlan
+
+            self.attention = ContextPlan(self.mesh, cfg.parallel.context_strategy, backend=cfg.attention)
 
         latest = self.checkpointer.latest_step() if resume else None
         if latest is not None:
@@ -229,7 +237,9 @@ class Trainer:
         else:
             compile_s = self.precompile()
             self._in_loop = True
-            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes)})
+            cp = self.attention.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
+                if hasattr(self.attention, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
+            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes), **cp})
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
@@ -301,6 +311,8 @@ class Trainer:
             rec.update(extra)
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
                        tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
+            if hasattr(self.attention, "step_metrics"):
+                rec.update(self.attention.step_metrics())
             if not m["finite"]:
                 log.warning("step %d: non-finite loss or gradient, update skipped", step)
             out.append(rec)

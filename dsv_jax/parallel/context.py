@@ -1,0 +1,412 @@
+"""`context_attention`: attention over a sequence split across the mesh's `context` axis.
+
+    out = context_attention(q, k, v, mesh=mesh, strategy="hybrid")   # q, k, v [B, S, H, D], S on `context`
+
+Strategies (n = size of the context axis):
+  ulysses    HCP: all-to-all to head shards, attention on all S tokens of H/n heads, all-to-all back
+  ring       SCP: K/V chunks circulate (ppermute), online-softmax merge
+  allgather  SCP: all-gather K/V, attend locally
+  selective  SCP, sparse: fetch only the KV blocks the local query tiles selected
+  hybrid     HCP degree x SCP degree = n (from `degrees` and `scp`, or from the planner)
+
+The context axis is viewed as a (cp_seq, cp_head) grid with cp_head the minor axis, so the HCP groups
+are neighbouring devices (one node's NVLink) and each HCP all-to-all leaves a device with a contiguous
+slice of the sequence: the SCP strategies then run on cp_seq exactly as on their own.
+
+Sparse attention: pass kv_index / kv_count in the layout of `pallas_kernels.sparse_attention`
+(block ids over the whole sequence); the result equals single-device `sparse_attention` with the
+same selection. With HCP, heads are balanced across devices by their selected work (`head_perm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dsv_jax.parallel import hcp, local, scp
+
+log = logging.getLogger("dsv_jax")
+
+STRATEGIES = ("ulysses", "allgather", "ring", "selective", "hybrid")
+SCP_STRATEGIES = ("ring", "allgather", "selective")
+SEQ, HEAD = "cp_seq", "cp_head"  # the two views of the context axis
+
+
+@functools.lru_cache(maxsize=64)
+def split_context_mesh(mesh: Mesh, hcp_degree: int, scp_degree: int) -> Mesh:
+    """The same devices with the `context` axis reshaped to (cp_seq, cp_head) = (scp_degree, hcp_degree)."""
+    names = tuple(mesh.axis_names)
+    if "context" not in names:
+        raise ValueError(f"mesh axes {names} have no 'context' axis; build it with dsv_jax.parallel.make_mesh")
+    c = names.index("context")
+    n = mesh.devices.shape[c]
+    if hcp_degree * scp_degree != n:
+        raise ValueError(f"HCP degree {hcp_degree} x SCP degree {scp_degree} != context axis size {n}")
+    shape = mesh.devices.shape[:c] + (scp_degree, hcp_degree) + mesh.devices.shape[c + 1:]
+    return Mesh(mesh.devices.reshape(shape), names[:c] + (SEQ, HEAD) + names[c + 1:])
+
+
+def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, plan_fn=None):
+    """(hcp_degree, scp_degree, scp_strategy) of a call."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
+    if strategy == "ulysses":
+        return n, 1, "allgather"
+    if strategy in SCP_STRATEGIES:
+        return 1, n, strategy
+    if degrees is None:
+        if plan_fn is None:
+            raise ValueError("strategy='hybrid' needs degrees=(hcp, scp) or a planner decision")
+        degrees, scp_strategy = plan_fn()
+    ph, ps = (int(d) for d in degrees)
+    if ph * ps != n:
+        raise ValueError(f"hybrid degrees {ph} x {ps} do not multiply to the context axis size {n}")
+    scp_strategy = scp_strategy or "ring"
+    if scp_strategy not in SCP_STRATEGIES:
+        raise ValueError(f"scp={scp_strategy!r} is not one of {list(SCP_STRATEGIES)}")
+    return ph, ps, scp_strategy
+
+
+def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block):
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"context_attention expects q, k, v of one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+    b, s, h, _ = q.shape
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by the context axis size {n}")
+    hcp.check_heads(h, ph)
+    sparse = kv_index is not None
+    if (kv_count is None) != (kv_index is None):
+        raise ValueError("pass kv_index and kv_count together (a sparse selection) or neither (dense)")
+    if scp_strategy == "selective" and ps > 1 and not sparse:
+        raise ValueError("strategy 'selective' exchanges selected KV blocks: it needs kv_index and kv_count")
+    if sparse:
+        if kv_lens is not None:
+            raise ValueError("kv_lens with a sparse selection: mask padded keys through the selection instead")
+        if (s // n) % q_tile or (s // ps) % kv_block:
+            raise ValueError(f"sequence {s} over context {n}: each device's {s // n} tokens must be whole query "
+                             f"tiles of {q_tile}, and each SCP slice ({s // ps}) whole KV blocks of {kv_block}")
+        tiles = s // q_tile
+        if kv_index.ndim != 4 or kv_index.shape[:3] != (b, h, tiles) or kv_count.shape != (b, h, tiles):
+            raise ValueError(f"kv_index must be [B, H, S // q_tile, K] = [{b}, {h}, {tiles}, K] and kv_count "
+                             f"[{b}, {h}, {tiles}]; got {kv_index.shape}, {kv_count.shape}")
+
+
+def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_scale: float | None = None,
+                      kv_index=None, kv_count=None, q_tile: int = 64, kv_block: int = 64,
+                      head_perm: Any = "auto", hcp_slots: int | None = None,
+                      degrees: tuple[int, int] | None = None, scp: str | None = None,
+                      capacity: int | float | None = None, sparsity: Any = None, backend: str = "auto",
+                      impl: str = "auto", q_chunk: int | None = 1024, return_stats: bool = False):
+    """softmax(q k^T * sm_scale) v with the sequence of q, k, v [B, S, H, D] split over `context`.
+
+    mesh: from `dsv_jax.parallel.make_mesh`; batch stays on (data, fsdp), sequence on context.
+    strategy: "ulysses" | "ring" | "allgather" | "selective" | "hybrid".
+    kv_lens: [B] valid key prefix (dense only). kv_index / kv_count: a block-sparse selection.
+    head_perm: HCP head assignment: "auto" (balance the selected work, sparse only), None (heads in
+        order) or an int array [d * slots] from `hcp.balance_heads` (device j runs heads
+        perm[j*slots:(j+1)*slots], an entry H is an empty slot); a runtime input: no recompilation.
+    hcp_slots: head slots per HCP device (static; default H/d). More slots let a device holding a
+        dense head take fewer heads (sparse only: empty slots cost a kernel almost nothing, but the
+        all-to-alls move d * slots / H times the bytes).
+    degrees, scp: for "hybrid", (HCP degree, SCP degree) and the SCP strategy; without them the
+        planner decides from the shapes and `sparsity` (a float or per-head tuple; a hint only).
+    capacity: "selective": KV blocks each device may request per peer (an int, or a float fraction of
+        the peer's blocks); default: everything (never overflows). Overflow takes the exact all-gather path.
+    backend: dense per-device attention backend (the attention entry point); impl: the sparse kernel's.
+    q_chunk: query rows per block in the ring's plain-JAX inner attention (bounds its memory).
+    return_stats: also return {"requested_blocks", "overflow_blocks", "fallback", "max_head_load",
+        "mean_head_load"} as arrays.
+    """
+    if "context" not in mesh.shape:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} have no 'context' axis; build it with make_mesh")
+    if q.ndim != 4:
+        raise ValueError(f"context_attention expects q, k, v [B, S, H, D]; got q {q.shape}")
+    n = mesh.shape["context"]
+    b, s, h, d = q.shape
+    sparse = kv_index is not None
+
+    def plan_fn():
+        from dsv_jax.parallel.planner import default_plan
+        return default_plan(seq_len=s, heads=h, head_dim=d, batch=b, devices=n, sparse=sparse, sparsity=sparsity,
+                            dtype_bytes=jnp.dtype(q.dtype).itemsize)
+
+    ph, ps, scp_strategy = resolve_degrees(strategy, n, degrees=degrees, scp_strategy=scp, plan_fn=plan_fn)
+    _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block)
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+
+    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
+    dp = math.prod(mesh.shape[a] for a in batch_axes)
+    bspec = batch_axes if b % dp == 0 else None  # batch not divisible: replicate it over those axes
+    sub = split_context_mesh(mesh, ph, ps)
+
+    args = {"q": q, "k": k, "v": v}
+    specs = {"q": P(bspec, (SEQ, HEAD)), "k": P(bspec, (SEQ, HEAD)), "v": P(bspec, (SEQ, HEAD))}
+    if kv_lens is not None:
+        args["kv_lens"] = jnp.broadcast_to(jnp.asarray(kv_lens, jnp.int32), (b,))
+        specs["kv_lens"] = P(bspec)
+    if sparse:
+        args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
+        specs["kv_index"] = specs["kv_count"] = P(bspec, None, (SEQ, HEAD))
+    head_loads = None
+    slots = h // ph if hcp_slots is None else int(hcp_slots)
+    if slots != h // ph and not (sparse and ph > 1 and h // ph < slots <= h):
+        raise ValueError(f"hcp_slots={hcp_slots}: extra head slots need a sparse selection and HCP degree > 1, "
+                         f"and lie in {h // ph}..{h} (H / HCP degree .. H)")
+    if ph > 1:
+        if isinstance(head_perm, str):
+            if head_perm != "auto":
+                raise ValueError(f"head_perm={head_perm!r}: use 'auto', None or an int array from balance_heads")
+            if sparse:
+                head_loads = hcp.head_loads_from_counts(kv_count)
+                head_perm = hcp.balance_heads(head_loads, ph, slots)
+            else:
+                head_perm = None
+        if head_perm is None and slots != h // ph:
+            raise ValueError("hcp_slots needs a head assignment (head_perm='auto' or an array)")
+        if head_perm is not None:
+            head_perm = jnp.asarray(head_perm, jnp.int32)
+            if head_perm.shape != (ph * slots,):
+                raise ValueError(f"head_perm must hold HCP degree x slots = {ph} x {slots} head ids (H = {h} marks "
+                                 f"an empty slot); got shape {head_perm.shape}")
+            args["perm"] = head_perm
+            specs["perm"] = P()
+    if capacity is None or isinstance(capacity, float):
+        rows = (b // dp if bspec else b) * slots * (s // ps // kv_block)  # all of one peer's blocks
+        capacity = rows if capacity is None else max(1, math.ceil(capacity * rows))
+
+    body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
+                             q_tile=q_tile, kv_block=kv_block, capacity=int(capacity), backend=backend, impl=impl,
+                             q_chunk=q_chunk, stat_axes=tuple(sub.axis_names))
+    out_specs = (P(bspec, (SEQ, HEAD)), P())
+    out, stats = jax.shard_map(body, mesh=sub, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
+    if scp_strategy == "selective" and ps > 1:
+        jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
+    if not return_stats:
+        return out
+    if head_loads is None and sparse:
+        head_loads = hcp.head_loads_from_counts(kv_count)
+    if head_loads is not None:
+        perm = args.get("perm", jnp.arange(h))
+        per_dev = jnp.concatenate([head_loads, jnp.zeros(1)])[perm].reshape(ph, -1).sum(axis=1)
+        stats["max_head_load"], stats["mean_head_load"] = jnp.max(per_dev), jnp.mean(per_dev)
+    return out, stats
+
+
+def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_block: int = 64, block_reduce="mean"):
+    """Block selection of every query tile with q_lr, k_lr [B, S, H, r] sharded over `context`:
+    each device all-gathers the low-rank keys (rank r: cheap) and selects for its own query tiles.
+    Returns (kv_index [B, H, S // q_tile, K], kv_count) sharded over the tiles, ready for
+    context_attention; equal to `pallas_kernels.lowrank_topk` on one device (top_k an int, or one per head)."""
+    n = mesh.shape["context"]
+    b, s, h, _ = q_lr.shape
+    if k_lr.shape != q_lr.shape or (s // n) % q_tile or s % kv_block:
+        raise ValueError(f"q_lr {q_lr.shape} / k_lr {k_lr.shape}: need one shape [B, S, H, r] with S / context "
+                         f"({s} / {n}) whole query tiles of {q_tile} and S whole KV blocks of {kv_block}")
+    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
+    dp = math.prod(mesh.shape[a] for a in batch_axes)
+    bspec = batch_axes if b % dp == 0 else None
+    top_k = tuple(int(t) for t in top_k) if isinstance(top_k, (tuple, list, np.ndarray)) else int(top_k)
+
+    def body(q_lr, k_lr):
+        k_all = jax.lax.all_gather(k_lr, "context", axis=1, tiled=True)
+        return scp.local_selection(q_lr, k_all, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+
+    spec_in = P(bspec, "context")
+    spec_out = P(bspec, None, "context")
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec_in, spec_in), out_specs=(spec_out, spec_out),
+                         check_vma=False)(q_lr, k_lr)
+
+
+OVERFLOW_EVENTS = {"calls": 0, "blocks": 0}  # host-side tally of selective-exchange overflows
+
+
+def _report_overflow(blocks, fallback):
+    if int(fallback):
+        OVERFLOW_EVENTS["calls"] += 1
+        OVERFLOW_EVENTS["blocks"] += int(blocks)
+        log.warning("selective context attention: %d requested KV blocks over capacity; took the all-gather path",
+                    int(blocks))
+
+
+def _extend(x, fill, axis):
+    """x with one more entry of value `fill` along `axis` (the empty head slot)."""
+    return jnp.concatenate([x, jnp.full_like(jnp.take(x, jnp.array([0]), axis=axis), fill)], axis)
+
+
+def _selection_to_heads(kv_index, kv_count, perm):
+    """HCP of a selection (inside shard_map): into head slots, then tiles of all S for the local slots."""
+    if perm is not None:
+        kv_index = jnp.take(_extend(kv_index, 0, 1), perm, axis=1)
+        kv_count = jnp.take(_extend(kv_count, 1, 1), perm, axis=1)
+    return (hcp.seq_to_heads(kv_index, HEAD, head_axis=1, seq_axis=2),
+            hcp.seq_to_heads(kv_count, HEAD, head_axis=1, seq_axis=2))
+
+
+def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, int] | None = None,
+                       head_perm: Any = "auto", hcp_slots: int | None = None, q_tile: int = 64,
+                       kv_block: int = 64) -> jax.Array:
+    """The per-peer capacity `selective` needs for this selection without overflow: the largest
+    number of remote KV blocks any device requests from one peer (int32 scalar), under the head
+    assignment context_attention would use (same head_perm / hcp_slots). Selection bookkeeping
+    only, no K/V moves: cheap enough to size the capacity before the first step."""
+    n = mesh.shape["context"]
+    ph, ps = degrees if degrees is not None else (1, n)
+    if ph * ps != n:
+        raise ValueError(f"degrees {ph} x {ps} do not multiply to the context axis size {n}")
+    b, h, tiles, _ = kv_index.shape
+    hcp.check_heads(h, ph)
+    slots = h // ph if hcp_slots is None else int(hcp_slots)
+    if isinstance(head_perm, str):
+        head_perm = hcp.balance_heads(hcp.head_loads_from_counts(kv_count), ph, slots) if ph > 1 else None
+    if head_perm is None:
+        head_perm = jnp.arange(h, dtype=jnp.int32)
+    nb_loc = tiles * q_tile // kv_block // ps  # KV blocks of one SCP device
+    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
+    dp = math.prod(mesh.shape[a] for a in batch_axes)
+    bspec = batch_axes if b % dp == 0 else None
+    sub = split_context_mesh(mesh, ph, ps)
+
+    def body(kv_index, kv_count, perm):
+        if ph > 1:
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm)
+        _, requested = scp.peer_requests(kv_index, kv_count, axis=SEQ, n=ps, nb_loc=nb_loc)
+        return jax.lax.pmax(jnp.max(requested), tuple(sub.axis_names))
+
+    spec = P(bspec, None, (SEQ, HEAD))
+    return jax.shard_map(body, mesh=sub, in_specs=(spec, spec, P()), out_specs=P(), check_vma=False)(
+        kv_index.astype(jnp.int32), kv_count.astype(jnp.int32), jnp.asarray(head_perm, jnp.int32))
+
+
+def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
+                      stat_axes):
+    q, k, v = args["q"], args["k"], args["v"]
+    heads = q.shape[2]
+    kv_lens, perm = args.get("kv_lens"), args.get("perm")
+    kv_index, kv_count = args.get("kv_index"), args.get("kv_count")
+    sparse = kv_index is not None
+    stats = {"requested_blocks": jnp.zeros((), jnp.int32), "overflow_blocks": jnp.zeros((), jnp.int32),
+             "fallback": jnp.zeros((), jnp.int32)}
+
+    if ph > 1:  # HCP: sequence shards -> head shards (heads gathered into their device's slots first)
+        if perm is not None:  # head id H: an empty slot, a zero head selecting one block
+            q, k, v = (jnp.take(_extend(x, 0, 2), perm, axis=2) for x in (q, k, v))
+        q, k, v = (hcp.seq_to_heads(x, HEAD) for x in (q, k, v))
+        if sparse:
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm)
+
+    if ps == 1:
+        if sparse:
+            out = local.sparse_local(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
+                                     sm_scale=sm_scale, impl=impl)
+        else:
+            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
+    elif scp_strategy == "allgather":
+        out = scp.allgather_attention(q, k, v, axis=SEQ, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
+                                      kv_index=kv_index, kv_count=kv_count, q_tile=q_tile, kv_block=kv_block,
+                                      impl=impl)
+    elif scp_strategy == "ring":
+        sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
+        out = scp.ring_attention(q, k, v, kv_lens, sel, SEQ, ps, sm_scale, q_chunk, q_tile, kv_block)
+    else:
+        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=SEQ, n=ps, capacity=capacity,
+                                          sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl)
+        stats.update(st)
+
+    if ph > 1:
+        out = hcp.heads_to_seq(out, HEAD)
+        if perm is not None:  # each head's slot (real heads occur once; empty slots sort last)
+            out = jnp.take(out, jnp.argsort(perm, stable=True)[:heads], axis=2)
+    if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)
+        stats = {"requested_blocks": jax.lax.psum(stats["requested_blocks"], stat_axes),
+                 "overflow_blocks": jax.lax.psum(stats["overflow_blocks"], stat_axes),
+                 "fallback": jax.lax.pmax(stats["fallback"], stat_axes)}
+    return out, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+    """Context-parallel attention as an attention plan: pass it wherever a backend name goes
+    (`attention(q, k, v, backend=plan)`, `VideoDiT(..., attention=plan)`); hashable, so it is a static
+    argument of jit / remat like a backend name. The trainer builds one when `parallel.context > 1`.
+
+    A sequence that does not divide over the context axis (e.g. MMDiT's joint video + text tokens) is
+    padded at the end with keys masked by kv_lens, and the padded query rows are dropped."""
+
+    mesh: Mesh
+    strategy: str = "hybrid"
+    backend: str = "auto"  # per-device dense attention backend
+    options: tuple[tuple[str, Any], ...] = ()  # more context_attention keywords, e.g. (("degrees", (2, 4)),)
+
+    def __call__(self, q, k, v, *, kv_lens=None, sm_scale=None, **options):
+        n = self.mesh.shape["context"]
+        s = q.shape[1]
+        pad = -s % n
+        if pad and "kv_index" not in options:
+            widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+            q, k, v = widen(q), widen(k), widen(v)
+            kv_lens = s if kv_lens is None else jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s)
+        out = context_attention(q, k, v, mesh=self.mesh, strategy=self.strategy, kv_lens=kv_lens, sm_scale=sm_scale,
+                                backend=self.backend, **{**dict(self.options), **options})
+        return out[:, :s] if pad else out
+
+    def constrain(self, x):
+        """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence over context."""
+        batch_axes = tuple(a for a in self.mesh.axis_names if a != "context")
+        dp = math.prod(self.mesh.shape[a] for a in batch_axes)
+        if x.shape[1] % self.mesh.shape["context"] or x.shape[0] % dp:
+            return x
+        spec = P(batch_axes, "context", *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    # -- metrics --------------------------------------------------------------------------------
+    def resolve(self, seq_len: int, heads: int, head_dim: int, batch: int, itemsize: int = 2):
+        """(hcp, scp, scp_strategy) this plan runs for a (dense) call of this shape."""
+        opts = dict(self.options)
+        n = self.mesh.shape["context"]
+
+        def plan_fn():
+            from dsv_jax.parallel.planner import default_plan
+            return default_plan(seq_len=seq_len, heads=heads, head_dim=head_dim, batch=batch, devices=n,
+                                sparse=False, sparsity=opts.get("sparsity"), dtype_bytes=itemsize)
+
+        return resolve_degrees(self.strategy, n, degrees=opts.get("degrees"), scp_strategy=opts.get("scp"),
+                               plan_fn=plan_fn)
+
+    def bucket_metrics(self, cfg, shapes, batch_size) -> dict[str, Any]:
+        """Per bucket: the plan and the bytes each device sends per layer (dense attention; formulas of
+        `comm.context_bytes`), for the training metrics. batch_size(shape) -> global batch."""
+        from dsv_jax.model.layers import compute_dtype
+        from dsv_jax.model.tokens import grid_shape, token_layout
+        from dsv_jax.parallel.comm import context_bytes
+
+        m = cfg.model
+        n = self.mesh.shape["context"]
+        dp = math.prod(self.mesh.shape[a] for a in self.mesh.axis_names if a != "context")
+        itemsize = jnp.dtype(compute_dtype(m)).itemsize
+        out = {}
+        for shape in shapes:
+            s = token_layout(grid_shape(tuple(shape), m.patch), m.tile).seq_len
+            if m.arch == "mmdit":  # joint video + text sequence
+                s += cfg.text.max_len
+            s += -s % n
+            b = max(1, batch_size(shape) // dp)
+            ph, ps, scp_strategy = self.resolve(s, m.heads, m.head_dim, b, itemsize)
+            bytes_ = context_bytes(hcp=ph, scp=ps, scp_strategy=scp_strategy, batch=b, seq_len=s, heads=m.heads,
+                                   head_dim=m.head_dim, itemsize=itemsize)
+            key = "cp/" + "x".join(map(str, shape))
+            out[f"{key}/plan"] = f"{ph}x{ps} {scp_strategy if ps > 1 else 'ulysses'}"
+            out[f"{key}/bytes_per_layer"] = bytes_["total"]
+        return out
+
+    @staticmethod
+    def step_metrics() -> dict[str, int]:
+        """Selective-exchange overflows so far (calls that took the all-gather path, and their blocks)."""
+        return {"cp_overflow_calls": OVERFLOW_EVENTS["calls"], "cp_overflow_blocks": OVERFLOW_EVENTS["blocks"]}

@@ -1,0 +1,244 @@
+"""Sequence-wise context parallelism (SCP): each device keeps its query shard and gets the keys it needs.
+
+Every function here runs inside shard_map on one device of an SCP group (mesh axis `axis` of size
+`n`); q, k, v [B, S/n, H, D] are this device's contiguous slice of the group's sequence, and block
+ids in kv_index are group-global (block g covers tokens g*kv_block .. (g+1)*kv_block - 1).
+
+- ring: K/V chunks travel around the group (ppermute) while each device merges its partial
+  results with an online softmax (log-sum-exp). Hand-written VJP: the backward runs the ring again
+  with dK/dV accumulators travelling with their chunk, so no device ever holds all of K/V.
+- allgather: gather K/V of the whole group, attend locally (cuDNN / the sparse kernel).
+- selective: each device requests only the remote KV blocks its query tiles selected: counts and
+  block ids first (all-to-all), then the blocks (all-to-all), with a static capacity of `capacity`
+  blocks per peer. dK/dV return along the transposed all-to-all (autodiff). A request that does not
+  fit is never dropped: every device of the group then takes the all-gather path for this call
+  (exact, more bytes), and the overflow is counted in the returned stats.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dsv_jax.parallel import local
+
+
+def _ring_perm(n):
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block):
+    """Visibility of key chunk `src` (group-global offset src * s_chunk) for query rows [row0, row0 + rows)."""
+    if kv_lens is None and sel is None:
+        return lambda row0, rows: None
+    key_pos = src * s_chunk + jnp.arange(s_chunk)
+
+    def fn(row0, rows):
+        mask = None
+        if kv_lens is not None:
+            mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, Sk]
+        if sel is not None:
+            tiles = (row0 + jnp.arange(rows)) // q_tile
+            m = jnp.take(sel, tiles, axis=2)  # [B, H, rows, nb]
+            m = jnp.take(m, key_pos // kv_block, axis=3)  # [B, H, rows, Sk]
+            mask = m if mask is None else mask & m
+        return mask
+
+    return fn
+
+
+def selection_mask(kv_index, kv_count, n_blocks, *, per_tile=True):
+    """kv_index [B, H, T, K] / kv_count [B, H, T] -> bool [B, H, T, n_blocks] of the selected blocks
+    (per_tile=False: [B, H, n_blocks], the union over the tiles). A scatter, never [.., K, n_blocks]."""
+    b, h, t, kk = kv_index.shape
+    valid = (jnp.arange(kk) < kv_count[..., None]).astype(jnp.int8)
+    bi = jnp.arange(b)[:, None, None, None]
+    hi = jnp.arange(h)[None, :, None, None]
+    idx = jnp.clip(kv_index, 0, n_blocks - 1)
+    if per_tile:
+        ti = jnp.arange(t)[None, None, :, None]
+        out = jnp.zeros((b, h, t, n_blocks), jnp.int8).at[bi, hi, ti, idx].max(valid)
+    else:
+        out = jnp.zeros((b, h, n_blocks), jnp.int8).at[bi, hi, idx].max(valid)
+    return out.astype(bool)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def ring_attention(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_block):
+    """Dense (or selection-masked) attention of the local queries over the whole group's keys.
+
+    kv_lens [B] (group-global valid key prefix) and sel [B, H, T_local, n_blocks] are optional masks."""
+    return _ring_fwd(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_block)[0]
+
+
+def _ring_fwd(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_block):
+    me = jax.lax.axis_index(axis)
+    s_chunk = k.shape[1]
+
+    def step(r, carry, send=True):
+        o, lse, k_cur, v_cur = carry
+        # Issue the send of this chunk before using it, so the transfer can overlap the block.
+        k_next = jax.lax.ppermute(k_cur, axis, _ring_perm(n)) if send else k_cur
+        v_next = jax.lax.ppermute(v_cur, axis, _ring_perm(n)) if send else v_cur
+        src = (me - r) % n
+        mask_fn = _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block)
+        o_b, lse_b = local.block_lse(q, k_cur, v_cur, mask_fn, sm_scale=sm_scale, q_chunk=q_chunk)
+        o, lse = local.merge(o, lse, o_b, lse_b)
+        return o, lse, k_next, v_next
+
+    b, s, h, d = q.shape
+    carry = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), local.NEG, jnp.float32), k, v)
+    carry = jax.lax.fori_loop(0, n - 1, step, carry)
+    o, lse, _, _ = step(n - 1, carry, send=False)
+    out = o.astype(q.dtype)
+    return out, (q, k, v, kv_lens, sel, out, lse)
+
+
+def _ring_bwd(axis, n, sm_scale, q_chunk, q_tile, kv_block, res, do):
+    q, k, v, kv_lens, sel, o, lse = res
+    me = jax.lax.axis_index(axis)
+    s_chunk = k.shape[1]
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+
+    def step(r, carry, send=True):
+        dq, k_cur, v_cur, dk, dv = carry
+        k_next = jax.lax.ppermute(k_cur, axis, _ring_perm(n)) if send else k_cur
+        v_next = jax.lax.ppermute(v_cur, axis, _ring_perm(n)) if send else v_cur
+        src = (me - r) % n
+        mask_fn = _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block)
+        dq_b, dk_b, dv_b = local.block_grads(q, k_cur, v_cur, do, lse, delta, mask_fn, sm_scale=sm_scale,
+                                             q_chunk=q_chunk)
+        # dK/dV of chunk src travel with it; after the last block one more hop brings them home.
+        dk, dv = jax.lax.ppermute(dk + dk_b, axis, _ring_perm(n)), jax.lax.ppermute(dv + dv_b, axis, _ring_perm(n))
+        return dq + dq_b, k_next, v_next, dk, dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    carry = (jnp.zeros(q.shape, jnp.float32), k, v, zeros, zeros)
+    carry = jax.lax.fori_loop(0, n - 1, step, carry)
+    dq, _, _, dk, dv = step(n - 1, carry, send=False)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def gather_kv(k, v, axis):
+    return (jax.lax.all_gather(k, axis, axis=1, tiled=True), jax.lax.all_gather(v, axis, axis=1, tiled=True))
+
+
+def allgather_attention(q, k, v, *, axis, kv_lens, sm_scale, backend="auto", kv_index=None, kv_count=None,
+                        q_tile=64, kv_block=64, impl="auto"):
+    k_all, v_all = gather_kv(k, v, axis)
+    if kv_index is None:
+        return local.dense_local(q, k_all, v_all, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
+    return local.sparse_local(q, k_all, v_all, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
+                              sm_scale=sm_scale, impl=impl)
+
+
+def _compact(mask, capacity):
+    """Ids of the True entries of each row of mask [R, N], first `capacity` of them, -1 padded -> [R, C]."""
+    pos = jnp.cumsum(mask, axis=-1) - 1
+    slot = jnp.where(mask & (pos < capacity), pos, capacity)  # overflow and unselected land in a spill slot
+    ids = jnp.broadcast_to(jnp.arange(mask.shape[-1], dtype=jnp.int32), mask.shape)
+    out = jnp.full((mask.shape[0], capacity + 1), -1, jnp.int32)
+    out = out.at[jnp.arange(mask.shape[0])[:, None], slot].set(ids)
+    return out[:, :capacity]
+
+
+def peer_requests(kv_index, kv_count, *, axis, n, nb_loc):
+    """need [n, B*H*nb_loc] (row p: which of peer p's blocks my query tiles selected, flat over
+    (batch, head, block); my own row is empty) and its row counts requested [n]."""
+    b, h = kv_count.shape[:2]
+    need = selection_mask(kv_index, kv_count, n * nb_loc, per_tile=False).reshape(b * h, n, nb_loc)
+    need = jnp.swapaxes(need, 0, 1).reshape(n, b * h * nb_loc)
+    need = need & (jnp.arange(n) != jax.lax.axis_index(axis))[:, None]  # my own blocks are already here
+    return need, jnp.sum(need, axis=1, dtype=jnp.int32)
+
+
+def selective_attention(q, k, v, kv_index, kv_count, *, axis, n, capacity, sm_scale, q_tile=64, kv_block=64,
+                        impl="auto"):
+    """Sparse attention fetching only the selected remote KV blocks. Returns (out, stats).
+
+    capacity: KV blocks this device may request from each peer (over all its batch rows and heads).
+    stats: requested remote blocks, the overflow beyond capacity (group total), and whether the
+    group fell back to the all-gather path."""
+    b, s_loc, h, d = q.shape
+    nb_loc = s_loc // kv_block
+    nb = n * nb_loc
+    me = jax.lax.axis_index(axis)
+    bh = b * h
+
+    # 1. Which blocks of each peer do my query tiles need?  need [n, B*H*nb_loc] (row p = peer p).
+    need, requested = peer_requests(kv_index, kv_count, axis=axis, n=n, nb_loc=nb_loc)
+    overflow = jnp.sum(jnp.maximum(requested - capacity, 0))
+    group_overflow = jax.lax.psum(overflow, axis)
+
+    def exchange(q, k, v):
+        req = _compact(need, capacity)  # [n, C] flat ids (bh * nb_loc + block) in peer p's local blocks
+        # 2. Tell each peer which of its blocks I want; learn which of mine each peer wants.
+        wanted = jax.lax.all_to_all(req, axis, 0, 0, tiled=True)  # [n, C]: row p = peer p's request
+        # 3. Send those blocks; receive mine, in my request order.
+        k_blocks = jnp.swapaxes(k, 1, 2).reshape(bh * nb_loc, kv_block, d)
+        v_blocks = jnp.swapaxes(v, 1, 2).reshape(bh * nb_loc, kv_block, d)
+        take = lambda x: jnp.where((wanted >= 0)[..., None, None], jnp.take(x, jnp.maximum(wanted, 0), axis=0), 0)
+        k_recv = jax.lax.all_to_all(take(k_blocks), axis, 0, 0, tiled=True)  # [n, C, kv_block, D]
+        v_recv = jax.lax.all_to_all(take(v_blocks), axis, 0, 0, tiled=True)
+        # 4. One flat buffer: my blocks (row bh, block j at bh * nb_loc + j), then peer p's slot c at
+        #    bh * nb_loc + p * C + c; padded to whole query tiles.
+        n_buf = bh * nb_loc + n * capacity
+        pad = -n_buf % (q_tile // math.gcd(q_tile, kv_block))  # whole query tiles
+        k_buf = jnp.concatenate([k_blocks, k_recv.reshape(-1, kv_block, d), jnp.zeros((pad, kv_block, d), k.dtype)])
+        v_buf = jnp.concatenate([v_blocks, v_recv.reshape(-1, kv_block, d), jnp.zeros((pad, kv_block, d), v.dtype)])
+        # 5. Where each (row, group-global block) lives in the buffer.
+        rows = jnp.arange(bh)[:, None]
+        where = jnp.zeros((bh, nb), jnp.int32)
+        where = where.at[rows, me * nb_loc + jnp.arange(nb_loc)[None]].set(rows * nb_loc + jnp.arange(nb_loc)[None])
+        slot_id = bh * nb_loc + jnp.arange(n)[:, None] * capacity + jnp.arange(capacity)[None]  # [n, C]
+        peer = jnp.broadcast_to(jnp.arange(n)[:, None], req.shape)
+        ok = req >= 0
+        r_row = jnp.where(ok, req // nb_loc, bh)  # spill row bh for empty slots
+        r_blk = peer * nb_loc + jnp.where(ok, req % nb_loc, 0)
+        where = jnp.concatenate([where, jnp.zeros((1, nb), jnp.int32)]).at[r_row, r_blk].set(slot_id)[:bh]
+        # 6. Queries of all (batch, head) rows as one sequence of tiles over the buffer.
+        idx = jnp.take_along_axis(where, jnp.clip(kv_index, 0, nb - 1).reshape(bh, -1), axis=1)
+        idx = idx.reshape(1, 1, -1, kv_index.shape[-1])
+        q_flat = jnp.swapaxes(q, 1, 2).reshape(1, bh * s_loc, 1, d)
+        out = local.sparse_local(q_flat, k_buf.reshape(1, -1, 1, d), v_buf.reshape(1, -1, 1, d), idx,
+                                 kv_count.reshape(1, 1, -1), q_tile=q_tile, kv_block=kv_block, sm_scale=sm_scale,
+                                 impl=impl)
+        return jnp.swapaxes(out.reshape(b, h, s_loc, d), 1, 2)
+
+    def fallback(q, k, v):
+        return allgather_attention(q, k, v, axis=axis, kv_lens=None, sm_scale=sm_scale, kv_index=kv_index,
+                                   kv_count=kv_count, q_tile=q_tile, kv_block=kv_block, impl=impl)
+
+    out = jax.lax.cond(group_overflow > 0, fallback, exchange, q, k, v)
+    stats = {"requested_blocks": jnp.sum(requested), "overflow_blocks": overflow,
+             "fallback": (group_overflow > 0).astype(jnp.int32)}
+    return out, stats
+
+
+def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean"):
+    """Selection of this device's query tiles against the whole sequence's low-rank keys.
+
+    q_lr [B, S_local, H, r], k_lr_all [B, S, H, r] -> kv_index [B, H, T_local, K], kv_count [B, H, T_local]:
+    the same blocks `pallas_kernels.lowrank_topk` picks for these tiles (mean-of-tile proxy, block
+    score reduced over the block, top-k ids ascending). top_k: an int, or one int per head (K = max;
+    head h keeps its top_k[h] best, so kv_count carries heterogeneous per-head sparsity)."""
+    b, s_loc, h, r = q_lr.shape
+    s = k_lr_all.shape[1]
+    proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, s_loc // q_tile, q_tile, h, r), axis=2)
+    scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr_all.astype(jnp.float32))
+    scores = scores.reshape(b, h, s_loc // q_tile, s // kv_block, kv_block)
+    scores = jnp.mean(scores, -1) if block_reduce == "mean" else jnp.max(scores, -1)
+    per_head = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (h,))
+    k_max = int(max(top_k)) if isinstance(top_k, (tuple, list)) else int(top_k)
+    _, idx = jax.lax.top_k(scores, k_max)  # best first
+    keep = jnp.arange(k_max) < per_head[None, :, None, None]
+    idx = jnp.sort(jnp.where(keep, idx, jnp.iinfo(jnp.int32).max), axis=-1)  # kept ids ascending, then the rest
+    idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, 0, idx).astype(jnp.int32)
+    count = jnp.broadcast_to(per_head[None, :, None], idx.shape[:3])
+    return idx, count
