@@ -89,7 +89,7 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
     shape = tuple(shape or default_shape(cfg))
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
                        attention=cfg.attention)
-    frames = decode_latents(latents)
+    frames = decode_latents(latents, cfg.data.codec)
     written = [save_video(frames, path)]
     if also_mp4 and path.lower().endswith(".gif"):
         try:

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dsv_jax.config import Config
-from dsv_jax.data.feed import make_feed, tokens_per_sample
+from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.metrics import MetricsWriter
@@ -115,8 +115,28 @@ class Prefetcher:
         self._stop.set()
 
 
+def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract global batch of b samples of latent `shape` (T, H, W), sharded over the batch axes."""
+    t, h, w = shape
+    spec = {"latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
+            "text_mask": ((b, cfg.text.max_len), jnp.bool_)}
+    if cfg.text.encoder == "builtin":
+        spec["text_ids"] = ((b, cfg.text.max_len), jnp.int32)
+    else:
+        spec["text_emb"] = ((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32)
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(mesh, len(s))) for k, (s, d) in spec.items()}
+
+
+def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch):
+    """The ahead-of-time compiled train step for one abstract batch (state donated)."""
+    step = make_train_step(cfg, graphdef, attention)
+    jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(state_sharding, None))
+    return jitted.lower(abstract_state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+
+
 class Trainer:
     def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True):
+        cfg = resolve_data_config(cfg)  # a prepared dataset's buckets and codec go into the saved config
         self.cfg, self.workdir, self.progress = cfg, os.path.abspath(workdir), progress
         check_writable(self.workdir)
         enable_compilation_cache()
@@ -146,27 +166,19 @@ class Trainer:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
                 f.write(cfg.to_json())
         self._compiled: dict[Any, Any] = {}
+        self._warm = False  # set once every bucket of the feed is compiled
 
     # -- compilation ------------------------------------------------------------------------
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
-        b = self.feed.batch_size(shape)
-        t, h, w = shape
-        cfg = self.cfg
-        spec = {"latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
-                "text_mask": ((b, cfg.text.max_len), jnp.bool_)}
-        if cfg.text.encoder == "builtin":
-            spec["text_ids"] = ((b, cfg.text.max_len), jnp.int32)
-        else:
-            spec["text_emb"] = ((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32)
-        return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(self.mesh, len(s))) for k, (s, d) in spec.items()}
+        return batch_spec(self.cfg, self.mesh, self.feed.batch_size(shape), shape)
 
     def compiled_step(self, shape):
         key = (tuple(shape), self.attention)
         if key not in self._compiled:
-            step = make_train_step(self.cfg, self.graphdef, self.attention)
-            jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(self.state_sharding, None))
-            lr = jax.ShapeDtypeStruct((), jnp.float32)
-            self._compiled[key] = jitted.lower(self.abstract_state, self.batch_spec(shape), lr).compile()
+            if self._warm:
+                log.warning("compiling bucket %s after warm-up: it is not among the feed's shapes", shape)
+            self._compiled[key] = compile_train_step(self.cfg, self.graphdef, self.attention, self.abstract_state,
+                                                     self.state_sharding, self.batch_spec(shape))
         return self._compiled[key]
 
     def precompile(self) -> float:
@@ -174,6 +186,7 @@ class Trainer:
         shapes = self.feed.shapes
         for shape in tqdm(shapes, desc="compiling buckets", disable=not (self.progress and self.is_main), leave=False):
             self.compiled_step(shape)
+        self._warm = True
         return time.perf_counter() - t0
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -277,6 +290,8 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if hasattr(self.feed, "close"):  # a Grain feed's prefetch processes
+            self.feed.close()
 
 
 def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None, progress: bool = True,
