@@ -38,34 +38,52 @@ log = logging.getLogger(__name__)
 
 
 class BucketBatcher(grain.IterDataset):
-    """(record id, bucket) elements -> {"bucket": k, "ids": int64 [B_k]} as soon as bucket k holds B_k ids."""
+    """(record id, bucket) elements -> {"bucket": k, "ids": int64 [B_k]} as soon as bucket k holds B_k ids.
 
-    def __init__(self, parent: grain.IterDataset, batch_sizes: Sequence[int]):
+    A batch never holds one record twice when its bucket has at least B_k records: an id that comes
+    round again (the next epoch) while its previous copy still waits is deferred to the next batch."""
+
+    def __init__(self, parent: grain.IterDataset, batch_sizes: Sequence[int], bucket_records: Sequence[int]):
         super().__init__(parent)
         self.batch_sizes = tuple(int(b) for b in batch_sizes)
+        self.unique = tuple(int(n) >= b for n, b in zip(bucket_records, self.batch_sizes))
 
     def __iter__(self) -> "BucketBatcherIterator":
-        return BucketBatcherIterator(self._parent.__iter__(), self.batch_sizes)
+        return BucketBatcherIterator(self._parent.__iter__(), self.batch_sizes, self.unique)
 
 
 class BucketBatcherIterator(grain.DatasetIterator):
-    def __init__(self, parent: grain.DatasetIterator, batch_sizes: tuple[int, ...]):
+    def __init__(self, parent: grain.DatasetIterator, batch_sizes: tuple[int, ...], unique: tuple[bool, ...]):
         super().__init__(parent)
-        self.batch_sizes = batch_sizes
+        self.batch_sizes, self.unique = batch_sizes, unique
         self.buffers: list[list[int]] = [[] for _ in batch_sizes]
+        self.deferred: list[list[int]] = [[] for _ in batch_sizes]
+
+    def _add(self, bucket: int, record_id: int) -> None:
+        if self.unique[bucket] and record_id in self.buffers[bucket]:
+            self.deferred[bucket].append(record_id)
+        else:
+            self.buffers[bucket].append(record_id)
 
     def __next__(self) -> dict[str, Any]:
         while True:
+            for bucket, buffer in enumerate(self.buffers):
+                if len(buffer) >= self.batch_sizes[bucket]:
+                    return self._emit(bucket)
             record_id, bucket = next(self._parent)
-            buffer = self.buffers[bucket]
-            buffer.append(int(record_id))
-            if len(buffer) == self.batch_sizes[bucket]:
-                self.buffers[bucket] = []
-                return {"bucket": np.int64(bucket), "ids": np.asarray(buffer, np.int64)}
+            self._add(bucket, int(record_id))
+
+    def _emit(self, bucket: int) -> dict[str, Any]:
+        ids = self.buffers[bucket]
+        waiting, self.buffers[bucket], self.deferred[bucket] = self.deferred[bucket], [], []
+        for record_id in waiting:
+            self._add(bucket, record_id)
+        return {"bucket": np.int64(bucket), "ids": np.asarray(ids, np.int64)}
 
     def get_state(self) -> dict[str, Any]:
         # Copies: a prefetching parent may keep this dict while the buffers keep filling.
-        return {"parent": self._parent.get_state(), "buffers": [list(b) for b in self.buffers]}
+        return {"parent": self._parent.get_state(), "buffers": [list(b) for b in self.buffers],
+                "deferred": [list(d) for d in self.deferred]}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if len(state["buffers"]) != len(self.batch_sizes):
@@ -73,6 +91,7 @@ class BucketBatcherIterator(grain.DatasetIterator):
                              f"{len(self.batch_sizes)} buckets")
         self._parent.set_state(state["parent"])
         self.buffers = [[int(i) for i in b] for b in state["buffers"]]
+        self.deferred = [[int(i) for i in d] for d in state["deferred"]]
 
 
 class KeyByBucket:
@@ -182,6 +201,10 @@ class GrainFeed:
             log.info("data: %d samples in %d buckets from %s; batching %s", self.manifest.records, len(self.shapes),
                      self.manifest.directory, self.rule.describe())
             warn_over_memory(self.rule, {"x".join(map(str, s)): self.seq_len(s) for s in self.shapes})
+            for b, size in zip(self.manifest.buckets, self.batch_sizes()):
+                if 0 < b["count"] < size:
+                    log.warning("bucket %s holds %d samples, fewer than its batch of %d: its batches repeat samples",
+                                "x".join(map(str, b["shape"])), b["count"], size)
 
     def seq_len(self, shape) -> int:
         return tokens_per_sample(shape, self.cfg.model.patch)
@@ -196,7 +219,7 @@ class GrainFeed:
     def dataset(self) -> grain.IterDataset:
         ds = grain.MapDataset.range(len(self.record_buckets)).shuffle(seed=self.seed).repeat()
         ds = ds.map(KeyByBucket(self.record_buckets)).to_iter_dataset()
-        ds = BucketBatcher(ds, self.batch_sizes())
+        ds = BucketBatcher(ds, self.batch_sizes(), [b["count"] for b in self.manifest.buckets])
         ds = ds.map(HostRows(self.process_index, self.process_count)).map(self.reader)
         if self.workers > 0:
             _mark_flags_parsed()
