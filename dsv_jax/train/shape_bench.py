@@ -51,9 +51,13 @@ class StepBench:
         self.state_sharding = state_shardings(abstract, self.mesh)
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                            abstract, self.state_sharding)
-        self.state = jax.jit(lambda: init_state(cfg), out_shardings=self.state_sharding)()
+        self.reset_state()
         self._compiled: dict[tuple, Any] = {}
         self._rng = np.random.default_rng(cfg.data.seed)
+
+    def reset_state(self) -> None:
+        """A fresh train state (also after a step that failed with its donated state)."""
+        self.state = jax.jit(lambda: init_state(self.cfg), out_shardings=self.state_sharding)()
 
     def seq_len(self, shape) -> int:
         return tokens_per_sample(shape, self.cfg.model.patch)
@@ -95,8 +99,8 @@ class StepBench:
         """Run one step (blocking) and return its wall time in seconds."""
         fn = self.compiled(b, shape)
         t0 = time.perf_counter()
-        self.state, metrics = fn(self.state, batch, np.float32(0.0))
-        jax.block_until_ready(metrics["loss"])
+        self.state, self.last_metrics = fn(self.state, batch, np.float32(0.0))
+        jax.block_until_ready(self.last_metrics["loss"])
         return time.perf_counter() - t0
 
     def time_steps(self, b: int, shape, *, warmup: int = 2, iters: int = 5) -> list[float]:
@@ -158,6 +162,7 @@ def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = Non
         except Exception as e:
             if not is_oom(e):
                 raise
+            bench.reset_state()  # the failed step may have consumed the donated state
             skipped.append({"batch": b, "shape": list(shape), "reason": "out of memory"})
             continue
         points.append({"batch": b, "shape": list(shape), "seq_len": seq, "time_s": statistics.median(times),
