@@ -72,6 +72,8 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     if ext == ".gif":
         iio.imwrite(path, canvas, extension=".gif", duration=1000 // fps, loop=0)
     elif ext == ".mp4":
+        # H.264 in yuv420p needs even sizes: pad with a black row / column
+        canvas = np.pad(canvas, ((0, 0), (0, canvas.shape[1] % 2), (0, canvas.shape[2] % 2), (0, 0)))
         try:
             iio.imwrite(path, canvas, extension=".mp4", fps=fps, plugin="pyav", codec="libx264")
         except (ImportError, ValueError, OSError) as e:

@@ -139,3 +139,31 @@ def test_step_time_cv():
     assert step_time_cv([1.0, 1.0, 1.0]) == 0.0
     assert step_time_cv([1.0, 3.0]) == pytest.approx(0.5)
     assert math.isnan(step_time_cv([1.0]))
+
+
+def test_everything_but_the_dataset_path_works_without_grain():
+    """The GPU machine has no grain: importing dsv_jax, the trainer, fit-cost and the experiment, and
+    feeding the embedded dataset, must not import grain or array_record."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys; sys.modules['grain'] = None; sys.modules['array_record'] = None\n"
+        "import dsv_jax.cli, dsv_jax.train.trainer, dsv_jax.train.shape_bench, experiments.load_balance\n"
+        "from dsv_jax.data.feed import make_feed\n"
+        "from tests.conftest import small_config\n"
+        "feed = make_feed(small_config('data.batching=dual', 'data.m_mem=512', 'data.m_comp=600', 'data.cost_p=1.5'),"
+        " batch_multiple=1, process_index=0, process_count=1)\n"
+        "print(next(feed)['latents'].shape)\n"
+        "try:\n"
+        "    make_feed(small_config('data.path=/nowhere'), batch_multiple=1, process_index=0, process_count=1)\n"
+        "except ImportError as e:\n"
+        "    print('needs grain:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "needs grain: data.path needs grain and array_record" in r.stdout
+    assert r.stdout.splitlines()[0].startswith("(")

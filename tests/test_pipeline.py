@@ -179,3 +179,16 @@ def test_batcher_defers_a_record_that_comes_round_again():
     assert state["buffers"] == [[3], []] and state["deferred"] == [[], []]
     assert next(it)["ids"].tolist() == [4, 4]  # bucket 1 has fewer records than its batch: repeats allowed
     assert it.get_state()["buffers"] == [[3, 0], []]
+
+
+def test_eval_batches_are_fixed_and_split_by_host(dataset):
+    cfg = data_cfg(dataset)
+    whole = make_feed(cfg, batch_multiple=4, process_index=0, process_count=1, split="eval")
+    hosts = [make_feed(cfg, batch_multiple=4, process_index=i, process_count=2, split="eval") for i in range(2)]
+    for shape in whole.shapes:
+        a, b = whole.batch_at(1, shape), whole.batch_at(1, shape)
+        np.testing.assert_array_equal(a["latents"], b["latents"])  # no state, no shuffling
+        assert a["latents"].shape == (whole.batch_size(shape), *shape, CHANNELS)
+        parts = [h.batch_at(1, shape)["latents"] for h in hosts]
+        np.testing.assert_array_equal(np.concatenate(parts), a["latents"])
+        assert not np.array_equal(whole.batch_at(0, shape)["latents"], a["latents"])

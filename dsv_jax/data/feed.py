@@ -89,7 +89,10 @@ class SyntheticFeed:
 
 def make_feed(cfg: Config, *, batch_multiple: int, process_index: int, process_count: int, split: str = "train"):
     if cfg.data.path:
-        from dsv_jax.data.pipeline import GrainFeed  # grain only when a dataset is used
+        try:
+            from dsv_jax.data.pipeline import GrainFeed  # grain only when a dataset is used
+        except ImportError as e:
+            raise ImportError(f"data.path needs grain and array_record (pip install grain array-record): {e}") from e
 
         return GrainFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
                          process_count=process_count, split=split)

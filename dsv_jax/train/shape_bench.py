@@ -172,6 +172,9 @@ def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = Non
         raise ValueError(f"only {len(points)} grid point(s) ran ({skipped}); use smaller shapes or batch sizes")
     model = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points],
                            [p["time_s"] for p in points])
+    if model.p < 1.0:
+        log.warning("fitted p = %.2f < 1: step time grows slower than the tokens, so these shapes do not fill "
+                    "the device (fixed costs dominate); benchmark larger shapes or batches", model.p)
     info: dict[str, Any] = {"config": cfg.name, "mesh": dict(bench.mesh.shape), "device": jax.devices()[0].device_kind,
                             "jax": jax.__version__, "points": points, "skipped": skipped,
                             "memory_cap_bytes": capacity, "mem_fraction": mem_fraction}

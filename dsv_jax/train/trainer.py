@@ -298,6 +298,7 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
           sample: bool | None = None) -> list[dict[str, Any]]:
     """Train (resuming from workdir), then write a sample GIF of the trained model if configured."""
     trainer = Trainer(cfg, workdir, devices=devices, progress=progress)
+    cfg = trainer.cfg  # as resolved (a prepared dataset's buckets and codec)
     try:
         records = trainer.run(stop_at=stop_at)
         done = int(trainer.state.step) >= cfg.train.steps
