@@ -72,12 +72,18 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     if ext == ".gif":
         iio.imwrite(path, canvas, extension=".gif", duration=1000 // fps, loop=0)
     elif ext == ".mp4":
-        # H.264 in yuv420p needs even sizes: pad with a black row / column
+        # yuv420p needs even sizes: pad with a black row / column
         canvas = np.pad(canvas, ((0, 0), (0, canvas.shape[1] % 2), (0, canvas.shape[2] % 2), (0, 0)))
-        try:
-            iio.imwrite(path, canvas, extension=".mp4", fps=fps, plugin="pyav", codec="libx264")
-        except (ImportError, ValueError, OSError) as e:
-            raise RuntimeError(f"writing {path} needs a video writer: pip install 'dsv-jax[video]' ({e})") from None
+        errors = []
+        for codec in ("libx264", "mpeg4"):  # H.264 where the FFmpeg build has it, else MPEG-4 part 2
+            try:
+                iio.imwrite(path, canvas, extension=".mp4", fps=fps, plugin="pyav", codec=codec)
+                break
+            except Exception as e:  # PyAV raises its own error types for a missing encoder
+                errors.append(f"{codec}: {e}")
+        else:
+            raise RuntimeError(f"cannot write {path}: no working video writer ({'; '.join(errors)}); "
+                               "pip install 'dsv-jax[video]'")
     else:
         raise ValueError(f"unsupported video extension {ext!r} (use .gif or .mp4)")
     return path

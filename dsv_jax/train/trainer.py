@@ -39,7 +39,10 @@ def enable_compilation_cache(path: str | None = None) -> None:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    except OSError as e:  # a read-only home must not stop training
+        # The fused AdaLN kernels use custom_partitioning, whose callback address would otherwise make
+        # every cache key unique.
+        jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
+    except (OSError, AttributeError) as e:  # a read-only home (or an older jax) must not stop training
         log.warning("no persistent compilation cache (%s)", e)
 
 
