@@ -53,7 +53,8 @@ from dsv_jax.data.cost_model import CostModel, fit_cost_model, step_time_cv  # n
 from dsv_jax.train.compiles import CompileCounter  # noqa: E402
 from dsv_jax.train.shape_bench import StepBench, is_oom  # noqa: E402
 from dsv_jax.train.trainer import enable_compilation_cache  # noqa: E402
-from experiments.harness import H200_BF16_TFLOPS, RESULTS_DIR, peak_memory_bytes, print_table, write_results  # noqa: E402
+from experiments.harness import (H200_BF16_TFLOPS, RESULTS_DIR, peak_memory_bytes, print_table,  # noqa: E402
+                                 write_results)
 
 PANDA70M_MEAN_CLIP_S = 167_000 * 3600 / 70.7e6  # = 8.5 s
 DURATION_SIGMA = 0.8  # assumption: log-normal spread of clip lengths
@@ -178,8 +179,8 @@ def main():
     fit = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points], [p["time_s"] for p in points])
     for p in points:
         p["predicted_s"] = float(fit.predict(p["batch"], p["seq_len"]))
-    print(f"[{time.perf_counter() - t_start:.0f} s] fit: t = {fit.a * 1e3:.2f} ms + {fit.b:.3g} * B * S^{fit.p:.3f}   R^2 {fit.r2:.4f}, "
-          f"max error {100 * fit.max_rel_error:.1f}% over {len(points)} shapes")
+    print(f"[{time.perf_counter() - t_start:.0f} s] fit: t = {fit.a * 1e3:.2f} ms + {fit.b:.3g} * B * S^{fit.p:.3f}"
+          f"   R^2 {fit.r2:.4f}, max error {100 * fit.max_rel_error:.1f}% over {len(points)} shapes")
 
     # 2. the dual rule's compute budget from a target step time
     shares = np.array([b.share for b in buckets])
@@ -234,7 +235,7 @@ def main():
     elapsed = time.perf_counter() - t_start
     print(f"[{elapsed:.0f} s] {len(bench._compiled)} programs compiled in {compile_s:.0f} s; timing both modes")
     per_pair = predicted["equal_tokens"]["spmd"]["mean_step_s"] + predicted["dual"]["spmd"]["mean_step_s"]
-    n_steps = int(max(8, min(steps, (budget - elapsed - 5) / max(per_pair, 1e-6))))
+    n_steps = int(max(min(20, steps), min(steps, (budget - elapsed - 5) / max(per_pair, 1e-6))))
     rng = np.random.default_rng(1)
     schedule = {name: rng.choice(len(buckets), size=n_steps, p=step_frequencies(shares, bb))
                 for name, bb in modes.items()}

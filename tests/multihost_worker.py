@@ -62,7 +62,8 @@ def phase(stop_at):
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 start1, rec1, ids1 = phase(2)
 start2, rec2, ids2 = phase(4)
-reference = GrainFeed(resolve_data_config(CFG), batch_multiple=8, process_index=jax.process_index(), process_count=2, with_ids=True)
+reference = GrainFeed(resolve_data_config(CFG), batch_multiple=8, process_index=jax.process_index(), process_count=2,
+                      with_ids=True)
 ref_ids = [next(reference)["record_id"].tolist() for _ in range(4)]
 with open(out, "w") as f:
     json.dump({"starts": [start1, start2], "steps": [r["step"] for r in rec1 + rec2],

@@ -51,7 +51,8 @@ def test_rule_rounds_to_the_data_parallel_size_and_caps():
         assert b % 8 == 0 and 8 <= b <= 48
         raw = dual_constraint_batch_size(s, 4096, 2e5, 1.3)
         assert b == max(8, min(raw, 48) // 8 * 8)
-    assert BatchRule("equal_tokens", max_batch=64, tokens_per_batch=2048)(256) == equal_token_batch_size(256, 2048, 64, 1)
+    equal = BatchRule("equal_tokens", max_batch=64, tokens_per_batch=2048)
+    assert equal(256) == equal_token_batch_size(256, 2048, 64, 1)
 
 
 def test_dual_gives_long_sequences_fewer_samples_than_equal_tokens():

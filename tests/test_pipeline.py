@@ -192,3 +192,21 @@ def test_eval_batches_are_fixed_and_split_by_host(dataset):
         parts = [h.batch_at(1, shape)["latents"] for h in hosts]
         np.testing.assert_array_equal(np.concatenate(parts), a["latents"])
         assert not np.array_equal(whole.batch_at(0, shape)["latents"], a["latents"])
+
+
+def test_resuming_with_other_batch_sizes_keeps_batches_well_formed(dataset, caplog):
+    feed = GrainFeed(data_cfg(dataset, "data.batching=dual", "data.m_mem=400", "data.m_comp=5000",
+                              "data.cost_p=1.5"), batch_multiple=2)
+    for _ in range(4):
+        next(feed)
+    state = json.loads(json.dumps(feed.get_state()))
+    assert any(len(b) > 2 for b in state["grain"]["buffers"])  # partly filled buckets larger than the new B
+    smaller = GrainFeed(data_cfg(dataset), batch_multiple=2)  # equal tokens: 4 images, 2 videos per batch
+    with caplog.at_level("WARNING"):
+        smaller.set_state(state)
+    assert "batch sizes per bucket changed" in caplog.text
+    for _ in range(6):
+        batch = next(smaller)
+        assert len(batch["latents"]) == smaller.batch_size(batch["latents"].shape[1:4])
+    with pytest.raises(ValueError, match="dataset of 99 samples"):
+        smaller.set_state(dict(state, records=99))

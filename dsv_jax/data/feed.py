@@ -53,7 +53,8 @@ class SyntheticFeed:
                 raise ValueError(f"data.buckets entry {shape} is not divisible by model.patch {cfg.model.patch}")
         self.rule = batch_rule(cfg.data, self.batch_multiple)
         if split == "train":
-            warn_over_memory(self.rule, {"x".join(map(str, s)): tokens_per_sample(s, cfg.model.patch) for s in self.shapes})
+            seq = {"x".join(map(str, s)): tokens_per_sample(s, cfg.model.patch) for s in self.shapes}
+            warn_over_memory(self.rule, seq)
 
     def batch_size(self, shape) -> int:
         return self.rule(tokens_per_sample(shape, self.cfg.model.patch))

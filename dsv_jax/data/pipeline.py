@@ -74,8 +74,9 @@ class BucketBatcherIterator(grain.DatasetIterator):
             self._add(bucket, int(record_id))
 
     def _emit(self, bucket: int) -> dict[str, Any]:
-        ids = self.buffers[bucket]
-        waiting, self.buffers[bucket], self.deferred[bucket] = self.deferred[bucket], [], []
+        size = self.batch_sizes[bucket]  # a buffer restored under a smaller batch size keeps its rest
+        ids, rest = self.buffers[bucket][:size], self.buffers[bucket][size:]
+        waiting, self.buffers[bucket], self.deferred[bucket] = self.deferred[bucket], rest, []
         for record_id in waiting:
             self._add(bucket, record_id)
         return {"bucket": np.int64(bucket), "ids": np.asarray(ids, np.int64)}
@@ -113,7 +114,8 @@ class HostRows:
     def __call__(self, batch):
         ids = batch["ids"]
         per_host = len(ids) // self.process_count
-        return {"bucket": batch["bucket"], "ids": ids[self.process_index * per_host:(self.process_index + 1) * per_host]}
+        first = self.process_index * per_host
+        return {"bucket": batch["bucket"], "ids": ids[first:first + per_host]}
 
 
 class ReadSamples:
@@ -167,8 +169,9 @@ def check_dataset(cfg: Config, manifest: Manifest) -> None:
             raise ValueError(f"{where} stores text embeddings ({manifest.text.get('encoder')}): use "
                              "text.encoder=precomputed")
         if (manifest.text["max_len"], manifest.text["dim"]) != (cfg.text.max_len, cfg.model.text_dim):
-            raise ValueError(f"{where} stores text embeddings of {manifest.text['max_len']} x {manifest.text['dim']}, "
-                             f"the config expects text.max_len={cfg.text.max_len} x model.text_dim={cfg.model.text_dim}")
+            raise ValueError(f"{where} stores text embeddings of {manifest.text['max_len']} x "
+                             f"{manifest.text['dim']}, the config expects text.max_len={cfg.text.max_len} x "
+                             f"model.text_dim={cfg.model.text_dim}")
 
 
 def _mark_flags_parsed() -> None:
@@ -238,15 +241,23 @@ class GrainFeed:
         return next(self._iterator())
 
     def get_state(self) -> dict:
-        return {"grain": self._iterator().get_state(), "workers": self.workers}
+        return {"grain": self._iterator().get_state(), "workers": self.workers,
+                "records": len(self.record_buckets), "batch_sizes": self.batch_sizes()}
 
     def set_state(self, state: dict) -> None:
         if "grain" not in state:
             raise ValueError(f"the checkpoint's data state {sorted(state)} is not from a data.path dataset "
                              "(was it trained on the embedded dataset?)")
+        if state.get("records") != len(self.record_buckets):
+            raise ValueError(f"the checkpoint's data state is for a dataset of {state.get('records')} samples, "
+                             f"{self.manifest.directory!r} holds {len(self.record_buckets)}")
         if state.get("workers") != self.workers:
             raise ValueError(f"the checkpoint's data state was saved with data.workers={state.get('workers')}; "
                              f"resume with the same (now {self.workers}) to continue the same batch sequence")
+        if state.get("batch_sizes") != self.batch_sizes():
+            log.warning("batch sizes per bucket changed since the checkpoint (%s -> %s): training continues, "
+                        "but not with the batches an uninterrupted run would have seen",
+                        state.get("batch_sizes"), self.batch_sizes())
         self._iterator().set_state(state["grain"])
 
     def batch_at(self, index: int, shape) -> dict[str, np.ndarray]:

@@ -392,7 +392,8 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     try:
         if workers > 1:
             # spawn: the caller may hold jax or threads, which fork would copy in an unusable state
-            pool = mp.get_context("spawn").Pool(workers, initializer=_init_reader, initargs=(pixel_shapes, frame_stride))
+            pool = mp.get_context("spawn").Pool(workers, initializer=_init_reader,
+                                                initargs=(pixel_shapes, frame_stride))
             results = pool.imap(read_clip, tasks, chunksize=1)  # ordered: the output does not depend on timing
         else:
             _init_reader(pixel_shapes, frame_stride)
@@ -439,7 +440,8 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
 
     manifest = Manifest(
         directory=os.path.abspath(output_dir), codec=the_codec.name, channels=the_codec.channels, text=text_spec,
-        buckets=[{"shape": list(s), "pixel_shape": list(p), "count": c} for s, p, c in zip(shapes, pixel_shapes, counts)],
+        buckets=[{"shape": list(s), "pixel_shape": list(p), "count": c}
+                 for s, p, c in zip(shapes, pixel_shapes, counts)],
         shards=[s for w in writers for s in w.done], failed=failed, skipped=skipped,
         extra={"source": os.path.abspath(input_dir), "frame_stride": frame_stride, "uncaptioned": uncaptioned})
     path = manifest.write()
