@@ -64,18 +64,19 @@ def _prepare_data(args) -> int:
 
 def _fit_cost(args) -> int:
     cfg = get_config(args.config, list(args.overrides))
-    shapes = None
+    shapes = shares = None
     if args.data:
         from dsv_jax.data.manifest import Manifest
 
-        shapes = Manifest.load(args.data).shapes
+        manifest = Manifest.load(args.data)
+        shapes, shares = manifest.shapes, [b["count"] for b in manifest.buckets if b["count"] > 0]
     elif args.shapes:
         from dsv_jax.data.prepare import parse_buckets
 
         shapes = parse_buckets(args.shapes)
     from dsv_jax.train.shape_bench import fit_cost
 
-    model = fit_cost(cfg, shapes=shapes, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+    model = fit_cost(cfg, shapes=shapes, shares=shares, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
                      target_s=args.target_ms / 1e3 if args.target_ms else None,
                      memory_bytes=int(args.memory_gb * 2 ** 30) if args.memory_gb else None,
                      mem_fraction=args.mem_fraction, iters=args.repeats, progress=not args.no_progress)
@@ -140,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="take the shapes from a prepared dataset's manifest")
     p.add_argument("--shapes", help="latent shapes TxHxW,... (default: the config's data.buckets)")
     p.add_argument("--batch-sizes", default="1,2,4", help="samples per data-parallel device to time")
-    p.add_argument("--target-ms", type=float, help="step time M_comp is set for (default: see dsv-jax docs)")
+    p.add_argument("--target-ms", type=float,
+                   help="step time M_comp is set for (default: the most even step times at <= 3%% throughput cost)")
     p.add_argument("--memory-gb", type=float, help="memory per device (default: the device's, or RAM on CPU)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of the memory M_mem may use")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point (median)")

@@ -7,7 +7,7 @@ The data: a joint image + video mix modelled on public statistics (no files are 
 drawn from the modelled distribution; grain is not needed). Videos follow Panda-70M's clip lengths
 (70.7M clips, 167k hours on the dataset's page: a mean of 8.5 s), modelled as log-normal with sigma
 0.8 (our assumption), each clip trained on at the longest duration bucket it covers (1, 2, 4, 8 s;
-clips under 1 s dropped), at 256x448; 30% of samples are images (our assumption, typical of joint
+clips under 1 s dropped), at 192x320 (16:10, ~16:9 like the source); 30% of samples are images (our assumption, typical of joint
 image-video training), a third at 256x256 and two thirds at 512x512. Latent shapes assume a Wan-like
 VAE (4x temporal, 8x spatial, 16 channels) and the 0.8B preset's 1x2x2 patches, with latent frame
 counts that are multiples of the 4x4x4 attention tile (4, 8, 16, 32: ~0.8, 1.8, 3.8, 7.8 s at 16 fps).
@@ -17,9 +17,9 @@ Method, in one run:
    compiled step): time every bucket at its equal-token batch, and the shortest one at half of it;
    fit t = a + b * B * S**p (scipy curve_fit); report p, R^2, max error.
 2. Both modes at the same memory cap M_mem (tokens per batch): equal tokens B = M_mem // S; dual
-   B = min(M_mem // S, M_comp // S**p). M_comp comes from a target step time; `--target auto` takes
-   the lowest target whose predicted tokens/s stays within 3% of equal tokens (a sweep of targets
-   is reported, predicted).
+   B = min(M_mem // S, M_comp // S**p). M_comp comes from a target step time, chosen as fit-cost
+   does (`--target auto`): the most even predicted step times among targets that lose at most 3%
+   predicted tokens/s (every candidate is reported as a predicted sweep).
 3. (a) Predicted from the fit: per-step time CV and tokens/s of each mode with dsv-jax's SPMD step
    (one bucket per step for all devices, steps drawn in proportion to samples / B), and in the
    paper's setting (each of G data-parallel ranks draws its own bucket; a step waits for the slowest
@@ -49,7 +49,8 @@ import numpy as np  # noqa: E402
 
 from dsv_jax.config import get_config  # noqa: E402
 from dsv_jax.data.bucketing import BatchRule  # noqa: E402
-from dsv_jax.data.cost_model import CostModel, fit_cost_model, step_time_cv  # noqa: E402
+from dsv_jax.data.cost_model import (CostModel, balance_target, fit_cost_model, predict_schedule,  # noqa: E402
+                                     step_time_cv)
 from dsv_jax.train.compiles import CompileCounter  # noqa: E402
 from dsv_jax.train.shape_bench import StepBench, is_oom  # noqa: E402
 from dsv_jax.train.trainer import enable_compilation_cache  # noqa: E402
@@ -89,8 +90,8 @@ def mix(quick: bool) -> list[Bucket]:
         edges = [2, 4]
     else:
         images = [("image 256x256", (1, 32, 32), 1 / 3), ("image 512x512", (1, 64, 64), 2 / 3)]
-        videos = [("video 1s 256x448", (4, 32, 56)), ("video 2s 256x448", (8, 32, 56)),
-                  ("video 4s 256x448", (16, 32, 56)), ("video 8s 256x448", (32, 32, 56))]
+        videos = [("video 1s 192x320", (4, 24, 40)), ("video 2s 192x320", (8, 24, 40)),
+                  ("video 4s 192x320", (16, 24, 40)), ("video 8s 192x320", (32, 24, 40))]
         edges = [1, 2, 4, 8]
     out = [Bucket(n, s, IMAGE_SHARE * w) for n, s, w in images]
     out += [Bucket(n, s, (1 - IMAGE_SHARE) * w) for (n, s), w in zip(videos, duration_shares(edges))]
@@ -101,14 +102,6 @@ def step_frequencies(shares, batch) -> np.ndarray:
     """How often each bucket is a step when every sample is seen once per epoch: share / B."""
     f = np.asarray(shares) / np.asarray(batch, np.float64)
     return f / f.sum()
-
-
-def predicted_spmd(model: CostModel, freq, batch, seq) -> dict:
-    t = model.predict(batch, seq)
-    mean = float(np.sum(freq * t))
-    std = math.sqrt(float(np.sum(freq * (t - mean) ** 2)))
-    return {"cv": std / mean, "tokens_per_s": float(np.sum(freq * np.asarray(batch) * seq) / mean),
-            "mean_step_s": mean}
 
 
 def predicted_per_rank(model: CostModel, shares, batch, seq, ranks: int, steps: int = 4000, seed: int = 0) -> dict:
@@ -133,8 +126,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny CPU run")
     ap.add_argument("--preset", default="0.8b")
     ap.add_argument("--depth", type=int, default=8, help="layers (the 0.8B preset has 28; fewer fit the budget)")
-    ap.add_argument("--mem-tokens", type=int, help="M_mem, tokens per batch (default: 3 of the longest clips)")
-    ap.add_argument("--target", default="auto", help="dual target step time: auto | median | <ms>")
+    ap.add_argument("--mem-tokens", type=int, help="M_mem, tokens per batch (default: 4 of the longest clips)")
+    ap.add_argument("--target", default="auto",
+                    help="dual target step time in ms, or auto: the most even predicted step times within 3%% "
+                         "of equal-token tokens/s (cost_model.balance_target, as fit-cost)")
     ap.add_argument("--steps", type=int, default=300, help="timed steps per mode (fewer if the budget needs)")
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="wall-clock budget of the whole script: the timed steps per mode shrink to fit it")
@@ -154,7 +149,7 @@ def main():
     buckets = mix(args.quick)
     bench = StepBench(cfg)
     seq = np.array([bench.seq_len(b.shape) for b in buckets])
-    m_mem = args.mem_tokens or 3 * int(seq.max())
+    m_mem = args.mem_tokens or 4 * int(seq.max())
     equal = BatchRule("equal_tokens", max_batch=MAX_BATCH, multiple=bench.dp, tokens_per_batch=m_mem)
     eq_b = np.array([equal(s) for s in seq])
     n_params = sum(x.size for x in jax.tree.leaves(bench.abstract_state.params))
@@ -184,32 +179,17 @@ def main():
 
     # 2. the dual rule's compute budget from a target step time
     shares = np.array([b.share for b in buckets])
-    base = predicted_spmd(fit, step_frequencies(shares, eq_b), eq_b, seq)
 
     def dual_batches(target_s):
         rule = BatchRule("dual", max_batch=MAX_BATCH, multiple=bench.dp, m_mem=m_mem,
                          m_comp=fit.compute_budget_for(target_s), p=fit.p)
         return np.array([rule(s) for s in seq])
 
-    eq_times = np.sort(np.unique(fit.predict(eq_b, seq)))
-    candidates = np.unique(np.concatenate([eq_times, (eq_times[1:] + eq_times[:-1]) / 2]))
-    candidates = candidates[candidates > fit.a * 1.05]
-    sweep = []
-    for tgt in candidates:
-        db = dual_batches(float(tgt))
-        spmd = predicted_spmd(fit, step_frequencies(shares, db), db, seq)
-        sweep.append({"target_s": float(tgt), "batch": db.tolist(), "spmd_cv": spmd["cv"],
-                      "spmd_tokens_per_s_ratio": spmd["tokens_per_s"] / base["tokens_per_s"],
-                      "per_rank_tokens_per_s": predicted_per_rank(fit, shares, db, seq, args.ranks)["tokens_per_s"]})
-    if args.target == "auto":
-        ok = [s for s in sweep if s["spmd_tokens_per_s_ratio"] >= 0.97]
-        target = min(s["target_s"] for s in ok) if ok else float(eq_times[-1])
-    elif args.target == "median":
-        f = step_frequencies(shares, eq_b)
-        order = np.argsort(fit.predict(eq_b, seq))
-        cum = np.cumsum(f[order])
-        target = float(fit.predict(eq_b, seq)[order][np.searchsorted(cum, 0.5)])
-    else:
+    target, sweep = balance_target(fit, seq, shares, dual_batches, eq_b)  # what fit-cost does
+    for s in sweep:
+        s["per_rank_tokens_per_s"] = predicted_per_rank(fit, shares, np.array(s["batch"]), seq,
+                                                        args.ranks)["tokens_per_s"]
+    if args.target != "auto":
         target = float(args.target) / 1e3
     dual_b = dual_batches(target)
     modes = {"equal_tokens": eq_b, "dual": dual_b}
@@ -219,7 +199,7 @@ def main():
     eq_per_rank = predicted_per_rank(fit, shares, eq_b, seq, args.ranks)
     for name, bb in modes.items():
         pr = predicted_per_rank(fit, shares, bb, seq, args.ranks)
-        predicted[name] = {"spmd": predicted_spmd(fit, step_frequencies(shares, bb), bb, seq), "per_rank": pr}
+        predicted[name] = {"spmd": predict_schedule(fit, seq, shares, bb), "per_rank": pr}
         predicted[name]["per_rank"]["tokens_per_s_ratio"] = pr["tokens_per_s"] / eq_per_rank["tokens_per_s"]
 
     # (b) measured: compile what is missing, warm up, then interleave the modes in blocks
@@ -338,7 +318,7 @@ def plot(payload: dict, path: str) -> None:
     ax[1].set(xlabel="measured (ms)", ylabel="predicted (ms)",
               title=f"t = a + b B S^p: p = {f['p']:.3f}, R^2 = {f['r2']:.3f}")
     sw = payload["target_sweep"]
-    ax[2].plot([s["spmd_cv"] * 100 for s in sw], [s["spmd_tokens_per_s_ratio"] for s in sw], "o-", label="SPMD step")
+    ax[2].plot([s["cv"] * 100 for s in sw], [s["tokens_per_s_ratio"] for s in sw], ".", label="dual, one target each")
     ax[2].axvline(payload["predicted"]["equal_tokens"]["spmd"]["cv"] * 100, color="gray", ls=":", label="equal tokens")
     ax[2].set(xlabel="predicted step-time CV (%)", ylabel="tokens/s vs equal tokens",
               title="dual rule over target step times (predicted)")

@@ -119,6 +119,42 @@ def fit_cost_model(batch_sizes: Sequence[float], seq_lens: Sequence[float], step
                      info={"points": len(t)})
 
 
+def predict_schedule(model: CostModel, seq_lens, shares, batch_sizes) -> dict[str, float]:
+    """Predicted step-time statistics of bucketed training where each sample is seen once per epoch:
+    bucket k is a step with frequency ~ share_k / B_k (what a bucket batcher over the data does)."""
+    seq, b = np.asarray(seq_lens, np.float64), np.asarray(batch_sizes, np.float64)
+    freq = np.asarray(shares, np.float64) / b
+    freq = freq / freq.sum()
+    t = model.predict(b, seq)
+    mean = float(np.sum(freq * t))
+    std = math.sqrt(float(np.sum(freq * (t - mean) ** 2)))
+    return {"cv": std / mean, "tokens_per_s": float(np.sum(freq * b * seq)) / mean, "mean_step_s": mean}
+
+
+def balance_target(model: CostModel, seq_lens, shares, rule_for_target, equal_batches,
+                   max_loss: float = 0.03) -> tuple[float, list[dict]]:
+    """The target step time (it sets M_comp) that makes step times most even at a bounded cost.
+
+    Candidates are the predicted times of every bucket at every batch size up to its equal-token
+    batch (the times the dual rule can actually hit, since B is an integer); among those whose
+    predicted tokens/s is within `max_loss` of equal tokens, the one with the lowest predicted
+    step-time CV wins. `rule_for_target(t)` -> batch sizes per bucket. Returns (target, sweep)."""
+    seq = np.asarray(seq_lens, np.float64)
+    base = predict_schedule(model, seq, shares, equal_batches)
+    times = {float(model.predict(b, s)) for s, e in zip(seq, equal_batches) for b in range(1, int(e) + 1)}
+    sweep = []
+    for target in sorted(t for t in times if t > model.a * 1.001):
+        batches = [int(b) for b in rule_for_target(target)]
+        pred = predict_schedule(model, seq, shares, batches)
+        sweep.append({"target_s": target, "batch": batches, "cv": pred["cv"],
+                      "tokens_per_s_ratio": pred["tokens_per_s"] / base["tokens_per_s"]})
+    ok = [s for s in sweep if s["tokens_per_s_ratio"] >= 1 - max_loss]
+    if not ok:
+        return float(model.predict(equal_batches, seq).max()), sweep
+    best = min(ok, key=lambda s: (round(s["cv"], 4), -s["target_s"]))
+    return best["target_s"], sweep
+
+
 def step_time_cv(times: Sequence[float]) -> float:
     """Coefficient of variation (std / mean) of step times: the imbalance measure of AdaptiveLoad."""
     x = np.asarray(times, np.float64)

@@ -4,8 +4,10 @@ model, and derive the budgets of the dual-constraint batch rule.
     t(B, S) = a + b * B * S**p                 fitted to median step times (data/cost_model.py)
     M_mem   = (memory cap - state - c0) / c1   c0 + c1 * B * S = the step's temporary bytes, fitted
                                                to XLA's compiled memory analysis of the same programs
-    M_comp  = (target step time - a) / b       target: --target-ms, or the mean predicted step time of
-                                               the buckets when each is filled to M_mem (equal tokens)
+    M_comp  = (target step time - a) / b       target: --target-ms, or the one that makes the predicted
+                                               step times of the buckets' mix most even while losing at
+                                               most 3% predicted tokens/s to equal tokens
+                                               (cost_model.balance_target)
 
 The steps are the trainer's own compiled programs (same model, mesh, shardings, donation), run on
 random inputs; the grid is every bucket shape x every batch size. Budgets are per global batch of
@@ -25,8 +27,8 @@ import jax
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.data.bucketing import equal_token_batch_size
-from dsv_jax.data.cost_model import CostModel, fit_cost_model
+from dsv_jax.data.bucketing import BatchRule, equal_token_batch_size
+from dsv_jax.data.cost_model import CostModel, balance_target, fit_cost_model
 from dsv_jax.data.feed import tokens_per_sample
 from dsv_jax.parallel.mesh import data_parallel_size, make_mesh, state_shardings
 from dsv_jax.train.step import abstract_model, init_state
@@ -130,14 +132,21 @@ def memory_per_token(points: Sequence[dict]) -> tuple[float, float]:
 
 
 def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = None,
-             batch_sizes: Sequence[int] = (1, 2, 4), target_s: float | None = None,
+             shares: Sequence[float] | None = None, batch_sizes: Sequence[int] = (1, 2, 4),
+             target_s: float | None = None,
              memory_bytes: int | None = None, mem_fraction: float = 0.9, warmup: int = 2, iters: int = 5,
              devices=None, progress: bool = True) -> CostModel:
     """Benchmark, fit and derive budgets (see the module doc). batch_sizes are per data-parallel
-    device (multiplied by the mesh's data-parallel size)."""
+    device (multiplied by the mesh's data-parallel size). shares: samples per shape (default: the
+    config's bucket weights when the shapes are its buckets, else equal)."""
     from tqdm.auto import tqdm
 
-    shapes = [tuple(s) for s in (shapes or cfg.data.buckets)]
+    if shapes is None:
+        shapes, shares = [tuple(s) for s in cfg.data.buckets], shares or cfg.data.bucket_weights
+    shapes = [tuple(s) for s in shapes]
+    shares = list(shares) if shares is not None else [1.0] * len(shapes)
+    if len(shares) != len(shapes):
+        raise ValueError(f"{len(shares)} shares for {len(shapes)} shapes")
     if not 0 < mem_fraction <= 1:
         raise ValueError(f"--mem-fraction={mem_fraction} must be in (0, 1]")
     if not batch_sizes or min(batch_sizes) < 1:
@@ -190,10 +199,17 @@ def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = Non
     if target_s is None:
         if m_mem is None:
             raise ValueError("no memory analysis on this backend: pass --target-ms")
-        eq = [(equal_token_batch_size(bench.seq_len(s), m_mem, cfg.data.max_batch, bench.dp), bench.seq_len(s))
-              for s in shapes]
-        target_s = float(np.mean([model.predict(b, s) for b, s in eq]))
-        info["target_rule"] = "mean predicted step time of the buckets filled to M_mem (at most data.max_batch)"
+        seq = [bench.seq_len(s) for s in shapes]
+        equal = [equal_token_batch_size(x, m_mem, cfg.data.max_batch, bench.dp) for x in seq]
+
+        def dual(target):
+            rule = BatchRule("dual", max_batch=cfg.data.max_batch, multiple=bench.dp, m_mem=m_mem,
+                             m_comp=model.compute_budget_for(target), p=model.p)
+            return [rule(x) for x in seq]
+
+        target_s, sweep = balance_target(model, seq, shares, dual, equal)
+        info.update(target_rule="most even predicted step times within 3% of equal-token tokens/s",
+                    shares=list(shares), target_sweep=sweep)
     info["target_step_s"] = target_s
     m_comp = model.compute_budget_for(target_s)
     return CostModel(a=model.a, b=model.b, p=model.p, r2=model.r2, max_rel_error=model.max_rel_error,
