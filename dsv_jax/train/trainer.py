@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
@@ -49,10 +50,9 @@ def enable_compilation_cache(path: str | None = None) -> None:
 def check_writable(workdir: str) -> None:
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        # a private probe file: every host of a multi-host run checks the same workdir at once
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
+            pass
     except OSError as e:
         raise PermissionError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
 
