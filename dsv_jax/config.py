@@ -95,16 +95,33 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic: the embedded moving-shapes dataset
+    # auto: a prepared dataset when data.path is set (`dsv-jax prepare-data`), else the embedded one
+    source: str = "auto"  # auto | synthetic | arrayrecord
+    path: str = ""  # a prepare-data output folder (ArrayRecord shards + manifest.json)
     seed: int = 0
     # Bucket shapes (T, H, W) in latent voxels, with their sampling weights. Images are T = 1.
+    # With data.path these come from the dataset's manifest (weights = sample counts).
     buckets: tuple[tuple[int, int, int], ...] = ((1, 32, 32), (4, 32, 32), (8, 32, 32), (8, 32, 48))
     bucket_weights: tuple[float, ...] = (0.25, 0.25, 0.3, 0.2)
-    tokens_per_batch: int = 2048  # equal-token batching: B = tokens_per_batch // S (at least 1)
+    # Samples per step (data/bucketing.py): equal_tokens: B = tokens_per_batch // S;
+    # dual: B = min(m_mem // S, m_comp // S**cost_p) (AdaptiveLoad); both capped at max_batch.
+    batching: str = "equal_tokens"  # equal_tokens | dual
+    tokens_per_batch: int = 2048
     max_batch: int = 64
+    cost_model: str = ""  # JSON from `dsv-jax fit-cost`: supplies m_mem, m_comp, cost_p not set here
+    m_mem: float = 0.0  # tokens per global batch (memory budget)
+    m_comp: float = 0.0  # B * S**p per global batch (compute budget)
+    cost_p: float = 0.0  # exponent p of t = a + b * B * S**p
+    codec: str = ""  # latent codec (data/codec.py); "" = the dataset's (or pixels for the embedded data)
+    workers: int = 2  # Grain prefetch processes reading a data.path dataset (0: read in a thread)
 
     def __post_init__(self):
-        _choice("data.source", self.source, ("synthetic",))
+        _choice("data.source", self.source, ("auto", "synthetic", "arrayrecord"))
+        if self.source == "arrayrecord" and not self.path:
+            raise ConfigError("data.source=arrayrecord needs data.path=DIR (a prepare-data output folder)")
+        if self.source == "synthetic" and self.path:
+            raise ConfigError(f"data.path={self.path!r} is set but data.source=synthetic; drop one of them")
+        _choice("data.batching", self.batching, ("equal_tokens", "dual"))
         if not self.buckets:
             raise ConfigError("data.buckets is empty")
         if len(self.bucket_weights) != len(self.buckets):
@@ -118,6 +135,14 @@ class DataConfig:
                 raise ConfigError(f"data.buckets entry {shape} must be (T, H, W) with positive sizes")
         _positive("data.tokens_per_batch", self.tokens_per_batch)
         _positive("data.max_batch", self.max_batch)
+        for name in ("m_mem", "m_comp", "cost_p"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 0 (0: from data.cost_model)")
+        if self.batching == "dual" and not self.cost_model and not (self.m_mem and self.m_comp and self.cost_p):
+            raise ConfigError("data.batching=dual needs data.cost_model=PATH (from `dsv-jax fit-cost`) or all of "
+                              "data.m_mem, data.m_comp, data.cost_p")
+        if self.workers < 0:
+            raise ConfigError(f"data.workers={self.workers} must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     if ext == ".gif":
         iio.imwrite(path, canvas, extension=".gif", duration=1000 // fps, loop=0)
     elif ext == ".mp4":
+        # yuv420p needs even sizes: pad with a black row / column
+        canvas = np.pad(canvas, ((0, 0), (0, canvas.shape[1] % 2), (0, canvas.shape[2] % 2), (0, 0)))
         errors = []
         for codec in ("libx264", "mpeg4"):  # H.264 where the FFmpeg build has it, else MPEG-4 part 2
             try:
@@ -101,7 +103,7 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
     attention, inputs = attention_for(cfg, shape, controller_state)
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
                        attention=attention, attention_inputs=inputs)
-    frames = decode_latents(latents)
+    frames = decode_latents(latents, cfg.data.codec)
     written = [save_video(frames, path)]
     if also_mp4 and path.lower().endswith(".gif"):
         try:

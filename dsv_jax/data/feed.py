@@ -5,26 +5,30 @@ checkpoint can resume it exactly. Batch keys:
     latents    float32 [b, T, H, W, C]
     text_ids   int32 [b, L]      (built-in text encoder)   or   text_emb float32 [b, L, Dt]
     text_mask  bool [b, L]       valid tokens are a prefix
-where b is this host's share of the global batch B (B / process_count rows).
+where b is this host's share of the global batch B (B / process_count rows). Every feed sizes its
+batches with the one rule of `data/bucketing.py` (data.batching = equal_tokens | dual).
+
+Feeds: SyntheticFeed (the embedded dataset, below) and, with data.path set, GrainFeed
+(`data/pipeline.py`: a prepared dataset through Grain; grain is imported only then).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import numpy as np
 
 from dsv_jax.config import Config
+from dsv_jax.data.bucketing import batch_rule, equal_token_batch_size, warn_over_memory  # noqa: F401 (re-export)
 from dsv_jax.data.synthetic import render
 from dsv_jax.data.text import tokenize_batch
+
+log = logging.getLogger(__name__)
 
 
 def tokens_per_sample(shape: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
     return int(np.prod([s // p for s, p in zip(shape, patch)]))
-
-
-def equal_token_batch_size(seq_len: int, tokens_per_batch: int, max_batch: int, multiple: int) -> int:
-    """B x S ~ const: the baseline rule. Rounded down to a multiple of the data-parallel size."""
-    b = min(max(1, tokens_per_batch // seq_len), max_batch)
-    return max(multiple, b // multiple * multiple)
 
 
 class SyntheticFeed:
@@ -47,10 +51,13 @@ class SyntheticFeed:
         for shape in self.shapes:
             if any(s % p for s, p in zip(shape, cfg.model.patch)):
                 raise ValueError(f"data.buckets entry {shape} is not divisible by model.patch {cfg.model.patch}")
+        self.rule = batch_rule(cfg.data, self.batch_multiple)
+        if split == "train":
+            seq = {"x".join(map(str, s)): tokens_per_sample(s, cfg.model.patch) for s in self.shapes}
+            warn_over_memory(self.rule, seq)
 
     def batch_size(self, shape) -> int:
-        seq = tokens_per_sample(shape, self.cfg.model.patch)
-        return equal_token_batch_size(seq, self.cfg.data.tokens_per_batch, self.cfg.data.max_batch, self.batch_multiple)
+        return self.rule(tokens_per_sample(shape, self.cfg.model.patch))
 
     def bucket_at(self, position: int) -> tuple[int, int, int]:
         rng = np.random.default_rng([self.seed, position, 0x5EED])
@@ -82,7 +89,31 @@ class SyntheticFeed:
 
 
 def make_feed(cfg: Config, *, batch_multiple: int, process_index: int, process_count: int, split: str = "train"):
-    if cfg.data.source == "synthetic":
-        return SyntheticFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
-                             process_count=process_count, split=split)
-    raise ValueError(f"unknown data.source {cfg.data.source!r}")
+    if cfg.data.path:
+        try:
+            from dsv_jax.data.pipeline import GrainFeed  # grain only when a dataset is used
+        except ImportError as e:
+            raise ImportError(f"data.path needs grain and array_record (pip install grain array-record): {e}") from e
+
+        return GrainFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
+                         process_count=process_count, split=split)
+    return SyntheticFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
+                         process_count=process_count, split=split)
+
+
+def resolve_data_config(cfg: Config) -> Config:
+    """With data.path set, take the bucket shapes, their sample counts (as weights) and the codec from
+    the dataset's manifest, so that the saved config (and the sampler) describe the data trained on."""
+    if not cfg.data.path:
+        return cfg
+    from dsv_jax.data.manifest import Manifest
+
+    manifest = Manifest.load(cfg.data.path)
+    if cfg.data.codec and cfg.data.codec != manifest.codec:
+        raise ValueError(f"data.codec={cfg.data.codec!r} but the dataset at {cfg.data.path!r} was prepared with "
+                         f"codec {manifest.codec!r}")
+    kept = [b for b in manifest.buckets if b["count"] > 0]
+    data = dataclasses.replace(cfg.data, codec=manifest.codec,
+                               buckets=tuple(tuple(b["shape"]) for b in kept),
+                               bucket_weights=tuple(float(b["count"]) for b in kept))
+    return dataclasses.replace(cfg, data=data)

@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dsv_jax.config import Config, ConfigError
-from dsv_jax.data.feed import make_feed, tokens_per_sample
+from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
 from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.plan import static_plans
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
@@ -51,10 +52,9 @@ def enable_compilation_cache(path: str | None = None) -> None:
 def check_writable(workdir: str) -> None:
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        # a private probe file: every host of a multi-host run checks the same workdir at once
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test"):
+            pass
     except OSError as e:
         raise PermissionError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
 
@@ -120,8 +120,33 @@ class Prefetcher:
         self._stop.set()
 
 
+def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract global batch of b samples of latent `shape` (T, H, W), sharded over the batch axes."""
+    t, h, w = shape
+    spec = {"latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
+            "text_mask": ((b, cfg.text.max_len), jnp.bool_)}
+    if cfg.text.encoder == "builtin":
+        spec["text_ids"] = ((b, cfg.text.max_len), jnp.int32)
+    else:
+        spec["text_emb"] = ((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32)
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(mesh, len(s))) for k, (s, d) in spec.items()}
+
+
+def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch,
+                       attention_inputs=None):
+    """The ahead-of-time compiled train step for one abstract batch (state donated); `attention_inputs`
+    (abstract) are the DSV controller's runtime arrays when attention is DSV."""
+    step = make_train_step(cfg, graphdef, attention)
+    jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(state_sharding, None))
+    args = [abstract_state, batch, jax.ShapeDtypeStruct((), jnp.float32)]
+    if attention_inputs is not None:
+        args.append(attention_inputs)
+    return jitted.lower(*args).compile()
+
+
 class Trainer:
     def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True):
+        cfg = resolve_data_config(cfg)  # a prepared dataset's buckets and codec go into the saved config
         self.cfg, self.workdir, self.progress = cfg, os.path.abspath(workdir), progress
         check_writable(self.workdir)
         enable_compilation_cache()
@@ -165,20 +190,11 @@ class Trainer:
                 f.write(cfg.to_json())
         self._compiled: dict[Any, Any] = {}
         self._eval_fns: dict[Any, Any] = {}
-        self._in_loop = False
+        self._warm = False  # set once every bucket of the feed is compiled
 
     # -- compilation ------------------------------------------------------------------------
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
-        b = self.feed.batch_size(shape)
-        t, h, w = shape
-        cfg = self.cfg
-        spec = {"latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
-                "text_mask": ((b, cfg.text.max_len), jnp.bool_)}
-        if cfg.text.encoder == "builtin":
-            spec["text_ids"] = ((b, cfg.text.max_len), jnp.int32)
-        else:
-            spec["text_emb"] = ((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32)
-        return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(self.mesh, len(s))) for k, (s, d) in spec.items()}
+        return batch_spec(self.cfg, self.mesh, self.feed.batch_size(shape), shape)
 
     def attention_for(self, shape, *, train: bool = True, profile: bool = False):
         """(plans, runtime inputs or None) of a step on `shape`; DSV asks its controller."""
@@ -195,17 +211,18 @@ class Trainer:
             plans = self.attention_for(shape)[0]
         key = (tuple(shape), plans)
         if key not in self._compiled:
-            step = make_train_step(self.cfg, self.graphdef, plans)
-            jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(self.state_sharding, None))
-            args = [self.abstract_state, self.batch_spec(shape), jax.ShapeDtypeStruct((), jnp.float32)]
+            if self._warm and all(tuple(shape) != k[0] for k in self._compiled):
+                log.warning("compiling bucket %s after warm-up: it is not among the feed's shapes", shape)
+            inputs = None
             if self.controller is not None:
                 replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-                args.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
-                                                                        sharding=replicated),
-                                         self.controller.inputs(shape)))
+                inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
+                                                                     sharding=replicated),
+                                      self.controller.inputs(shape))
             t0 = time.perf_counter()
-            self._compiled[key] = jitted.lower(*args).compile()
-            if self._in_loop:  # a new DSV decision (precompiled variants are not logged)
+            self._compiled[key] = compile_train_step(self.cfg, self.graphdef, plans, self.abstract_state,
+                                                     self.state_sharding, self.batch_spec(shape), inputs)
+            if self._warm:  # a new DSV decision (precompiled variants are not logged)
                 log.info("compiled a new attention variant for %s in %.1fs", "x".join(map(str, shape)),
                          time.perf_counter() - t0)
         return self._compiled[key]
@@ -217,6 +234,7 @@ class Trainer:
             self.compiled_step(shape, self.attention_for(shape)[0])
             if self.controller is not None:  # the profiling variant too
                 self.compiled_step(shape, self.attention_for(shape, profile=True)[0])
+        self._warm = True
         return time.perf_counter() - t0
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -236,7 +254,6 @@ class Trainer:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
-            self._in_loop = True
             cp = self.attention.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
                 if hasattr(self.attention, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
             writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes), **cp})
@@ -349,6 +366,8 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if hasattr(self.feed, "close"):  # a Grain feed's prefetch processes
+            self.feed.close()
 
 
 def flatten_metric(name: str, value) -> dict[str, float]:
@@ -375,6 +394,7 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
           sample: bool | None = None) -> list[dict[str, Any]]:
     """Train (resuming from workdir), then write a sample GIF of the trained model if configured."""
     trainer = Trainer(cfg, workdir, devices=devices, progress=progress)
+    cfg = trainer.cfg  # as resolved (a prepared dataset's buckets and codec)
     try:
         records = trainer.run(stop_at=stop_at)
         done = int(trainer.state.step) >= cfg.train.steps
