@@ -132,16 +132,23 @@ def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStru
     return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(mesh, len(s))) for k, (s, d) in spec.items()}
 
 
-def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch,
-                       attention_inputs=None):
-    """The ahead-of-time compiled train step for one abstract batch (state donated); `attention_inputs`
-    (abstract) are the DSV controller's runtime arrays when attention is DSV."""
+def lower_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch,
+                     attention_inputs=None):
+    """The lowered train step for one abstract batch (state donated); `attention_inputs` (abstract) are
+    the DSV controller's runtime arrays when attention is DSV. `.compile()` it (possibly on another thread)."""
     step = make_train_step(cfg, graphdef, attention)
     jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(state_sharding, None))
     args = [abstract_state, batch, jax.ShapeDtypeStruct((), jnp.float32)]
     if attention_inputs is not None:
         args.append(attention_inputs)
-    return jitted.lower(*args).compile()
+    return jitted.lower(*args)
+
+
+def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch,
+                       attention_inputs=None):
+    """The ahead-of-time compiled train step (see `lower_train_step`)."""
+    return lower_train_step(cfg, graphdef, attention, abstract_state, state_sharding, batch,
+                            attention_inputs).compile()
 
 
 class Trainer:

@@ -1,0 +1,829 @@
+"""Headline benchmark (issue 9): end-to-end training throughput of the 2.7B DiT on one H200, full attention
+(cuDNN) vs window (WA-M, WA-L) vs DSV stage 2, fused vs XLA AdaLN.
+
+    PYTHONPATH=. python experiments/bench_e2e.py              # H200: one call, <= 380 s including compiles
+    PYTHONPATH=. python experiments/bench_e2e.py --quick      # CPU, tiny model: every code path, ~1 min
+
+Model: the `2.7b` preset (32 blocks, hidden 2048, 16 heads x 128), bf16 compute, remat, scan over blocks,
+built with the DSV predictors (attention=dsv) so that ONE train state (fp32 params + AdamW, 32 GB, created
+inside jit) serves every variant: it is donated to each step and carried from variant to variant. Full and
+window steps do not run the predictor (they only pay its zero-gradient AdamW update, 1.2% of the params).
+Data: B = 1, random latents (16 channels, patch 1x2x2, 3D tile 4x4x4, so no padding), random caption ids of
+the preset's max_len through the built-in text encoder. Variants are (length, attention, AdaLN impl):
+full = `attention="auto"` (cuDNN); WA-M / WA-L = AttentionPlan(mode="window", window=1/3, 2/3); DSV = the
+stage-2 plans and runtime inputs (per-head keep ratios [depth, H], predictor lr) that `DSVController`
+produces for a uniform head sparsity (0.9, 0.95; kv_block = the 3D tile), predictor loss included.
+
+Order = priority; a wall-clock guard (--budget-s, counted from process start) skips what its estimate says
+will not fit and records why:
+  check   at the smallest length: forward of full vs DSV at keep = 1.0 (every KV block, through the
+          sparse kernel) on a copy of the weights whose zero-initialised entries (AdaLN-Zero gates, final
+          projection) are perturbed so attention reaches the output; DSV keep 0.1 for scale; then one full
+          and one DSV train step: finite losses
+  64k     full, DSV 0.9, DSV 0.95, WA-M, WA-L (fused AdaLN)
+  16k     full (XLA AdaLN), full (fused), DSV 0.9 (fused), DSV 0.9 (XLA AdaLN)
+  32k     full, DSV 0.9
+  extras  DSV at the sparsity quality_parity.json measured, more window / sparsity / AdaLN pairs, 128k
+Per length, programs are lowered one by one and compiled in a thread pool (--compile-workers; the first
+alone, so XLA's GEMM autotuning runs undisturbed and is cached for the rest); nothing compiles while steps
+are timed, and the compile counter (dsv_jax.train.compiles) checks that.
+
+Per variant: compile time, 1 warm-up step then --steps timed steps (median, spread), tokens/s, MFU of the
+model FLOPs (dense-equivalent) and of the work done (FLOPS_FORMULA), compiled peak memory, attention share
+of the step, compiles during the timed steps. Components, timed alone at the variant's shapes (B = 1,
+H x D, S) and scaled to one step (x depth, + one forward for remat): attention fwd+bwd (cuDNN or the sparse
+kernel with the variant's selection), the DSV predictor loss fwd+bwd and selection (lowrank_topk + per-head
+counts), AdaLN (plain x 2 + gated x 1 per block). rest = step - those: linear layers, norms, optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+T_START = time.perf_counter()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--quick" in sys.argv:  # CPU, interpret mode: must be decided before jax starts
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# The 2.7B state (32 GB) plus long-sequence activations need more than jax's default 75% of the GPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import traceback  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dsv_jax.attention import attention  # noqa: E402
+from dsv_jax.config import get_config  # noqa: E402
+from dsv_jax.data.text import vocab_size  # noqa: E402
+from dsv_jax.dsv.controller import DSVController, shape_key  # noqa: E402
+from dsv_jax.dsv.plan import AttentionPlan  # noqa: E402
+from dsv_jax.dsv.predictor import LowRankPredictor, predictor_loss, sample_positions, true_logits  # noqa: E402
+from dsv_jax.dsv.selection import head_counts, select_kv, window_selection  # noqa: E402
+from dsv_jax.model.tokens import grid_shape, token_layout  # noqa: E402
+from dsv_jax.parallel.mesh import make_mesh, state_shardings  # noqa: E402
+from dsv_jax.train.compiles import CompileCounter  # noqa: E402
+from dsv_jax.train.loss import noised  # noqa: E402
+from dsv_jax.train.step import abstract_model, init_state  # noqa: E402
+from dsv_jax.train.trainer import batch_spec, lower_train_step  # noqa: E402
+from experiments import harness  # noqa: E402
+from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln  # noqa: E402
+
+H200_SPEC_TFLOPS = 989.4  # dense bf16 tensor-core peak of the H200 SXM (datasheet): the MFU denominator
+RESERVE_S = 8.0  # budget kept free for the final results file and table
+SETUPS = {
+    # rates (FLOP/s) only feed the budget estimates: linear layers, cuDNN attention, sparse kernel.
+    # "main": the AdaLN impl of every variant but the fused-vs-XLA pairs at 16k.
+    "gpu": {"preset": "2.7b", "overrides": ["attention=dsv"], "budget_s": 380.0, "compile_s": 20.0, "lower_s": 4.0,
+            "component_compile_s": 2.0, "rates": (450e12, 550e12, 300e12), "main": "pallas", "compile_workers": 4,
+            "priority": "gpu",
+            "lengths": {"16k": (16, 64, 64), "32k": (32, 64, 64), "64k": (64, 64, 64), "128k": (128, 64, 64)}},
+    "quick": {"preset": "tiny", "budget_s": 170.0, "compile_s": 3.0, "lower_s": 0.5, "component_compile_s": 0.3,
+              "rates": (2e10, 2e10, 1e10), "compile_workers": 2, "priority": "quick",
+              # interpret-mode Pallas compiles slowly on a CPU: the main variants run the XLA AdaLN
+              "main": "xla",
+              "overrides": ["attention=dsv", "model.hidden=64", "model.heads=2", "model.depth=2", "model.in_channels=4",
+                            "model.patch=[1,2,2]", "model.tile=[4,4,4]", "model.text_dim=32", "text.max_len=8",
+                            "text.hash_buckets=8", "dsv.rank=8", "dsv.max_queries=16"],
+              # the GPU's names, so every code path runs; 256 to 2048 tokens
+              "lengths": {"16k": (4, 16, 16), "64k": (16, 16, 16), "128k": (32, 16, 16)}},
+}
+# attention name -> (mode, parameter): DSV head sparsity (None: the one quality_parity.json measured) or
+# the window's fraction of the tile grid per dimension
+ATTENTIONS = {"full": ("full", None), "dsv0.9": ("dsv", 0.9), "dsv0.95": ("dsv", 0.95),
+              "dsv-measured": ("dsv", None), "wa-m": ("window", 1 / 3), "wa-l": ("window", 2 / 3)}
+# (length, attention, AdaLN impl: "main" = the setup's), in priority order, and the number of must-haves
+PAIR_16K = [("16k", "full", "xla"), ("16k", "full", "pallas"), ("16k", "dsv0.9", "pallas"), ("16k", "dsv0.9", "xla")]
+MAIN_64K = [("64k", a, "main") for a in ("full", "dsv0.9", "dsv0.95", "wa-m", "wa-l")]
+PRIORITY = {
+    "gpu": (MAIN_64K + PAIR_16K + [("32k", "full", "main"), ("32k", "dsv0.9", "main")] + [
+        ("16k", "dsv-measured", "main"), ("16k", "dsv0.95", "main"), ("16k", "wa-m", "main"), ("16k", "wa-l", "main"),
+        ("32k", "dsv0.95", "main"), ("32k", "wa-m", "main"), ("32k", "wa-l", "main"), ("64k", "dsv0.9", "xla"),
+        ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"), ("128k", "full", "main")], 11),
+    # quick: one variant per code path (CPU compiles dominate its time)
+    "quick": ([("64k", "full", "main"), ("64k", "dsv0.9", "main"), ("64k", "wa-m", "main")] + PAIR_16K[:3] +
+              [("16k", "dsv-measured", "main"), ("128k", "full", "main")], 6),
+}
+GOALS = {"dsv_vs_full_64k": 3.5, "dsv_vs_window_64k": 1.5, "fused_adaln_16k": 1.05, "compiles_after_warmup": 0}
+CHECK_TOL = {"loss": 2e-2, "output": 5e-2}  # bf16 through 32 blocks
+FLOPS_FORMULA = (
+    "B=1, S video tokens, L blocks, C hidden, F MLP width, H heads x D, L_t text tokens, P patch dim. "
+    "linear = 2 B L (S (6 C^2 + 2 C F) + L_t 2 C^2) + 2 B S 2 P C  [q,k,v,out + cross q,out; MLP; cross k,v on "
+    "text; patch embed + final proj]; attention = 4 B L S^2 C [q k^T, p v]; cross = 4 B L S L_t C. "
+    "model (dense-equivalent) = 3 (linear + attention + cross). work done = 4 (linear + cross) [fwd, remat fwd, "
+    "2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; kept = mean selected KV blocks / all] "
+    "+ DSV: 4 predictor + 2 selection, predictor = 2 B L (S C 2 H r + Q S H (r + D)) [W_Q^lr, W_K^lr; "
+    "predicted and true logits of Q sampled queries], selection = 2 B L H (S / q_tile)(S / kv_block) r. "
+    "MFU = FLOPs / step time / 989.4 TFLOP/s (H200 dense bf16 peak).")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:6.1f}s] {msg}", flush=True)
+
+
+def error_text(e: BaseException) -> str:
+    lines = traceback.format_exception_only(type(e), e)
+    return "".join(lines).strip()[-2000:]
+
+
+# -- FLOPs ----------------------------------------------------------------------------------------------
+
+def step_flops(cfg, layout, kept: float = 1.0, dsv: bool = False) -> dict[str, float]:
+    """FLOPs of one train step on one sample of `layout` (see FLOPS_FORMULA)."""
+    m, s, lt = cfg.model, layout.seq_len, cfg.text.max_len
+    c, depth, h, d = m.hidden, m.depth, m.heads, m.head_dim
+    f = int(round(c * m.mlp_ratio))
+    linear = 2 * depth * (s * (6 * c * c + 2 * c * f) + lt * 2 * c * c) + 2 * s * 2 * m.patch_dim * c
+    attn = 4 * depth * s * s * c
+    cross = 4 * depth * s * lt * c
+    out = {"linear_fwd": linear, "attention_fwd": attn, "cross_fwd": cross,
+           "model": 3 * (linear + attn + cross), "attention_work": 4.5 * kept * attn}
+    work = 4 * (linear + cross) + out["attention_work"]
+    if dsv:
+        r = cfg.dsv.rank
+        q = len(sample_positions(s, cfg.dsv.query_stride, cfg.dsv.max_queries))
+        kv_block = cfg.dsv.kv_block or layout.tile_size
+        out["predictor_fwd"] = 2 * depth * (s * c * 2 * h * r + q * s * h * (r + d))
+        out["selection_fwd"] = 2 * depth * h * (s // layout.tile_size) * (s // kv_block) * r
+        work += 4 * out["predictor_fwd"] + 2 * out["selection_fwd"]
+    out["work"] = work
+    return out
+
+
+# -- the variants' attention --------------------------------------------------------------------------
+
+def measured_sparsity(path: str) -> dict | None:
+    """Per-block head sparsity at the last profile of the quality-parity DSV run (its stage-1 data)."""
+    try:
+        with open(path) as f:
+            per_block = json.load(f)["runs"]["dsv"]["sparsity_last_per_block"]
+    except (OSError, KeyError, ValueError):
+        return None
+    values = [float(per_block[k]) for k in sorted(per_block, key=lambda k: int(k.replace("block", "")))]
+    return {"source": os.path.relpath(path), "per_block": values, "mean": float(np.mean(values))}
+
+
+def dsv_stage2(cfg, latent_shape, sparsity: float):
+    """(plans, runtime inputs, controller's own decision) of a stage-2 DSV step where every head of every
+    block has `sparsity`, from the trainer's controller (so plans and inputs are exactly what training runs)."""
+    depth, heads = cfg.model.depth, cfg.model.heads
+    ctl = DSVController(cfg)
+    keep = 1.0 - sparsity
+    ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {shape_key(latent_shape): {
+        "sparsity": np.full((depth, heads), sparsity).tolist(), "rungs": [ctl.rung_for(keep)] * depth,
+        "scale": [1.0] * depth, "profiles": 1}}})
+    decision = ctl.decide(np.full(heads, keep), 0.0)
+    return ctl.plans(latent_shape), ctl.inputs(latent_shape), decision
+
+
+# -- the benchmark --------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args, setup):
+        self.args, self.setup = args, setup
+        self.cfg = get_config(setup["preset"], setup["overrides"])
+        self.deadline = T_START + args.budget_s
+        self.mesh = make_mesh(self.cfg.parallel, jax.devices()[:1])
+        abstract = jax.eval_shape(lambda: init_state(self.cfg))
+        self.state_sharding = state_shardings(abstract, self.mesh)
+        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                           abstract, self.state_sharding)
+        self.init = jax.jit(lambda: init_state(self.cfg), out_shardings=self.state_sharding)
+        self.state = None
+        self.pool = ThreadPoolExecutor(max(1, args.compile_workers))
+        self.programs: dict[str, dict] = {}  # key -> {"exe", "compile_s", "lower_s"} or {"error"}
+        self.batches: dict[str, dict] = {}
+        self.setups: dict[tuple, dict] = {}
+        self.calibration: list[float] = []  # measured / estimated step time
+        self.compile_times: list[float] = []
+        self.measured = measured_sparsity(os.path.join(harness.RESULTS_DIR, "quality_parity.json"))
+        self.lr = jnp.float32(self.cfg.train.lr)
+        priority, must = PRIORITY[setup["priority"]]
+        self.main = setup["main"]
+        self.entries = [self.entry(length, attn, self.main if impl == "main" else impl, must=i < must)
+                        for i, (length, attn, impl) in enumerate(priority)]
+        self.entries = [e for e in self.entries if self.wanted(e["id"])]
+        self.check: dict = {"status": "planned"}
+        self.components: dict[str, dict] = {}
+
+    # -- small helpers ------------------------------------------------------------------------------
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def wanted(self, vid: str) -> bool:
+        return not self.args.only or any(vid.startswith(p) for p in self.args.only.split(","))
+
+    def cfg_for(self, impl: str):
+        return dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, adaln_impl=impl))
+
+    def graphdef(self, impl: str):
+        return abstract_model(self.cfg_for(impl))[0]
+
+    def layout(self, length: str):
+        return token_layout(grid_shape(self.setup["lengths"][length], self.cfg.model.patch), self.cfg.model.tile)
+
+    def batch(self, length: str) -> dict:
+        if length not in self.batches:
+            shape = self.setup["lengths"][length]
+            spec = batch_spec(self.cfg, self.mesh, 1, shape)
+            k1, k2 = jax.random.split(jax.random.key(list(self.setup["lengths"]).index(length)))
+            host = {"latents": jax.random.normal(k1, spec["latents"].shape, jnp.float32),
+                    "text_ids": jax.random.randint(k2, spec["text_ids"].shape, 1, vocab_size(self.cfg.text.hash_buckets)),
+                    "text_mask": jnp.ones(spec["text_mask"].shape, bool)}
+            self.batches[length] = {k: jax.device_put(v, spec[k].sharding) for k, v in host.items()}
+        return self.batches[length]
+
+    def attention_setup(self, length: str, name: str) -> dict:
+        """{"attention", "inputs" (device arrays or None), "kept", ...} of an attention variant at a length."""
+        key = (length, name)
+        if key in self.setups:
+            return self.setups[key]
+        mode, param = ATTENTIONS[name]
+        layout, shape = self.layout(length), self.setup["lengths"][length]
+        n_blocks = layout.seq_len // layout.tile_size
+        out = {"mode": mode}
+        if mode == "full":
+            out.update(attention="auto", inputs=None, kept=1.0)
+        elif mode == "window":
+            k = window_selection(tuple(g // t for g, t in zip(layout.grid, layout.tile)), param).shape[1]
+            out.update(attention=AttentionPlan(mode="window", sparse=True, window=param,
+                                               backend=self.cfg.dsv.dense_backend),
+                       inputs=None, kept=k / n_blocks, window=param)
+        else:
+            sparsity = param if param is not None else (self.measured or {}).get("mean")
+            if sparsity is None:
+                raise FileNotFoundError("no measured sparsity: experiments/results/quality_parity.json is missing "
+                                        "runs.dsv.sparsity_last_per_block")
+            plans, inputs, decision = dsv_stage2(self.cfg, shape, sparsity)
+            top_k = plans[0].top_k(n_blocks)
+            counts = np.asarray(head_counts(inputs["keep"], n_blocks, top_k))
+            out.update(attention=plans, inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
+                       kept=float(counts.mean()) / n_blocks, sparsity=float(sparsity), top_k=top_k,
+                       keep_rung=plans[0].keep, predictor_lr=float(inputs["predictor_lr"]),
+                       controller_decision=("dense" if decision == 0 else f"sparse keep<={decision:g}") +
+                       f" (dsv.threshold {self.cfg.dsv.threshold})")
+        self.setups[key] = out
+        return out
+
+    def entry(self, length, attn, impl, must):
+        shape = self.setup["lengths"][length]
+        return {"id": f"{length}/{attn}/{impl}", "length": length, "latents": [*shape, self.cfg.model.in_channels],
+                "tokens": self.layout(length).seq_len, "attention": attn, "adaln": impl, "must": must,
+                "status": "planned"}
+
+    def ensure_state(self) -> None:
+        """The one train state; re-created if a failed step consumed its donated buffers."""
+        if self.state is None or any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+            if self.state is not None:
+                log("train state lost in a failed step: re-creating it")
+            self.state = None
+            gc.collect()
+            self.state = jax.block_until_ready(self.init())
+
+    # -- estimates (budget guard) -----------------------------------------------------------------------
+    def est_step(self, e, raw: bool = False) -> float:
+        s = self.attention_setup(e["length"], e["attention"])
+        f = step_flops(self.cfg, self.layout(e["length"]), s["kept"], s["mode"] == "dsv")
+        dense, cudnn, sparse = self.setup["rates"]
+        t = (f["work"] - f["attention_work"]) / dense + f["attention_work"] / (cudnn if s["mode"] == "full" else sparse)
+        return t if raw else t * (statistics.median(self.calibration) if self.calibration else 1.0)
+
+    def est_compile(self) -> float:
+        return statistics.median(self.compile_times) if self.compile_times else self.setup["compile_s"]
+
+    def est_cost(self, e, first: bool) -> float:
+        """Seconds to lower, compile (its share of a parallel wave), warm up, time, and time its components."""
+        step = self.est_step(e)
+        run = (1 + self.args.steps) * step + 0.3 * step + 4 * self.setup["component_compile_s"]
+        if e["id"] in self.programs:
+            return run
+        share = 1.0 if first or self.args.compile_workers <= 1 else min(1.0, 1.5 / self.args.compile_workers)
+        return self.setup["lower_s"] + self.est_compile() * (1.3 if first else share) + run
+
+    def skip(self, e, reason: str) -> None:
+        e.update(status="skipped", reason=reason)
+        log(f"skip {e['id']}: {reason}")
+
+    # -- compiling --------------------------------------------------------------------------------------
+    def lower_step(self, e):
+        s = self.attention_setup(e["length"], e["attention"])
+        cfg = self.cfg_for(e["adaln"])
+        return lower_train_step(cfg, abstract_model(cfg)[0], s["attention"], self.abstract_state,
+                                self.state_sharding, self.batch(e["length"]), s["inputs"])
+
+    def compile_wave(self, jobs) -> None:
+        """Lower `jobs` [(key, lower_fn)] here one by one; compile them on the pool (the first alone)."""
+        futures = {}
+        for i, (key, lower) in enumerate(jobs):
+            if key in self.programs:
+                continue
+            t0 = time.perf_counter()
+            try:
+                lowered = lower()
+            except Exception as e:  # noqa: BLE001 (a lowering error belongs to this variant only)
+                self.programs[key] = {"error": "lowering: " + error_text(e)}
+                log(f"lowering {key} failed: {self.programs[key]['error'][:300]}")
+                continue
+            lower_s = time.perf_counter() - t0
+
+            def timed_compile(lowered=lowered):
+                t = time.perf_counter()
+                exe = lowered.compile()
+                return exe, time.perf_counter() - t
+
+            futures[key] = (self.pool.submit(timed_compile), lower_s)
+            if len(futures) == 1:
+                futures[key][0].exception()  # the first compile alone: its GEMM autotuning is cached for the rest
+        for key, (future, lower_s) in futures.items():
+            try:
+                exe, compile_s = future.result()
+                self.programs[key] = {"exe": exe, "compile_s": compile_s, "lower_s": lower_s}
+                if "/comp/" not in key and not key.startswith("check/"):
+                    self.compile_times.append(compile_s)
+            except Exception as e:  # noqa: BLE001
+                self.programs[key] = {"error": "compile: " + error_text(e)}
+                log(f"compiling {key} failed: {self.programs[key]['error'][:300]}")
+        if futures:
+            log(f"compiled {len(futures)} programs: " +
+                ", ".join(f"{k} {self.programs[k].get('compile_s', float('nan')):.1f}s" for k in futures))
+
+    # -- correctness check ------------------------------------------------------------------------------
+    def check_program(self, attentions: dict):
+        """jit(params, batch, key, inputs) -> {name: (loss, velocity)} at t = 0.5 with fixed noise, for each
+        attention, on the state's parameters whose zero entries (AdaLN-Zero modulation, final projection,
+        biases) are replaced by small noise, so that attention reaches the output."""
+        graphdef = self.graphdef(self.main)
+
+        def fwd(params, batch, key, inputs):
+            leaves, tree = jax.tree.flatten(params)
+            keys = jax.random.split(key, len(leaves))
+            leaves = [jnp.where(p == 0, 0.01 * jax.random.normal(k, p.shape, p.dtype), p) for p, k in zip(leaves, keys)]
+            model = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+            x0 = batch["latents"]
+            t = jnp.full((x0.shape[0],), 0.5)
+            xt, target = noised(x0, jax.random.normal(jax.random.fold_in(key, 1), x0.shape), t)
+            text, mask = model.encode_text(batch)
+            out = {}
+            for name, attn in attentions.items():
+                pred = model(xt, t, text, mask, attention=attn, attention_inputs=inputs[name])
+                out[name] = (jnp.mean(jnp.square(pred.astype(jnp.float32) - target)), pred)
+            return out
+
+        return jax.jit(fwd)
+
+    def run_check(self) -> None:
+        length = next(iter(self.setup["lengths"]))
+        layout, batch = self.layout(length), self.batch(length)
+        full_id, dsv_id = f"{length}/full/pallas", f"{length}/dsv0.9/pallas"
+        est = 3 * self.setup["lower_s"] + 2.5 * self.est_compile() + 10
+        if self.left() - RESERVE_S < est:
+            self.check = {"status": "skipped", "reason": f"budget: needs ~{est:.0f} s, {self.left():.0f} s left"}
+            return
+        log(f"correctness check at {length} ({layout.seq_len} tokens)")
+        dsv = self.attention_setup(length, "dsv0.9")
+        keep1 = AttentionPlan(mode="dsv", backend=self.cfg.dsv.dense_backend, sparse=True, keep=1.0,
+                              kv_block=self.cfg.dsv.kv_block)
+        attentions = {"full": "auto", "dsv_keep1": keep1,
+                      "dsv0.9": tuple(dataclasses.replace(p, predictor=False) for p in dsv["attention"])}
+        inputs = {"full": None, "dsv_keep1": None, "dsv0.9": {"keep": dsv["inputs"]["keep"]}}
+        self.ensure_state()
+        key = jax.random.key(7)
+        jobs = [(full_id, lambda: self.lower_step(self.entry(length, "full", "pallas", True))),
+                ("check/forward", lambda: self.check_program(attentions).lower(self.state.params, batch, key, inputs)),
+                (dsv_id, lambda: self.lower_step(self.entry(length, "dsv0.9", "pallas", True)))]
+        self.compile_wave(jobs)
+        out = {"status": "error", "length": length, "tokens": layout.seq_len, "tolerance": CHECK_TOL}
+        try:
+            prog = self.programs.pop("check/forward")
+            if "error" in prog:
+                raise RuntimeError(f"check/forward: {prog['error']}")
+            res = {n: (float(loss), np.asarray(pred))
+                   for n, (loss, pred) in prog["exe"](self.state.params, batch, key, inputs).items()}
+            ref_loss, ref = res["full"]
+            out.update({f"loss_{n}": v[0] for n, v in res.items()})
+            out["loss_rel_diff_keep1"] = abs(res["dsv_keep1"][0] - ref_loss) / abs(ref_loss)
+            out["output_rel_err_keep1"] = harness.rel_error(res["dsv_keep1"][1], ref)
+            out["output_rel_err_dsv0.9"] = harness.rel_error(res["dsv0.9"][1], ref)  # for scale: a real difference
+            for vid in (full_id, dsv_id):  # one train step each: finite losses (the programs are reused later)
+                prog = self.programs.get(vid, {})
+                if "exe" not in prog:
+                    raise RuntimeError(f"{vid}: {prog.get('error', 'not compiled')}")
+                args = (batch, self.lr) + ((self.attention_setup(length, vid.split("/")[1])["inputs"],)
+                                           if "dsv" in vid else ())
+                self.state, m = prog["exe"](self.state, *args)
+                m = jax.device_get(m)
+                out[f"train_loss_{vid.split('/')[1]}"] = float(m["loss"])
+                out[f"train_finite_{vid.split('/')[1]}"] = bool(m["finite"])
+                if "dsv/predictor_loss" in m:
+                    out["predictor_loss_finite"] = bool(np.all(np.isfinite(m["dsv/predictor_loss"])))
+            finite = all(v for k, v in out.items() if "finite" in k) and all(np.isfinite(v[0]) for v in res.values())
+            out["passed"] = bool(finite and out["loss_rel_diff_keep1"] <= CHECK_TOL["loss"]
+                                 and out["output_rel_err_keep1"] <= CHECK_TOL["output"])
+            out["status"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out["error"] = error_text(e)
+        self.check = out
+        log(f"check: {json.dumps({k: v for k, v in out.items() if k != 'tolerance'}, default=str)}")
+        self.save()
+
+    # -- components -------------------------------------------------------------------------------------
+    def component_jobs(self, length: str, chosen) -> list:
+        """(key, lower_fn) of the components timed alone at this length; inputs kept on self.comp_args."""
+        cfg, layout = self.cfg, self.layout(length)
+        m, s = cfg.model, layout.seq_len
+        ks = jax.random.split(jax.random.key(11), 8)
+        bf = jnp.bfloat16 if harness.on_gpu() else jnp.float32
+        qkv = [jax.random.normal(k, (1, s, m.heads, m.head_dim), bf) for k in ks[:4]]
+        args = self.comp_args = {"qkv": qkv}
+        jobs = []
+
+        def fwd_bwd(fn, n_diff):
+            def run(*a):  # the differentiable args first, then the rest, then the cotangent
+                out, vjp = jax.vjp(lambda *d: fn(*d, *a[n_diff:-1]), *a[:n_diff])
+                return out, vjp(a[-1])
+            return run
+
+        def add(name, fn, *a):
+            jobs.append((f"{length}/comp/{name}", lambda: jax.jit(fn).lower(*a)))
+
+        names = list(dict.fromkeys(e["attention"] for e in chosen))
+        for name in names:
+            st = self.attention_setup(length, name)
+            if st["mode"] == "full":
+                fn = lambda q, k, v: attention(q, k, v, backend=cfg.dsv.dense_backend)  # noqa: E731
+                add(f"attn_f/{name}", fn, *qkv[:3])
+                add(f"attn_fb/{name}", fwd_bwd(fn, 3), *qkv)
+            elif st["mode"] == "window":
+                fn = lambda q, k, v, frac=st["window"]: attention(q, k, v, backend="window", grid=layout.grid,  # noqa: E731
+                                                                  tile=layout.tile, fraction=frac)
+                add(f"attn_f/{name}", fn, *qkv[:3])
+                add(f"attn_fb/{name}", fwd_bwd(fn, 3), *qkv)
+            else:
+                if "q_lr" not in args:
+                    args["q_lr"], args["k_lr"] = (jax.random.normal(k, (1, s, m.heads, cfg.dsv.rank)) for k in ks[4:6])
+                    args["x"] = jax.random.normal(ks[6], (1, s, m.hidden), bf)
+                    pred = LowRankPredictor(m, cfg.dsv.rank, nnx.Rngs(0), rope=cfg.dsv.predictor_rope)
+                    graphdef, args["pred_params"] = nnx.split(pred)
+                    positions = sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)
+
+                    def pred_loss(params, x, q, k):
+                        q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), layout.coords)
+                        z = true_logits(q, k, positions, layout.n_real, m.head_dim ** -0.5)
+                        return predictor_loss(q_lr, k_lr, z, positions, layout.n_real)
+
+                    add("pred_f", pred_loss, args["pred_params"], args["x"], *qkv[:2])
+                    add("pred_fb", jax.value_and_grad(pred_loss), args["pred_params"], args["x"], *qkv[:2])
+                kv_block = cfg.dsv.kv_block or layout.tile_size
+                sel = lambda q_lr, k_lr, keep, top_k=st["top_k"]: select_kv(  # noqa: E731
+                    q_lr, k_lr, top_k, keep, q_tile=layout.tile_size, kv_block=kv_block, block_reduce=cfg.dsv.block_reduce)
+                keep = st["inputs"]["keep"][0]
+                add(f"sel/{name}", sel, args["q_lr"], args["k_lr"], keep)
+                idx = jax.eval_shape(sel, args["q_lr"], args["k_lr"], keep)
+                fn = lambda q, k, v, i, c: attention(q, k, v, backend="dsv", kv_index=i, kv_count=c,  # noqa: E731
+                                                     q_tile=layout.tile_size, kv_block=kv_block)
+                add(f"attn_f/{name}", fn, *qkv[:3], *idx)
+                add(f"attn_fb/{name}", fwd_bwd(fn, 3), *qkv[:3], *idx, qkv[3])
+        impls = {e["adaln"] for e in chosen if e["attention"] == "full"}
+        if impls == {"xla", "pallas"}:  # the fused-AdaLN goal's pair: time AdaLN alone for both
+            x = qkv[0].reshape(1, s, m.hidden)
+            vec = [jax.random.normal(k, (1, m.hidden)) * 0.1 for k in jax.random.split(ks[7], 3)]
+            args["adaln"] = (x, vec)
+            for impl in ("xla", "pallas"):
+                plain = lambda x, sc, sh, impl=impl: adaln_modulate(x, sc, sh, impl=impl)  # noqa: E731
+                gated = lambda r, b, g, sc, sh, impl=impl: gated_residual_adaln(r, b, g, sc, sh, impl=impl)  # noqa: E731
+                add(f"adaln_plain_f/{impl}", plain, x, vec[1], vec[2])
+                add(f"adaln_plain_fb/{impl}", fwd_bwd(plain, 3), x, vec[1], vec[2], x)
+                add(f"adaln_gated_f/{impl}", gated, x, x, *vec)
+                add(f"adaln_gated_fb/{impl}", fwd_bwd(gated, 5), x, x, *vec, (x, x))
+        return jobs
+
+    def time_components(self, length: str, jobs) -> None:
+        comps = self.components.setdefault(length, {})
+        a = self.comp_args
+        qkv, selections = a["qkv"], {}
+        for key, _ in jobs:
+            name = key.split("/comp/")[1]
+            prog = self.programs.pop(key, None)
+            if prog is None or "error" in prog:
+                comps[name] = {"error": (prog or {}).get("error", "not compiled")}
+                continue
+            kind, _, variant = name.partition("/")
+            if kind in ("attn_f", "attn_fb"):
+                args = list(qkv[:3]) + list(selections.get(variant, ())) + ([qkv[3]] if kind == "attn_fb" else [])
+                if self.attention_setup(length, variant)["mode"] == "dsv" and variant not in selections:
+                    comps[name] = {"error": "no selection to attend through"}
+                    continue
+            elif kind == "sel":
+                args = [a["q_lr"], a["k_lr"], self.attention_setup(length, variant)["inputs"]["keep"][0]]
+            elif kind.startswith("pred"):
+                args = [a["pred_params"], a["x"], *qkv[:2]]
+            else:  # AdaLN: plain (x, scale, shift) or gated (residual, branch, gate, scale, shift) + cotangent
+                x, vec = a["adaln"]
+                args = [x, vec[1], vec[2]] if "plain" in kind else [x, x, *vec]
+                if kind.endswith("_fb"):
+                    args.append(x if "plain" in kind else (x, x))
+            t0 = time.perf_counter()
+            try:
+                out = jax.block_until_ready(prog["exe"](*args))
+                once = time.perf_counter() - t0
+                if self.left() - RESERVE_S < 4 * once:
+                    comps[name] = {"error": "budget"}
+                    continue
+                if kind == "sel":
+                    selections[variant] = out
+                comps[name] = harness.time_fn(prog["exe"], *args, warmup=0,
+                                              iters=int(min(10, max(3, 0.5 // max(once, 1e-6)))))
+                comps[name]["compile_s"] = prog["compile_s"]
+            except Exception as e:  # noqa: BLE001
+                comps[name] = {"error": error_text(e)}
+        self.comp_args = None
+
+    # -- a variant's steps ------------------------------------------------------------------------------
+    def run_variant(self, e) -> None:
+        prog = self.programs.pop(e["id"], None)
+        if prog is None:
+            return self.skip(e, "not compiled (budget)")
+        if "error" in prog:
+            e.update(status="error", error=prog["error"])
+            return
+        e.update(compile_s=prog["compile_s"], lower_s=prog["lower_s"])
+        st = self.attention_setup(e["length"], e["attention"])
+        e.update({k: v for k, v in st.items() if k not in ("attention", "inputs", "mode")})
+        mem = prog["exe"].memory_analysis()
+        if mem is not None:
+            need = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+            e["memory"] = {"compiled_peak_gib": need / 2**30, "temp_gib": mem.temp_size_in_bytes / 2**30,
+                           "argument_gib": mem.argument_size_in_bytes / 2**30}
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            if limit and need > limit:
+                return self.skip(e, f"memory: compiled peak {need / 2**30:.1f} GiB > device limit {limit / 2**30:.1f} GiB")
+        est = self.est_step(e)
+        if self.left() - RESERVE_S < 2 * est:
+            return self.skip(e, f"budget: a warm-up and one step need ~{2 * est:.0f} s, {self.left():.0f} s left")
+        log(f"run {e['id']} ({e['tokens']} tokens, estimated {est:.2f} s/step)")
+        args = (self.batch(e["length"]), self.lr) + ((st["inputs"],) if st["inputs"] is not None else ())
+        try:
+            self.ensure_state()
+            t0 = time.perf_counter()
+            with CompileCounter() as warm_compiles:
+                self.state, m = prog["exe"](self.state, *args)
+                jax.block_until_ready((self.state, m))
+            warm = time.perf_counter() - t0
+            n = max(0, min(self.args.steps, int((self.left() - RESERVE_S - 0.3 * warm) // warm)))
+            times, losses, finite = [], [float(m["loss"])], [bool(m["finite"])]
+            with CompileCounter() as compiles:
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    self.state, m = prog["exe"](self.state, *args)
+                    jax.block_until_ready((self.state, m))
+                    times.append(time.perf_counter() - t0)
+                    losses.append(float(m["loss"]))
+                    finite.append(bool(m["finite"]))
+            e.update(status="ok", warmup_s=warm, step_times_s=times, losses=losses, finite=all(finite),
+                     compiles_warmup=warm_compiles.count, compiles_timed=compiles.count, timed_steps=n)
+            if "dsv/predictor_loss" in m:
+                e["predictor_loss"] = float(np.mean(np.asarray(m["dsv/predictor_loss"])))
+            if n < 3:
+                e["note"] = f"only {n} timed steps fit the budget" + ("; the warm-up step is reported" if not n else "")
+            step = statistics.median(times) if times else warm
+            e["step_ms"] = {"median": 1e3 * step, "min": 1e3 * min(times or [warm]), "max": 1e3 * max(times or [warm]),
+                            "spread_pct": 100 * (max(times) - min(times)) / step if times else None}
+            self.calibration.append(step / self.est_step(e, raw=True))
+            stats = jax.devices()[0].memory_stats() or {}
+            e.setdefault("memory", {})["device_peak_gib_so_far"] = stats.get("peak_bytes_in_use", 0) / 2**30
+            log(f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm:.1f} ms), loss {losses[-1]:.4f}, "
+                f"compiles during timing {compiles.count}")
+        except Exception as ex:  # noqa: BLE001 (an OOM or kernel error must not lose the other variants)
+            e.update(status="error", error=error_text(ex))
+            log(f"  {e['id']} failed: {e['error'][:300]}")
+
+    # -- groups -----------------------------------------------------------------------------------------
+    def run_group(self, entries) -> None:
+        length = entries[0]["length"]
+        chosen, planned, first = [], 0.0, True
+        for e in entries:
+            try:
+                cost = self.est_cost(e, first)
+            except Exception as ex:  # noqa: BLE001 (e.g. no measured sparsity)
+                e.update(status="error", error=error_text(ex))
+                continue
+            if planned + cost <= self.left() - RESERVE_S:
+                chosen.append(e)
+                planned += cost
+                first = first and e["id"] in self.programs
+            else:
+                self.skip(e, f"budget: needs ~{cost:.0f} s, {self.left() - RESERVE_S - planned:.0f} s left")
+        if not chosen:
+            return self.save()
+        log(f"group {length}: {[e['id'] for e in chosen]} (planned ~{planned:.0f} s, {self.left():.0f} s left)")
+        comp_jobs = self.component_jobs(length, chosen)
+        self.compile_wave([(e["id"], lambda e=e: self.lower_step(e)) for e in chosen] + comp_jobs)
+        for e in chosen:
+            self.run_variant(e)
+            self.save()
+        if self.left() - RESERVE_S > 5:
+            self.time_components(length, comp_jobs)
+        for key, _ in comp_jobs:
+            self.programs.pop(key, None)
+        self.batches.pop(length, None)
+        self.comp_args = None
+        gc.collect()
+        self.save()
+
+    def run(self) -> None:
+        log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; budget {self.args.budget_s:.0f} s")
+        self.ensure_state()
+        n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        self.model_info = {"preset": self.cfg.name, "params": int(n_params), "depth": self.cfg.model.depth,
+                           "hidden": self.cfg.model.hidden, "heads": self.cfg.model.heads,
+                           "head_dim": self.cfg.model.head_dim, "compute_dtype": "bfloat16" if harness.on_gpu() else
+                           "float32", "remat": self.cfg.model.remat, "scan_layers": self.cfg.model.scan_layers,
+                           "patch": self.cfg.model.patch, "tile": self.cfg.model.tile, "text_len": self.cfg.text.max_len,
+                           "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30}
+        log(f"train state: {n_params / 1e9:.2f}B params, {self.model_info['state_gib']:.1f} GiB")
+        if not self.args.only:
+            self.run_check()
+        i = 0
+        while i < len(self.entries):  # consecutive entries of one length form a group
+            j = i
+            while j < len(self.entries) and self.entries[j]["length"] == self.entries[i]["length"]:
+                j += 1
+            self.run_group(self.entries[i:j])
+            i = j
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.save()
+
+    # -- results ----------------------------------------------------------------------------------------
+    def derive(self, e) -> None:
+        """Throughput, MFU, attention share and split of a measured variant (from its components)."""
+        st = self.attention_setup(e["length"], e["attention"])
+        layout = self.layout(e["length"])
+        f = step_flops(self.cfg, layout, st["kept"], st["mode"] == "dsv")
+        step = e["step_ms"]["median"] / 1e3
+        e["flops"] = {"model": f["model"], "work": f["work"]}
+        e["tokens_per_s"] = e["tokens"] / step
+        e["tflops_model"], e["tflops_work"] = f["model"] / step / 1e12, f["work"] / step / 1e12
+        e["mfu_model"], e["mfu_work"] = e["tflops_model"] / H200_SPEC_TFLOPS, e["tflops_work"] / H200_SPEC_TFLOPS
+        comps = self.components.get(e["length"], {})
+        med = lambda name: comps.get(name, {}).get("median_ms")  # noqa: E731
+        depth, name = self.cfg.model.depth, e["attention"]
+        split = {"step_ms": e["step_ms"]["median"]}
+        if med(f"attn_fb/{name}") is not None and med(f"attn_f/{name}") is not None:
+            split["attention_ms"] = depth * (med(f"attn_fb/{name}") + med(f"attn_f/{name}"))
+        if st["mode"] == "dsv":
+            if med("pred_fb") is not None and med("pred_f") is not None:
+                split["predictor_ms"] = depth * (med("pred_fb") + med("pred_f"))
+            if med(f"sel/{name}") is not None:
+                split["selection_ms"] = depth * 2 * med(f"sel/{name}")
+        impl = e["adaln"]
+        parts = [med(f"adaln_{k}/{impl}") for k in ("plain_f", "plain_fb", "gated_f", "gated_fb")]
+        if all(p is not None for p in parts):
+            split["adaln_ms"] = depth * (2 * (parts[0] + parts[1]) + parts[2] + parts[3])
+        measured = [k for k in ("attention_ms", "predictor_ms", "selection_ms", "adaln_ms") if k in split]
+        if "attention_ms" in split and (st["mode"] != "dsv" or {"predictor_ms", "selection_ms"} <= split.keys()):
+            split["rest_ms"] = split["step_ms"] - sum(split[k] for k in measured)
+            e["attention_share"] = split["attention_ms"] / split["step_ms"]
+        split["shares"] = {k[:-3]: split[k] / split["step_ms"] for k in split if k.endswith("_ms") and k != "step_ms"}
+        e["split"] = split
+
+    def goals(self) -> dict:
+        ok = {e["id"]: e for e in self.entries if e["status"] == "ok"}
+        out = {}
+
+        def ratio(a, b):
+            return ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"] if a in ok and b in ok else None
+
+        for s in ("dsv0.9", "dsv0.95"):
+            d = f"64k/{s}/{self.main}"
+            for base, target in (("full", GOALS["dsv_vs_full_64k"]), ("wa-m", GOALS["dsv_vs_window_64k"]),
+                                 ("wa-l", GOALS["dsv_vs_window_64k"])):
+                b = f"64k/{base}/{self.main}"
+                r = ratio(d, b)
+                if r is not None:
+                    g = out[f"{s}_vs_{base}_64k"] = {"target": target, "speedup": r, "met": r >= target}
+                    if not g["met"]:
+                        g["bottleneck"] = self.bottleneck(ok[d], ok[b])
+        for a in ("full", "dsv0.9"):
+            r = ratio(f"16k/{a}/pallas", f"16k/{a}/xla")
+            if r is not None:
+                g = out[f"fused_adaln_16k_{a}"] = {"target": GOALS["fused_adaln_16k"], "speedup": r,
+                                                    "met": r >= GOALS["fused_adaln_16k"]}
+                if not g["met"]:
+                    g["bottleneck"] = self.adaln_bottleneck(ok[f"16k/{a}/xla"], ok[f"16k/{a}/pallas"])
+        timed = {k: e["compiles_timed"] for k, e in ok.items()}
+        if timed:
+            out["no_recompilation"] = {"target": 0, "compiles_during_timed_steps": timed,
+                                       "met": all(v == 0 for v in timed.values())}
+        return out
+
+    @staticmethod
+    def bottleneck(fast, slow) -> dict:
+        """Where the DSV step's time goes, against the baseline it should beat."""
+        s = fast.get("split", {})
+        parts = {k: s[k] for k in ("attention_ms", "predictor_ms", "selection_ms", "rest_ms") if k in s}
+        out = {"dsv_split_ms": parts, "dsv_step_ms": fast["step_ms"]["median"],
+               "baseline_step_ms": slow["step_ms"]["median"], "baseline_split_ms": {
+                   k: slow["split"][k] for k in ("attention_ms", "rest_ms") if k in slow.get("split", {})}}
+        if "rest_ms" in parts:
+            top = max(parts, key=parts.get)
+            out["largest"] = top[:-3]
+            out["speedup_bound_if_attention_free"] = slow["step_ms"]["median"] / parts["rest_ms"]
+            out["note"] = (f"{top[:-3]} is {parts[top] / fast['step_ms']['median']:.0%} of the DSV step; with attention, "
+                           f"predictor and selection free, the DSV step could be at most "
+                           f"{out['speedup_bound_if_attention_free']:.2f}x faster than this baseline")
+        else:
+            out["note"] = "split not measured (budget)"
+        return out
+
+    @staticmethod
+    def adaln_bottleneck(xla, fused) -> dict:
+        a, b = xla.get("split", {}).get("adaln_ms"), fused.get("split", {}).get("adaln_ms")
+        out = {"xla_step_ms": xla["step_ms"]["median"], "fused_step_ms": fused["step_ms"]["median"],
+               "adaln_ms_xla": a, "adaln_ms_fused": b}
+        if a is not None and b is not None:
+            out["adaln_share_xla"] = a / xla["step_ms"]["median"]
+            out["max_gain_from_adaln"] = (a - b) / xla["step_ms"]["median"]
+            out["note"] = (f"AdaLN (XLA) is {out['adaln_share_xla']:.1%} of the step; the fused kernel saves "
+                           f"{a - b:.1f} ms = {out['max_gain_from_adaln']:.1%} of it, so the step is bound by the rest "
+                           "(matmuls, attention)")
+        return out
+
+    def save(self) -> None:
+        for e in self.entries:
+            if e["status"] == "ok":
+                self.derive(e)
+        payload = {
+            "quick": self.args.quick, "budget_s": self.args.budget_s, "steps": self.args.steps,
+            "compile_workers": self.args.compile_workers, "model": getattr(self, "model_info", {}),
+            "batch": 1, "lengths": {k: {"latents": [*v, self.cfg.model.in_channels], "tokens": self.layout(k).seq_len}
+                                    for k, v in self.setup["lengths"].items()},
+            "flops_formula": FLOPS_FORMULA, "peak_tflops": {"spec": H200_SPEC_TFLOPS,
+                                                            "measured_matmul": harness.H200_BF16_TFLOPS},
+            "check": self.check, "measured_sparsity": self.measured, "goals": self.goals(),
+            "variants": self.entries, "components_ms": self.components,
+            "skipped": [{"id": e["id"], "reason": e.get("reason")} for e in self.entries if e["status"] == "skipped"],
+            "wall_s": time.perf_counter() - T_START,
+        }
+        harness.write_results("bench_e2e" + ("_quick" if self.args.quick else ""), payload)
+
+    def table(self) -> None:
+        rows = []
+        base = {(e["length"], e["adaln"]): e for e in self.entries if e["status"] == "ok" and e["attention"] == "full"}
+        for e in self.entries:
+            r = {"variant": e["id"], "status": e["status"]}
+            if e["status"] == "ok":
+                b = base.get((e["length"], e["adaln"])) or base.get((e["length"], self.main))
+                r.update(tokens=e["tokens"], compile_s=e["compile_s"], step_ms=e["step_ms"]["median"],
+                         spread=e["step_ms"]["spread_pct"], tok_s=e["tokens_per_s"],
+                         vs_full=e["tokens_per_s"] / b["tokens_per_s"] if b else "",
+                         mfu_model=e["mfu_model"], mfu_work=e["mfu_work"],
+                         mem_gib=e.get("memory", {}).get("compiled_peak_gib", ""),
+                         attn=e.get("attention_share", ""), compiles=e["compiles_timed"])
+            rows.append(r)
+        harness.print_table(rows, ["variant", "status", "tokens", "compile_s", "step_ms", "spread", "tok_s", "vs_full",
+                                   "mfu_model", "mfu_work", "mem_gib", "attn", "compiles"])
+        for name, g in self.goals().items():
+            line = {k: v for k, v in g.items() if k != "bottleneck"}
+            print(f"goal {name}: {json.dumps(line, default=str)}")
+            if g.get("bottleneck", {}).get("note"):
+                print(f"  bottleneck: {g['bottleneck']['note']}")
+        print(f"check: {self.check.get('status')} passed={self.check.get('passed')}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model on the CPU (interpret mode), every code path")
+    p.add_argument("--budget-s", type=float, default=None, help="hard wall budget from process start "
+                   "(default 380 on the GPU, 170 with --quick); what does not fit is skipped and recorded")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant after one warm-up")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)")
+    p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")
+    args = p.parse_args()
+    if not args.quick and not harness.on_gpu():
+        sys.exit("bench_e2e.py measures the 2.7B model on a GPU; use --quick on a CPU")
+    setup = SETUPS["quick" if args.quick else "gpu"]
+    args.budget_s = args.budget_s or setup["budget_s"]
+    args.compile_workers = args.compile_workers or setup["compile_workers"]
+    bench = Bench(args, setup)
+    try:
+        bench.run()
+    finally:
+        bench.save()
+        log("results written")
+        bench.table()
+
+
+if __name__ == "__main__":
+    main()
