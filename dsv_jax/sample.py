@@ -116,20 +116,9 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
 def sample_from_workdir(workdir: str, out: str, *, prompts: Sequence[str] | None = None, steps: int = 30,
                         guidance: float | None = None, seed: int = 0, shape=None, step: int | None = None) -> list[str]:
     """Load the latest (or `step`) checkpoint of a training workdir and write a video of `prompts`."""
-    from dsv_jax.train.checkpoint import Checkpointer
-    from dsv_jax.train.step import abstract_model, init_state
+    from dsv_jax.train.checkpoint import load_trained
 
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-        cfg = Config.from_dict(ckpt.saved_config(step))
-        graphdef, _ = abstract_model(cfg)
-        state, _ = ckpt.restore(step, jax.eval_shape(lambda: init_state(cfg)))
-        controller = ckpt.controller_state(step)
-    finally:
-        ckpt.close()
-    return sample_from_state(cfg, graphdef, state.params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
+    cfg, graphdef, params, controller, _ = load_trained(workdir, step)
+    return sample_from_state(cfg, graphdef, params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
                              also_mp4=True, controller_state=controller)

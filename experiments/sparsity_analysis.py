@@ -40,25 +40,6 @@ from experiments.harness import print_table, write_results  # noqa: E402
 AXES = ("t", "h", "w")
 
 
-def load(workdir: str):
-    from dsv_jax.config import Config
-    from dsv_jax.train.checkpoint import Checkpointer
-    from dsv_jax.train.step import abstract_model, init_state
-
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    try:
-        step = ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-        cfg = Config.from_dict(ckpt.saved_config(step))
-        graphdef, _ = abstract_model(cfg)
-        state, _ = ckpt.restore(step, jax.eval_shape(lambda: init_state(cfg)))
-        controller = ckpt.controller_state(step)
-    finally:
-        ckpt.close()
-    return cfg, graphdef, state.params, controller, step
-
-
 def analysis_plans(cfg, shape, controller):
     """Per-block plans that profile with the analysis statistics (and, for DSV, the trained selection)."""
     from dsv_jax.dsv.controller import DSVController
@@ -200,7 +181,9 @@ def main(argv=None) -> int:
     if not args.workdir and not args.quick:
         p.error("give --workdir (a trained run) or --quick")
     workdir = args.workdir or quick_workdir()
-    cfg, graphdef, params, controller, step = load(workdir)
+    from dsv_jax.train.checkpoint import load_trained
+
+    cfg, graphdef, params, controller, step = load_trained(workdir)
     from dsv_jax.sample import default_shape
 
     shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else default_shape(cfg)

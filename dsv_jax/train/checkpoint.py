@@ -85,3 +85,22 @@ class Checkpointer:
 def _all_finite(tree) -> bool:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
     return bool(jnp.all(jnp.stack(leaves))) if leaves else True
+
+
+def load_trained(workdir: str, step: int | None = None):
+    """(config, graphdef, params, DSV controller state or None, step) of a training workdir's latest (or
+    `step`) checkpoint, restored on the default device: what sampling and analysis need."""
+    from dsv_jax.train.step import abstract_model, init_state
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+        cfg = Config.from_dict(ckpt.saved_config(step))
+        graphdef, _ = abstract_model(cfg)
+        state, _ = ckpt.restore(step, jax.eval_shape(lambda: init_state(cfg)))
+        controller = ckpt.controller_state(step)
+    finally:
+        ckpt.close()
+    return cfg, graphdef, state.params, controller, step
