@@ -104,7 +104,7 @@ from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_k
 from dsv_jax.parallel.comm import collective_bytes, context_bytes  # noqa: E402
 from dsv_jax.parallel.context import OVERFLOW_EVENTS  # noqa: E402
 from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention  # noqa: E402
-from pallas_kernels.sparse_attention import sparse_attention_reference  # noqa: E402
+from pallas_kernels.sparse_attention import sparse_attention  # noqa: E402
 
 SKEWED = (0.6, 0.7, 0.8, 0.85) + (0.9541666666666667,) * 12  # mean 0.9 (as experiments/cp_model.py)
 MAIN = jax.process_index() == 0
@@ -141,11 +141,11 @@ def kernel_model(path):
     return KernelModel.from_json(path) if os.path.exists(path) else KernelModel()
 
 
-def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km):
+def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, save):
+    """Appends one row per (size, variant) to `rows`, calling save() after each (a run cut short keeps them)."""
     n = mesh.shape["context"]
     seq = NamedSharding(mesh, P(None, "context"))
     rep = NamedSharding(mesh, P())
-    rows = []
     for si, s in enumerate(sizes):
         shape = (1, s, heads, head_dim)
         gen = jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=seq)
@@ -187,12 +187,16 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km):
         refs = None
         if si == 0:  # correctness first, at the smallest size: single-device attention, replicated
             def ref_fn(q, k, v, do, idx, cnt, sparse):
-                f = ((lambda q, k, v: sparse_attention_reference(q, k, v, idx, cnt, q_tile=tile, kv_block=tile))
+                # the single-device sparse kernel (itself checked against the reference by
+                # bench_sparse_attention); the plain-JAX reference's backward does not fit at 64k
+                f = ((lambda q, k, v: sparse_attention(q, k, v, idx, cnt, q_tile=tile, kv_block=tile))
                      if sparse else (lambda q, k, v: attention(q, k, v)))
                 out, vjp = jax.vjp(f, q, k, v)
                 return (out, *vjp(do))
-            refs = {sp: jax.jit(ref_fn, static_argnums=6, out_shardings=rep)(q, k, v, do, idx, cnt, sp)
-                    for sp in (False, True)}
+            # replicated inputs: cuDNN attention refuses operands sharded along the sequence
+            whole = [jax.device_put(x, rep) for x in (q, k, v, do, idx, cnt)]
+            refs = {sp: jax.jit(ref_fn, static_argnums=6, out_shardings=rep)(*whole, sp) for sp in (False, True)}
+            del whole
 
         for name, sparse, kw in variants:
             if kw.get("scp") == "selective" or kw.get("strategy") == "selective":
@@ -236,12 +240,13 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km):
             say(f"  S={s} {row['attention']:6s} {name:48s} {row.get('median_ms', float('nan')):10.2f} ms  "
                 f"{row['bytes_per_device'] / 1e6:9.1f} MB{'' if row['bytes_match'] else ' (traced ' + str(row['bytes_traced']) + ')'}"
                 f"  err {row.get('rel_error_max', '')} {row.get('error', '')}")
+            save()
         base = min((r["median_ms"] for r in rows if r["seq_len"] == s and r["attention"] == "dense"
                     and "median_ms" in r), default=None)
         for r in rows:
             if r["seq_len"] == s and base and "median_ms" in r:
                 r["speedup_over_best_dense"] = base / r["median_ms"]
-    return rows
+        save()
 
 
 # -- part 2: training with context parallelism -------------------------------------------------
@@ -266,7 +271,7 @@ class DSVStylePlan(ContextPlan):
                                 kv_block=self.tile, sparsity=self.head_sparsity, **options)
 
 
-def bench_training(mesh, quick, steps):
+def bench_training(mesh, quick, steps, rows, save):
     from dsv_jax.parallel.mesh import batch_sharding, state_shardings
     from dsv_jax.train.step import abstract_model, init_state, make_train_step
 
@@ -293,7 +298,6 @@ def bench_training(mesh, quick, steps):
     batch = {k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i, x=x: x[i])
              for k, x in host.items()}
     tokens = t * (h // cfg.model.patch[1]) * (w // cfg.model.patch[2]) // cfg.model.patch[0]
-    rows = []
     plans = {"full (cuDNN / XLA inside CP)": ContextPlan(mesh, "hybrid"),
              "DSV-style sparse": DSVStylePlan(mesh, "hybrid", head_sparsity=sparsity, tile=tile,
                                               options=(("capacity", 0.5),))}
@@ -321,9 +325,9 @@ def bench_training(mesh, quick, steps):
         rows.append(row)
         say(f"  {name:32s} {row.get('step_s', float('nan')):8.3f} s/step  {row.get('tokens_per_s', 0):10.0f} tok/s "
             f"{row.get('error', '')}")
-    if all("step_s" in r for r in rows):
-        rows[1]["speedup_over_full"] = rows[0]["step_s"] / rows[1]["step_s"]
-    return rows
+        if len(rows) == 2 and all("step_s" in r for r in rows):
+            rows[1]["speedup_over_full"] = rows[0]["step_s"] / rows[1]["step_s"]
+        save()
 
 
 def main():
@@ -334,24 +338,31 @@ def main():
     say(f"{n} devices over {jax.process_count()} process(es): {jax.devices()[0].device_kind}; planner kernels: {km.source}")
     payload = {"quick": quick, "devices": n, "processes": jax.process_count(), "kernel_model": km.source,
                "head_sparsity": SKEWED}
+    parts = "_attention" if ARGS.skip_train else "_training" if ARGS.skip_attention else ""
+    name = ("bench_multigpu" + parts + ("_quick" if quick else "")
+            + (f"_{jax.process_count()}proc" if jax.process_count() > 1 else ""))
+
+    def save():  # after every measurement, so that a run stopped by its time limit keeps what it measured
+        if MAIN:
+            harness.write_results(name, payload)
+
     if not ARGS.skip_attention:
         if quick:
             sizes, heads, head_dim, dtype, tile = ARGS.sizes or [512], 8, 16, jnp.float32, 16
         else:
             sizes, heads, head_dim, dtype, tile = ARGS.sizes or [65536, 131072, 262144], 16, 128, jnp.bfloat16, 64
         say("part 1: attention fwd+bwd")
-        payload["attention"] = bench_attention(mesh, sizes, heads, head_dim, dtype, ARGS.iters or (1 if quick else 5),
-                                               tile, km)
         payload["attention_shapes"] = {"heads": heads, "head_dim": head_dim, "dtype": jnp.dtype(dtype).name,
                                        "tile": tile}
+        payload["attention"] = []
+        bench_attention(mesh, sizes, heads, head_dim, dtype, ARGS.iters or (1 if quick else 5), tile, km,
+                        payload["attention"], save)
     if not ARGS.skip_train:
         say("part 2: training steps with context parallelism")
-        payload["training"] = bench_training(mesh, quick, ARGS.train_steps or (1 if quick else 3))
-    if MAIN:
-        parts = "_attention" if ARGS.skip_train else "_training" if ARGS.skip_attention else ""
-        name = ("bench_multigpu" + parts + ("_quick" if quick else "")
-                + (f"_{jax.process_count()}proc" if jax.process_count() > 1 else ""))
-        print("wrote", harness.write_results(name, payload))
+        payload["training"] = []
+        bench_training(mesh, quick, ARGS.train_steps or (1 if quick else 3), payload["training"], save)
+    save()
+    say("wrote", os.path.join(harness.RESULTS_DIR, name + ".json"))
 
 
 if __name__ == "__main__":

@@ -96,6 +96,47 @@ SPARSE_CASES = [("ulysses", None, None), ("ring", None, None), ("allgather", Non
                 ("hybrid-uneven", (4, 2), "allgather")]
 
 
+def _shard_map_meshes(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            yield eqn.params["mesh"]
+        for val in eqn.params.values():
+            for sub in val if isinstance(val, (tuple, list)) else (val,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _shard_map_meshes(inner)
+
+
+@pytest.mark.parametrize("strategy, degrees, scp", [("ulysses", None, None), ("ring", None, None),
+                                                    ("allgather", None, None), ("hybrid", (8, 1), None),
+                                                    ("hybrid", (1, 8), "selective")])
+def test_pure_strategies_keep_the_callers_mesh(mesh, inputs, selection, strategy, degrees, scp):
+    """On the GPU, jit rejects a program whose shardings name two meshes once it holds device-bound
+    custom calls (cuDNN, Pallas): every strategy with one degree 1 must run on the caller's mesh, with
+    its gradients."""
+    q, k, v, cot = inputs
+    idx, cnt = selection
+    f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
+                                          kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB)
+    jaxpr = jax.make_jaxpr(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot).jaxpr
+    meshes = list(_shard_map_meshes(jaxpr))
+    assert meshes and all(m.shape_tuple == mesh.shape_tuple and m.axis_names == mesh.axis_names for m in meshes)
+
+
+def test_cross_attention_runs_per_device_and_matches(mesh, inputs):
+    """DiT's text cross-attention under context parallelism: queries stay on their device (inside a
+    shard_map on the plan's mesh, where cuDNN accepts them) and the result equals plain attention."""
+    q, _, _, cot = inputs
+    kt, vt = (jax.random.normal(jax.random.key(i), (B, 8, H, D), jnp.float32) for i in (11, 12))
+    lens = jnp.array([8, 5], jnp.int32)
+    plan = ContextPlan(mesh, "hybrid", backend="xla")
+    f = lambda q, k, v: plan.cross_attention(q, k, v, kv_lens=lens)
+    want = fwd_and_grads(lambda q, k, v: attention(q, k, v, backend="xla", kv_lens=lens), q, kt, vt, cot)
+    assert_close(jax.jit(lambda *a: fwd_and_grads(f, *a))(q, kt, vt, cot), want)
+    meshes = list(_shard_map_meshes(jax.make_jaxpr(f)(q, kt, vt).jaxpr))
+    assert len(meshes) == 1 and meshes[0].axis_names == mesh.axis_names
+
+
 @pytest.mark.parametrize("strategy, degrees, scp", DENSE_CASES)
 def test_dense_equals_single_device(mesh, inputs, dense_ref, strategy, degrees, scp):
     q, k, v, cot = inputs

@@ -54,7 +54,7 @@ class DiTBlock(nnx.Module):
         no_mod = jnp.zeros_like(scale1)
         o, aux = self.attn(y, ctx, plan, self.predictor, inputs)
         h, y = gated_modulate(x, o, gate1, no_mod, no_mod, self.cfg)
-        h = h + self.cross(y, ctx)
+        h = h + self.cross(y, ctx, plan)
         y = modulate(h, scale2, shift2, self.cfg)
         return h + (gate2[:, None] * self.mlp(y)).astype(h.dtype), aux
 

@@ -142,9 +142,13 @@ class CrossAttention(nnx.Module):
         self.qkv = QKV(cfg, rngs, kv_from=cfg.hidden)
         self.out = linear(cfg.hidden, cfg.hidden, cfg, rngs)
 
-    def __call__(self, x, ctx: "BlockContext"):
+    def __call__(self, x, ctx: "BlockContext", plan=None):
         q, k, v = self.qkv(x, ctx.text)
-        return self.out(merge_heads(attention(q, k, v, backend="auto", kv_lens=ctx.text_lens)))
+        if hasattr(plan, "cross_attention"):  # context parallelism: per device, on its share of the queries
+            o = plan.cross_attention(q, k, v, kv_lens=ctx.text_lens)
+        else:
+            o = attention(q, k, v, backend="auto", kv_lens=ctx.text_lens)
+        return self.out(merge_heads(o))
 
 
 @dataclasses.dataclass

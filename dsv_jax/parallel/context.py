@@ -9,9 +9,12 @@ Strategies (n = size of the context axis):
   selective  SCP, sparse: fetch only the KV blocks the local query tiles selected
   hybrid     HCP degree x SCP degree = n (from `degrees` and `scp`, or from the planner)
 
-The context axis is viewed as a (cp_seq, cp_head) grid with cp_head the minor axis, so the HCP groups
-are neighbouring devices (one node's NVLink) and each HCP all-to-all leaves a device with a contiguous
-slice of the sequence: the SCP strategies then run on cp_seq exactly as on their own.
+For a true hybrid (both degrees > 1) the context axis is viewed as a (cp_seq, cp_head) grid with
+cp_head the minor axis, so the HCP groups are neighbouring devices (one node's NVLink) and each HCP
+all-to-all leaves a device with a contiguous slice of the sequence: the SCP strategies then run on
+cp_seq exactly as on their own. A pure strategy (one degree 1) runs on the caller's mesh itself, the
+`context` axis playing the role of the non-trivial degree: a program that holds custom calls tied to
+devices (cuDNN, Pallas on the GPU) must use one mesh throughout, and jit rejects a second one.
 
 Sparse attention: pass kv_index / kv_count in the layout of `pallas_kernels.sparse_attention`
 (block ids over the whole sequence); the result equals single-device `sparse_attention` with the
@@ -52,6 +55,15 @@ def split_context_mesh(mesh: Mesh, hcp_degree: int, scp_degree: int) -> Mesh:
         raise ValueError(f"HCP degree {hcp_degree} x SCP degree {scp_degree} != context axis size {n}")
     shape = mesh.devices.shape[:c] + (scp_degree, hcp_degree) + mesh.devices.shape[c + 1:]
     return Mesh(mesh.devices.reshape(shape), names[:c] + (SEQ, HEAD) + names[c + 1:])
+
+
+def context_grid(mesh: Mesh, hcp_degree: int, scp_degree: int) -> tuple[Mesh, str, str, Any]:
+    """(mesh, SCP axis, HCP axis, sequence spec) that a call's shard_map runs on. Only the axis of the
+    degree > 1 sees collectives, so a pure strategy keeps the caller's mesh and names `context` for both."""
+    if hcp_degree == 1 or scp_degree == 1:
+        split_context_mesh(mesh, hcp_degree, scp_degree)  # the same checks as a split
+        return mesh, "context", "context", "context"
+    return split_context_mesh(mesh, hcp_degree, scp_degree), SEQ, HEAD, (SEQ, HEAD)
 
 
 def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, plan_fn=None):
@@ -145,16 +157,16 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     batch_axes = tuple(a for a in mesh.axis_names if a != "context")
     dp = math.prod(mesh.shape[a] for a in batch_axes)
     bspec = batch_axes if b % dp == 0 else None  # batch not divisible: replicate it over those axes
-    sub = split_context_mesh(mesh, ph, ps)
+    sub, seq_axis, head_axis, seq_spec = context_grid(mesh, ph, ps)
 
     args = {"q": q, "k": k, "v": v}
-    specs = {"q": P(bspec, (SEQ, HEAD)), "k": P(bspec, (SEQ, HEAD)), "v": P(bspec, (SEQ, HEAD))}
+    specs = {"q": P(bspec, seq_spec), "k": P(bspec, seq_spec), "v": P(bspec, seq_spec)}
     if kv_lens is not None:
         args["kv_lens"] = jnp.broadcast_to(jnp.asarray(kv_lens, jnp.int32), (b,))
         specs["kv_lens"] = P(bspec)
     if sparse:
         args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
-        specs["kv_index"] = specs["kv_count"] = P(bspec, None, (SEQ, HEAD))
+        specs["kv_index"] = specs["kv_count"] = P(bspec, None, seq_spec)
     head_loads = None
     slots = h // ph if hcp_slots is None else int(hcp_slots)
     if slots != h // ph and not (sparse and ph > 1 and h // ph < slots <= h):
@@ -184,8 +196,9 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
 
     body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
                              q_tile=q_tile, kv_block=kv_block, capacity=int(capacity), backend=backend, impl=impl,
-                             q_chunk=q_chunk, stat_axes=tuple(sub.axis_names))
-    out_specs = (P(bspec, (SEQ, HEAD)), P())
+                             q_chunk=q_chunk, stat_axes=tuple(sub.axis_names), seq_axis=seq_axis,
+                             head_axis=head_axis)
+    out_specs = (P(bspec, seq_spec), P())
     out, stats = jax.shard_map(body, mesh=sub, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
     if scp_strategy == "selective" and ps > 1:
         jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
@@ -241,13 +254,13 @@ def _extend(x, fill, axis):
     return jnp.concatenate([x, jnp.full_like(jnp.take(x, jnp.array([0]), axis=axis), fill)], axis)
 
 
-def _selection_to_heads(kv_index, kv_count, perm):
+def _selection_to_heads(kv_index, kv_count, perm, head_axis):
     """HCP of a selection (inside shard_map): into head slots, then tiles of all S for the local slots."""
     if perm is not None:
         kv_index = jnp.take(_extend(kv_index, 0, 1), perm, axis=1)
         kv_count = jnp.take(_extend(kv_count, 1, 1), perm, axis=1)
-    return (hcp.seq_to_heads(kv_index, HEAD, head_axis=1, seq_axis=2),
-            hcp.seq_to_heads(kv_count, HEAD, head_axis=1, seq_axis=2))
+    return (hcp.seq_to_heads(kv_index, head_axis, head_axis=1, seq_axis=2),
+            hcp.seq_to_heads(kv_count, head_axis, head_axis=1, seq_axis=2))
 
 
 def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, int] | None = None,
@@ -272,21 +285,21 @@ def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, in
     batch_axes = tuple(a for a in mesh.axis_names if a != "context")
     dp = math.prod(mesh.shape[a] for a in batch_axes)
     bspec = batch_axes if b % dp == 0 else None
-    sub = split_context_mesh(mesh, ph, ps)
+    sub, seq_axis, head_axis, seq_spec = context_grid(mesh, ph, ps)
 
     def body(kv_index, kv_count, perm):
         if ph > 1:
-            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm)
-        _, requested = scp.peer_requests(kv_index, kv_count, axis=SEQ, n=ps, nb_loc=nb_loc)
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm, head_axis)
+        _, requested = scp.peer_requests(kv_index, kv_count, axis=seq_axis, n=ps, nb_loc=nb_loc)
         return jax.lax.pmax(jnp.max(requested), tuple(sub.axis_names))
 
-    spec = P(bspec, None, (SEQ, HEAD))
+    spec = P(bspec, None, seq_spec)
     return jax.shard_map(body, mesh=sub, in_specs=(spec, spec, P()), out_specs=P(), check_vma=False)(
         kv_index.astype(jnp.int32), kv_count.astype(jnp.int32), jnp.asarray(head_perm, jnp.int32))
 
 
 def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
-                      stat_axes):
+                      stat_axes, seq_axis, head_axis):
     q, k, v = args["q"], args["k"], args["v"]
     heads = q.shape[2]
     kv_lens, perm = args.get("kv_lens"), args.get("perm")
@@ -298,9 +311,9 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
     if ph > 1:  # HCP: sequence shards -> head shards (heads gathered into their device's slots first)
         if perm is not None:  # head id H: an empty slot, a zero head selecting one block
             q, k, v = (jnp.take(_extend(x, 0, 2), perm, axis=2) for x in (q, k, v))
-        q, k, v = (hcp.seq_to_heads(x, HEAD) for x in (q, k, v))
+        q, k, v = (hcp.seq_to_heads(x, head_axis) for x in (q, k, v))
         if sparse:
-            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm)
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm, head_axis)
 
     if ps == 1:
         if sparse:
@@ -309,19 +322,19 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
         else:
             out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
     elif scp_strategy == "allgather":
-        out = scp.allgather_attention(q, k, v, axis=SEQ, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
+        out = scp.allgather_attention(q, k, v, axis=seq_axis, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
                                       kv_index=kv_index, kv_count=kv_count, q_tile=q_tile, kv_block=kv_block,
                                       impl=impl)
     elif scp_strategy == "ring":
         sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
-        out = scp.ring_attention(q, k, v, kv_lens, sel, SEQ, ps, sm_scale, q_chunk, q_tile, kv_block)
+        out = scp.ring_attention(q, k, v, kv_lens, sel, seq_axis, ps, sm_scale, q_chunk, q_tile, kv_block)
     else:
-        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=SEQ, n=ps, capacity=capacity,
+        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_axis, n=ps, capacity=capacity,
                                           sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl)
         stats.update(st)
 
     if ph > 1:
-        out = hcp.heads_to_seq(out, HEAD)
+        out = hcp.heads_to_seq(out, head_axis)
         if perm is not None:  # each head's slot (real heads occur once; empty slots sort last)
             out = jnp.take(out, jnp.argsort(perm, stable=True)[:heads], axis=2)
     if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)
@@ -356,6 +369,22 @@ class ContextPlan:
         out = context_attention(q, k, v, mesh=self.mesh, strategy=self.strategy, kv_lens=kv_lens, sm_scale=sm_scale,
                                 backend=self.backend, **{**dict(self.options), **options})
         return out[:, :s] if pad else out
+
+    def cross_attention(self, q, k, v, *, kv_lens=None):
+        """Queries sharded over `context` attending to keys every device holds (DiT's text tokens): no
+        communication, so each device attends with its own queries, inside shard_map: cuDNN's
+        partitioner refuses an operand sharded along the sequence."""
+        batch_axes = tuple(a for a in self.mesh.axis_names if a != "context")
+        dp = math.prod(self.mesh.shape[a] for a in batch_axes)
+        b, s = q.shape[:2]
+        if s % self.mesh.shape["context"]:  # uneven split: let XLA partition it
+            return local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=None, backend="xla")
+        bspec = batch_axes if b % dp == 0 else None
+        lens = jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None else jnp.broadcast_to(
+            jnp.asarray(kv_lens, jnp.int32), (b,))
+        body = lambda q, k, v, lens: local.dense_local(q, k, v, kv_lens=lens, sm_scale=None, backend=self.backend)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(bspec, "context"), P(bspec), P(bspec), P(bspec)),
+                             out_specs=P(bspec, "context"), check_vma=False)(q, k, v, lens)
 
     def constrain(self, x):
         """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence over context."""
