@@ -109,11 +109,12 @@ def _shard_map_meshes(jaxpr):
 
 @pytest.mark.parametrize("strategy, degrees, scp", [("ulysses", None, None), ("ring", None, None),
                                                     ("allgather", None, None), ("hybrid", (8, 1), None),
-                                                    ("hybrid", (1, 8), "selective")])
-def test_pure_strategies_keep_the_callers_mesh(mesh, inputs, selection, strategy, degrees, scp):
+                                                    ("hybrid", (1, 8), "selective"), ("hybrid", (2, 4), "ring"),
+                                                    ("hybrid", (4, 2), "allgather"), ("hybrid", (2, 4), "selective")])
+def test_every_strategy_keeps_the_callers_mesh(mesh, inputs, selection, strategy, degrees, scp):
     """On the GPU, jit rejects a program whose shardings name two meshes once it holds device-bound
-    custom calls (cuDNN, Pallas): every strategy with one degree 1 must run on the caller's mesh, with
-    its gradients."""
+    custom calls (cuDNN, Pallas): every strategy, pure or a true hybrid (both degrees > 1), must run
+    on the caller's mesh, with its gradients."""
     q, k, v, cot = inputs
     idx, cnt = selection
     f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,

@@ -8,6 +8,8 @@ Two views that the tests hold against each other:
 Per-device bytes sent by one collective over a group of n devices, operand of b bytes:
     all_to_all b (n-1)/n    all_gather b (n-1)    reduce_scatter b (n-1)/n    ppermute b
     psum / pmax (all-reduce) 2 b (n-1)/n
+A true hybrid's collectives act within groups smaller than the context axis: they are rounds of
+ppermute (`groups.GroupAxis`) that send the same bytes per device as the native collective.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def context_bytes(*, hcp: int, scp: int, scp_strategy: str, batch: int, seq_len:
             parts["scp_backward"] = 2 * (scp - 1) * y
         elif scp_strategy == "selective":
             kv = 2 * (scp - 1) * capacity * kv_block * head_dim * itemsize
-            control = 2 * (scp - 1) / scp * INT_BYTES + (scp - 1) * capacity * INT_BYTES
+            # the overflow total (over the whole context axis), then the request ids
+            control = 2 * (n - 1) / n * INT_BYTES + (scp - 1) * capacity * INT_BYTES
             m = mesh_devices or n
             stats = 3 * 2 * (m - 1) / m * INT_BYTES
             parts["scp_forward"] = kv + control + stats

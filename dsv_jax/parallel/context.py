@@ -12,9 +12,9 @@ Strategies (n = size of the context axis):
 For a true hybrid (both degrees > 1) the context axis is viewed as a (cp_seq, cp_head) grid with
 cp_head the minor axis, so the HCP groups are neighbouring devices (one node's NVLink) and each HCP
 all-to-all leaves a device with a contiguous slice of the sequence: the SCP strategies then run on
-cp_seq exactly as on their own. A pure strategy (one degree 1) runs on the caller's mesh itself, the
-`context` axis playing the role of the non-trivial degree: a program that holds custom calls tied to
-devices (cuDNN, Pallas on the GPU) must use one mesh throughout, and jit rejects a second one.
+their cp_seq group exactly as on their own. The grid is only a view (`groups.GroupAxis`): every
+strategy runs on the caller's mesh, because a program that holds custom calls tied to devices
+(cuDNN, Pallas on the GPU) must use one mesh throughout, and jit rejects a second one.
 
 Sparse attention: pass kv_index / kv_count in the layout of `pallas_kernels.sparse_attention`
 (block ids over the whole sequence); the result equals single-device `sparse_attention` with the
@@ -35,35 +35,12 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv_jax.parallel import hcp, local, scp
+from dsv_jax.parallel.groups import context_groups
 
 log = logging.getLogger("dsv_jax")
 
 STRATEGIES = ("ulysses", "allgather", "ring", "selective", "hybrid")
 SCP_STRATEGIES = ("ring", "allgather", "selective")
-SEQ, HEAD = "cp_seq", "cp_head"  # the two views of the context axis
-
-
-@functools.lru_cache(maxsize=64)
-def split_context_mesh(mesh: Mesh, hcp_degree: int, scp_degree: int) -> Mesh:
-    """The same devices with the `context` axis reshaped to (cp_seq, cp_head) = (scp_degree, hcp_degree)."""
-    names = tuple(mesh.axis_names)
-    if "context" not in names:
-        raise ValueError(f"mesh axes {names} have no 'context' axis; build it with dsv_jax.parallel.make_mesh")
-    c = names.index("context")
-    n = mesh.devices.shape[c]
-    if hcp_degree * scp_degree != n:
-        raise ValueError(f"HCP degree {hcp_degree} x SCP degree {scp_degree} != context axis size {n}")
-    shape = mesh.devices.shape[:c] + (scp_degree, hcp_degree) + mesh.devices.shape[c + 1:]
-    return Mesh(mesh.devices.reshape(shape), names[:c] + (SEQ, HEAD) + names[c + 1:])
-
-
-def context_grid(mesh: Mesh, hcp_degree: int, scp_degree: int) -> tuple[Mesh, str, str, Any]:
-    """(mesh, SCP axis, HCP axis, sequence spec) that a call's shard_map runs on. Only the axis of the
-    degree > 1 sees collectives, so a pure strategy keeps the caller's mesh and names `context` for both."""
-    if hcp_degree == 1 or scp_degree == 1:
-        split_context_mesh(mesh, hcp_degree, scp_degree)  # the same checks as a split
-        return mesh, "context", "context", "context"
-    return split_context_mesh(mesh, hcp_degree, scp_degree), SEQ, HEAD, (SEQ, HEAD)
 
 
 def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, plan_fn=None):
@@ -157,16 +134,18 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     batch_axes = tuple(a for a in mesh.axis_names if a != "context")
     dp = math.prod(mesh.shape[a] for a in batch_axes)
     bspec = batch_axes if b % dp == 0 else None  # batch not divisible: replicate it over those axes
-    sub, seq_axis, head_axis, seq_spec = context_grid(mesh, ph, ps)
+    seq_group, head_group = context_groups(n, ph, ps)
 
+    # Device i of `context` holds sequence shard i and is member i % ph of its HCP group (neighbours):
+    # the HCP all-to-all joins ph neighbouring shards into one contiguous slice of the sequence.
     args = {"q": q, "k": k, "v": v}
-    specs = {"q": P(bspec, seq_spec), "k": P(bspec, seq_spec), "v": P(bspec, seq_spec)}
+    specs = {"q": P(bspec, "context"), "k": P(bspec, "context"), "v": P(bspec, "context")}
     if kv_lens is not None:
         args["kv_lens"] = jnp.broadcast_to(jnp.asarray(kv_lens, jnp.int32), (b,))
         specs["kv_lens"] = P(bspec)
     if sparse:
         args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
-        specs["kv_index"] = specs["kv_count"] = P(bspec, None, seq_spec)
+        specs["kv_index"] = specs["kv_count"] = P(bspec, None, "context")
     head_loads = None
     slots = h // ph if hcp_slots is None else int(hcp_slots)
     if slots != h // ph and not (sparse and ph > 1 and h // ph < slots <= h):
@@ -196,10 +175,10 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
 
     body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
                              q_tile=q_tile, kv_block=kv_block, capacity=int(capacity), backend=backend, impl=impl,
-                             q_chunk=q_chunk, stat_axes=tuple(sub.axis_names), seq_axis=seq_axis,
-                             head_axis=head_axis)
-    out_specs = (P(bspec, seq_spec), P())
-    out, stats = jax.shard_map(body, mesh=sub, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
+                             q_chunk=q_chunk, stat_axes=tuple(mesh.axis_names), seq_group=seq_group,
+                             head_group=head_group)
+    out_specs = (P(bspec, "context"), P())
+    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
     if scp_strategy == "selective" and ps > 1:
         jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
     if not return_stats:
@@ -254,13 +233,13 @@ def _extend(x, fill, axis):
     return jnp.concatenate([x, jnp.full_like(jnp.take(x, jnp.array([0]), axis=axis), fill)], axis)
 
 
-def _selection_to_heads(kv_index, kv_count, perm, head_axis):
+def _selection_to_heads(kv_index, kv_count, perm, head_group):
     """HCP of a selection (inside shard_map): into head slots, then tiles of all S for the local slots."""
     if perm is not None:
         kv_index = jnp.take(_extend(kv_index, 0, 1), perm, axis=1)
         kv_count = jnp.take(_extend(kv_count, 1, 1), perm, axis=1)
-    return (hcp.seq_to_heads(kv_index, head_axis, head_axis=1, seq_axis=2),
-            hcp.seq_to_heads(kv_count, head_axis, head_axis=1, seq_axis=2))
+    return (hcp.seq_to_heads(kv_index, head_group, head_axis=1, seq_axis=2),
+            hcp.seq_to_heads(kv_count, head_group, head_axis=1, seq_axis=2))
 
 
 def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, int] | None = None,
@@ -285,21 +264,21 @@ def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, in
     batch_axes = tuple(a for a in mesh.axis_names if a != "context")
     dp = math.prod(mesh.shape[a] for a in batch_axes)
     bspec = batch_axes if b % dp == 0 else None
-    sub, seq_axis, head_axis, seq_spec = context_grid(mesh, ph, ps)
+    seq_group, head_group = context_groups(n, ph, ps)
 
     def body(kv_index, kv_count, perm):
         if ph > 1:
-            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm, head_axis)
-        _, requested = scp.peer_requests(kv_index, kv_count, axis=seq_axis, n=ps, nb_loc=nb_loc)
-        return jax.lax.pmax(jnp.max(requested), tuple(sub.axis_names))
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm, head_group)
+        _, requested = scp.peer_requests(kv_index, kv_count, axis=seq_group, nb_loc=nb_loc)
+        return jax.lax.pmax(jnp.max(requested), tuple(mesh.axis_names))
 
-    spec = P(bspec, None, seq_spec)
-    return jax.shard_map(body, mesh=sub, in_specs=(spec, spec, P()), out_specs=P(), check_vma=False)(
+    spec = P(bspec, None, "context")
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, P()), out_specs=P(), check_vma=False)(
         kv_index.astype(jnp.int32), kv_count.astype(jnp.int32), jnp.asarray(head_perm, jnp.int32))
 
 
 def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
-                      stat_axes, seq_axis, head_axis):
+                      stat_axes, seq_group, head_group):
     q, k, v = args["q"], args["k"], args["v"]
     heads = q.shape[2]
     kv_lens, perm = args.get("kv_lens"), args.get("perm")
@@ -311,9 +290,9 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
     if ph > 1:  # HCP: sequence shards -> head shards (heads gathered into their device's slots first)
         if perm is not None:  # head id H: an empty slot, a zero head selecting one block
             q, k, v = (jnp.take(_extend(x, 0, 2), perm, axis=2) for x in (q, k, v))
-        q, k, v = (hcp.seq_to_heads(x, head_axis) for x in (q, k, v))
+        q, k, v = (hcp.seq_to_heads(x, head_group) for x in (q, k, v))
         if sparse:
-            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm, head_axis)
+            kv_index, kv_count = _selection_to_heads(kv_index, kv_count, perm, head_group)
 
     if ps == 1:
         if sparse:
@@ -322,19 +301,19 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
         else:
             out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
     elif scp_strategy == "allgather":
-        out = scp.allgather_attention(q, k, v, axis=seq_axis, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
+        out = scp.allgather_attention(q, k, v, axis=seq_group, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
                                       kv_index=kv_index, kv_count=kv_count, q_tile=q_tile, kv_block=kv_block,
                                       impl=impl)
     elif scp_strategy == "ring":
         sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
-        out = scp.ring_attention(q, k, v, kv_lens, sel, seq_axis, ps, sm_scale, q_chunk, q_tile, kv_block)
+        out = scp.ring_attention(q, k, v, kv_lens, sel, seq_group, sm_scale, q_chunk, q_tile, kv_block)
     else:
-        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_axis, n=ps, capacity=capacity,
+        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_group, capacity=capacity,
                                           sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl)
         stats.update(st)
 
     if ph > 1:
-        out = hcp.heads_to_seq(out, head_axis)
+        out = hcp.heads_to_seq(out, head_group)
         if perm is not None:  # each head's slot (real heads occur once; empty slots sort last)
             out = jnp.take(out, jnp.argsort(perm, stable=True)[:heads], axis=2)
     if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv_jax.parallel.groups import GroupAxis
+
 
 def check_heads(heads: int, degree: int) -> None:
     if heads % degree:
@@ -114,10 +116,10 @@ def head_loads_from_counts(kv_count) -> jax.Array:
     return jnp.sum(kv_count.astype(jnp.float32), axis=(0, 2))
 
 
-def seq_to_heads(x, axis: str, head_axis: int = 2, seq_axis: int = 1):
-    """[.., S/n (seq_axis), .., H (head_axis), ..] -> [.., S, .., H/n, ..] over mesh axis `axis`."""
-    return jax.lax.all_to_all(x, axis, head_axis, seq_axis, tiled=True)
+def seq_to_heads(x, group: GroupAxis, head_axis: int = 2, seq_axis: int = 1):
+    """[.., S/n (seq_axis), .., H (head_axis), ..] -> [.., S, .., H/n, ..] over an HCP group of n devices."""
+    return group.all_to_all(x, head_axis, seq_axis)
 
 
-def heads_to_seq(x, axis: str, head_axis: int = 2, seq_axis: int = 1):
-    return jax.lax.all_to_all(x, axis, seq_axis, head_axis, tiled=True)
+def heads_to_seq(x, group: GroupAxis, head_axis: int = 2, seq_axis: int = 1):
+    return group.all_to_all(x, seq_axis, head_axis)

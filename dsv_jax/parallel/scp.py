@@ -1,8 +1,9 @@
 """Sequence-wise context parallelism (SCP): each device keeps its query shard and gets the keys it needs.
 
-Every function here runs inside shard_map on one device of an SCP group (mesh axis `axis` of size
-`n`); q, k, v [B, S/n, H, D] are this device's contiguous slice of the group's sequence, and block
-ids in kv_index are group-global (block g covers tokens g*kv_block .. (g+1)*kv_block - 1).
+Every function here runs inside shard_map on one device of an SCP group (`axis`, a GroupAxis of n
+devices: the whole context axis, or every ph-th device of it in a hybrid); q, k, v [B, S/n, H, D]
+are this device's contiguous slice of the group's sequence, and block ids in kv_index are
+group-global (block g covers tokens g*kv_block .. (g+1)*kv_block - 1).
 
 - ring: K/V chunks travel around the group (ppermute) while each device merges its partial
   results with an online softmax (log-sum-exp). Hand-written VJP: the backward runs the ring again
@@ -24,10 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv_jax.parallel import local
-
-
-def _ring_perm(n):
-    return [(i, (i + 1) % n) for i in range(n)]
+from dsv_jax.parallel.groups import GroupAxis
 
 
 def _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block):
@@ -66,23 +64,23 @@ def selection_mask(kv_index, kv_count, n_blocks, *, per_tile=True):
     return out.astype(bool)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def ring_attention(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def ring_attention(q, k, v, kv_lens, sel, axis: GroupAxis, sm_scale, q_chunk, q_tile, kv_block):
     """Dense (or selection-masked) attention of the local queries over the whole group's keys.
 
     kv_lens [B] (group-global valid key prefix) and sel [B, H, T_local, n_blocks] are optional masks."""
-    return _ring_fwd(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_block)[0]
+    return _ring_fwd(q, k, v, kv_lens, sel, axis, sm_scale, q_chunk, q_tile, kv_block)[0]
 
 
-def _ring_fwd(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_block):
-    me = jax.lax.axis_index(axis)
+def _ring_fwd(q, k, v, kv_lens, sel, axis, sm_scale, q_chunk, q_tile, kv_block):
+    me, n = axis.index(), axis.size
     s_chunk = k.shape[1]
 
     def step(r, carry, send=True):
         o, lse, k_cur, v_cur = carry
         # Issue the send of this chunk before using it, so the transfer can overlap the block.
-        k_next = jax.lax.ppermute(k_cur, axis, _ring_perm(n)) if send else k_cur
-        v_next = jax.lax.ppermute(v_cur, axis, _ring_perm(n)) if send else v_cur
+        k_next = axis.shift(k_cur) if send else k_cur
+        v_next = axis.shift(v_cur) if send else v_cur
         src = (me - r) % n
         mask_fn = _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block)
         o_b, lse_b = local.block_lse(q, k_cur, v_cur, mask_fn, sm_scale=sm_scale, q_chunk=q_chunk)
@@ -97,22 +95,22 @@ def _ring_fwd(q, k, v, kv_lens, sel, axis, n, sm_scale, q_chunk, q_tile, kv_bloc
     return out, (q, k, v, kv_lens, sel, out, lse)
 
 
-def _ring_bwd(axis, n, sm_scale, q_chunk, q_tile, kv_block, res, do):
+def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, do):
     q, k, v, kv_lens, sel, o, lse = res
-    me = jax.lax.axis_index(axis)
+    me, n = axis.index(), axis.size
     s_chunk = k.shape[1]
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
 
     def step(r, carry, send=True):
         dq, k_cur, v_cur, dk, dv = carry
-        k_next = jax.lax.ppermute(k_cur, axis, _ring_perm(n)) if send else k_cur
-        v_next = jax.lax.ppermute(v_cur, axis, _ring_perm(n)) if send else v_cur
+        k_next = axis.shift(k_cur) if send else k_cur
+        v_next = axis.shift(v_cur) if send else v_cur
         src = (me - r) % n
         mask_fn = _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block)
         dq_b, dk_b, dv_b = local.block_grads(q, k_cur, v_cur, do, lse, delta, mask_fn, sm_scale=sm_scale,
                                              q_chunk=q_chunk)
         # dK/dV of chunk src travel with it; after the last block one more hop brings them home.
-        dk, dv = jax.lax.ppermute(dk + dk_b, axis, _ring_perm(n)), jax.lax.ppermute(dv + dv_b, axis, _ring_perm(n))
+        dk, dv = axis.shift(dk + dk_b), axis.shift(dv + dv_b)
         return dq + dq_b, k_next, v_next, dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -125,8 +123,8 @@ def _ring_bwd(axis, n, sm_scale, q_chunk, q_tile, kv_block, res, do):
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-def gather_kv(k, v, axis):
-    return (jax.lax.all_gather(k, axis, axis=1, tiled=True), jax.lax.all_gather(v, axis, axis=1, tiled=True))
+def gather_kv(k, v, axis: GroupAxis):
+    return axis.all_gather(k, 1), axis.all_gather(v, 1)
 
 
 def allgather_attention(q, k, v, *, axis, kv_lens, sm_scale, backend="auto", kv_index=None, kv_count=None,
@@ -148,44 +146,49 @@ def _compact(mask, capacity):
     return out[:, :capacity]
 
 
-def peer_requests(kv_index, kv_count, *, axis, n, nb_loc):
+def peer_requests(kv_index, kv_count, *, axis: GroupAxis, nb_loc):
     """need [n, B*H*nb_loc] (row p: which of peer p's blocks my query tiles selected, flat over
     (batch, head, block); my own row is empty) and its row counts requested [n]."""
     b, h = kv_count.shape[:2]
+    n = axis.size
     need = selection_mask(kv_index, kv_count, n * nb_loc, per_tile=False).reshape(b * h, n, nb_loc)
     need = jnp.swapaxes(need, 0, 1).reshape(n, b * h * nb_loc)
-    need = need & (jnp.arange(n) != jax.lax.axis_index(axis))[:, None]  # my own blocks are already here
+    need = need & (jnp.arange(n) != axis.index())[:, None]  # my own blocks are already here
     return need, jnp.sum(need, axis=1, dtype=jnp.int32)
 
 
-def selective_attention(q, k, v, kv_index, kv_count, *, axis, n, capacity, sm_scale, q_tile=64, kv_block=64,
+def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacity, sm_scale, q_tile=64, kv_block=64,
                         impl="auto"):
     """Sparse attention fetching only the selected remote KV blocks. Returns (out, stats).
 
     capacity: KV blocks this device may request from each peer (over all its batch rows and heads).
-    stats: requested remote blocks, the overflow beyond capacity (group total), and whether the
-    group fell back to the all-gather path."""
+    stats: requested remote blocks, the overflow beyond capacity, and whether this call fell back
+    to the all-gather path."""
     b, s_loc, h, d = q.shape
+    n = axis.size
     nb_loc = s_loc // kv_block
     nb = n * nb_loc
-    me = jax.lax.axis_index(axis)
+    me = axis.index()
     bh = b * h
 
     # 1. Which blocks of each peer do my query tiles need?  need [n, B*H*nb_loc] (row p = peer p).
-    need, requested = peer_requests(kv_index, kv_count, axis=axis, n=n, nb_loc=nb_loc)
+    need, requested = peer_requests(kv_index, kv_count, axis=axis, nb_loc=nb_loc)
     overflow = jnp.sum(jnp.maximum(requested - capacity, 0))
-    group_overflow = jax.lax.psum(overflow, axis)
+    # Decided over the whole mesh axis, not just the group: every group takes the same branch, with
+    # a native all-reduce. It costs no time: in a hybrid the HCP all-to-all after attention waits
+    # for the slowest group anyway.
+    axis_overflow = jax.lax.psum(overflow, axis.name)
 
     def exchange(q, k, v):
         req = _compact(need, capacity)  # [n, C] flat ids (bh * nb_loc + block) in peer p's local blocks
         # 2. Tell each peer which of its blocks I want; learn which of mine each peer wants.
-        wanted = jax.lax.all_to_all(req, axis, 0, 0, tiled=True)  # [n, C]: row p = peer p's request
+        wanted = axis.all_to_all(req, 0, 0)  # [n, C]: row p = peer p's request
         # 3. Send those blocks; receive mine, in my request order.
         k_blocks = jnp.swapaxes(k, 1, 2).reshape(bh * nb_loc, kv_block, d)
         v_blocks = jnp.swapaxes(v, 1, 2).reshape(bh * nb_loc, kv_block, d)
         take = lambda x: jnp.where((wanted >= 0)[..., None, None], jnp.take(x, jnp.maximum(wanted, 0), axis=0), 0)
-        k_recv = jax.lax.all_to_all(take(k_blocks), axis, 0, 0, tiled=True)  # [n, C, kv_block, D]
-        v_recv = jax.lax.all_to_all(take(v_blocks), axis, 0, 0, tiled=True)
+        k_recv = axis.all_to_all(take(k_blocks), 0, 0)  # [n, C, kv_block, D]
+        v_recv = axis.all_to_all(take(v_blocks), 0, 0)
         # 4. One flat buffer: my blocks (row bh, block j at bh * nb_loc + j), then peer p's slot c at
         #    bh * nb_loc + p * C + c; padded to whole query tiles.
         n_buf = bh * nb_loc + n * capacity
@@ -215,9 +218,9 @@ def selective_attention(q, k, v, kv_index, kv_count, *, axis, n, capacity, sm_sc
         return allgather_attention(q, k, v, axis=axis, kv_lens=None, sm_scale=sm_scale, kv_index=kv_index,
                                    kv_count=kv_count, q_tile=q_tile, kv_block=kv_block, impl=impl)
 
-    out = jax.lax.cond(group_overflow > 0, fallback, exchange, q, k, v)
+    out = jax.lax.cond(axis_overflow > 0, fallback, exchange, q, k, v)
     stats = {"requested_blocks": jnp.sum(requested), "overflow_blocks": overflow,
-             "fallback": (group_overflow > 0).astype(jnp.int32)}
+             "fallback": (axis_overflow > 0).astype(jnp.int32)}
     return out, stats
 
 
