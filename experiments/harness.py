@@ -82,9 +82,11 @@ def rel_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def write_results(name: str, payload: dict[str, Any]) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
+def write_results(name: str, payload: dict[str, Any], directory: str | None = None) -> str:
+    """Write experiments/results/<name>.json (or <directory>/<name>.json), and a copy into $OUT if set."""
+    directory = directory or RESULTS_DIR
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.json")
     out_dir = os.environ.get("OUT")  # the device tool brings $OUT back
     payload = {"name": name, "env": device_info(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
     text = json.dumps(payload, indent=2, default=float)

@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "--quick" in sys.argv:  # CPU smoke run: compile fast (before jax is imported)
+if __name__ == "__main__" and "--quick" in sys.argv:  # CPU smoke run: compile fast (before jax is
+    # imported; not when imported by another script, e.g. bench_multigpu part 3)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 
@@ -121,6 +122,139 @@ def model_flops(n_params: int, depth: int, hidden: int, b: int, s: int) -> float
     return 6.0 * n_params * b * s + 14.0 * depth * b * s * s * hidden
 
 
+QUICK_OVERRIDES = ("model.hidden=32", "model.heads=2", "model.depth=1", "model.text_dim=16", "model.patch=[1,2,2]",
+                   "text.max_len=8", "text.hash_buckets=8", "parallel.fsdp=1", "model.remat=false")
+
+
+def make_config(quick: bool, preset: str = "0.8b", depth: int = 8, overrides=()):
+    """The model of this experiment: a tiny one for CPU runs, else `preset` at `depth` layers (FSDP off)."""
+    if quick:
+        return get_config("tiny", [*QUICK_OVERRIDES, *overrides])
+    return get_config(preset, [f"model.depth={depth}", "parallel.fsdp=1", *overrides])
+
+
+def param_count(bench: StepBench) -> int:
+    return sum(x.size for x in jax.tree.leaves(bench.abstract_state.params))
+
+
+def equal_batches(bench: StepBench, seq, m_mem: int) -> np.ndarray:
+    rule = BatchRule("equal_tokens", max_batch=MAX_BATCH, multiple=bench.dp, tokens_per_batch=m_mem)
+    return np.array([rule(s) for s in seq])
+
+
+def shape_benchmark(bench: StepBench, buckets, eq_b, iters: int):
+    """Step 1: time the equal-token batch of every bucket (B x S ~ const, S varies: p) and the shortest
+    bucket at half its batch (B varies at one S: separates a from b), fit t = a + b B S^p.
+    Every program is one compile on the GPU, the dominant cost, so the grid is kept this small.
+    Returns (fit, points, compile seconds)."""
+    grid = [(int(b), bk.shape) for b, bk in zip(eq_b, buckets)]
+    half = max(bench.dp, int(eq_b[0]) // 2 // bench.dp * bench.dp)
+    if (half, buckets[0].shape) not in grid:
+        grid.append((half, buckets[0].shape))
+    compile_s, points = 0.0, []
+    for b, shape in grid:
+        t0 = time.perf_counter()
+        bench.compiled(b, shape)
+        compile_s += time.perf_counter() - t0
+        times = bench.time_steps(b, shape, warmup=2, iters=iters)
+        points.append({"batch": b, "shape": list(shape), "seq_len": bench.seq_len(shape),
+                       "time_s": statistics.median(times), **bench.memory(b, shape)})
+    fit = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points], [p["time_s"] for p in points])
+    for p in points:
+        p["predicted_s"] = float(fit.predict(p["batch"], p["seq_len"]))
+    return fit, points, compile_s
+
+
+def batch_modes(fit: CostModel, seq, shares, eq_b, m_mem: int, multiple: int, target="auto"):
+    """Step 2: both modes' batch sizes per bucket at the same memory cap. The dual rule's compute budget
+    comes from a target step time: `target` in ms, or auto (cost_model.balance_target, as fit-cost).
+    Returns ({"equal_tokens": B, "dual": B}, target seconds, the predicted sweep over targets)."""
+    def dual_batches(target_s):
+        rule = BatchRule("dual", max_batch=MAX_BATCH, multiple=multiple, m_mem=m_mem,
+                         m_comp=fit.compute_budget_for(target_s), p=fit.p)
+        return np.array([rule(s) for s in seq])
+
+    target_s, sweep = balance_target(fit, seq, shares, dual_batches, eq_b)
+    if target != "auto":
+        target_s = float(target) / 1e3
+    return {"equal_tokens": np.asarray(eq_b), "dual": dual_batches(target_s)}, target_s, sweep
+
+
+def compile_modes(bench: StepBench, buckets, modes: dict) -> tuple[dict, float]:
+    """Compile every (B, shape) program of the modes that is missing and run each once (warm-up).
+    Returns (random batches keyed by (B, shape), compile seconds)."""
+    compile_s = 0.0
+    for bb in modes.values():
+        for b, bk in zip(bb, buckets):
+            t0 = time.perf_counter()
+            bench.compiled(int(b), bk.shape)
+            compile_s += time.perf_counter() - t0
+    batches = {(int(b), bk.shape): bench.random_batch(int(b), bk.shape) for bb in modes.values()
+               for b, bk in zip(bb, buckets)}
+    for (b, shape), batch in batches.items():
+        bench.step(b, shape, batch)
+    return batches, compile_s
+
+
+def measure_modes(bench: StepBench, buckets, seq, modes: dict, batches: dict, n_steps: int, *, seed: int = 1,
+                  on_block=None):
+    """Step 3b: `n_steps` steps per mode, buckets drawn in proportion to samples / B, the modes
+    interleaved in blocks (drift hits both alike), OOMs counted (the state is rebuilt). on_block(measured)
+    is called after every block with the summary so far. Returns (measured per mode, compiles during
+    the timed steps, losses after every block)."""
+    cfg = bench.cfg
+    n_params = param_count(bench)
+    shares = np.array([b.share for b in buckets])
+    rng = np.random.default_rng(seed)
+    schedule = {name: rng.choice(len(buckets), size=n_steps, p=step_frequencies(shares, bb))
+                for name, bb in modes.items()}
+    times = {name: [] for name in modes}
+    tokens = {name: 0 for name in modes}
+    flops = {name: 0.0 for name in modes}
+    ooms = {name: 0 for name in modes}
+    used = {name: set() for name in modes}
+    losses = []
+
+    def summary():
+        out = {}
+        for name in modes:
+            total = sum(times[name])
+            out[name] = {"steps": len(times[name]), "step_cv": step_time_cv(times[name]),
+                         "median_step_ms": 1e3 * statistics.median(times[name]) if times[name] else math.nan,
+                         "tokens_per_s": tokens[name] / total if total else math.nan,
+                         "model_tflops": flops[name] / total / 1e12 if total else math.nan,
+                         "mfu_vs_bf16_ceiling": flops[name] / total / 1e12 / H200_BF16_TFLOPS / bench.mesh.size
+                         if total else math.nan,
+                         "programs": len(used[name]),
+                         "compiled_peak_bytes": max((bench.memory(b, s).get("peak_bytes", 0) for b, s in used[name]),
+                                                    default=0),
+                         "ooms": ooms[name], "step_times_s": list(times[name])}
+        return out
+
+    block = max(4, n_steps // 10)
+    with CompileCounter() as compiles:
+        for start in range(0, n_steps, block):
+            for name, bb in modes.items():
+                for i in range(start, min(start + block, n_steps)):
+                    k = int(schedule[name][i])
+                    b, shape = int(bb[k]), buckets[k].shape
+                    used[name].add((b, shape))
+                    try:
+                        times[name].append(bench.step(b, shape, batches[(b, shape)]))
+                    except Exception as e:
+                        if not is_oom(e):
+                            raise
+                        ooms[name] += 1
+                        bench.reset_state()
+                        continue
+                    tokens[name] += b * int(seq[k])
+                    flops[name] += model_flops(n_params, cfg.model.depth, cfg.model.hidden, b, int(seq[k]))
+            losses.append(float(bench.last_metrics["loss"]))
+            if on_block is not None:
+                on_block(summary())
+    return summary(), compiles.count, losses
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny CPU run")
@@ -138,61 +272,32 @@ def main():
     t_start = time.perf_counter()
     enable_compilation_cache()  # a second run of this script skips most compiles
 
+    cfg = make_config(args.quick, args.preset, args.depth)
     if args.quick:
-        cfg = get_config("tiny", ["model.hidden=32", "model.heads=2", "model.depth=1", "model.text_dim=16",
-                                  "model.patch=[1,2,2]", "text.max_len=8", "text.hash_buckets=8", "parallel.fsdp=1",
-                                  "model.remat=false"])
         steps, iters, budget = min(args.steps, 16), 3, min(args.budget_s, 50.0)
     else:
-        cfg = get_config(args.preset, [f"model.depth={args.depth}", "parallel.fsdp=1"])
         steps, iters, budget = args.steps, 5, args.budget_s
     buckets = mix(args.quick)
     bench = StepBench(cfg)
     seq = np.array([bench.seq_len(b.shape) for b in buckets])
     m_mem = args.mem_tokens or 4 * int(seq.max())
-    equal = BatchRule("equal_tokens", max_batch=MAX_BATCH, multiple=bench.dp, tokens_per_batch=m_mem)
-    eq_b = np.array([equal(s) for s in seq])
-    n_params = sum(x.size for x in jax.tree.leaves(bench.abstract_state.params))
+    eq_b = equal_batches(bench, seq, m_mem)
+    n_params = param_count(bench)
     print(f"{cfg.name} depth {cfg.model.depth} hidden {cfg.model.hidden} ({n_params / 1e6:.0f}M params) on "
           f"{jax.devices()[0].device_kind}; M_mem = {m_mem} tokens")
 
-    # 1. shape benchmarking: the equal-token batch of every bucket (B x S ~ const, S varies: p), and the
-    #    shortest bucket at half its batch (B varies at one S: separates a from b). Every program is
-    #    one compile on the GPU, the dominant cost of this script, so the grid is kept this small.
-    grid = [(int(b), bk.shape) for b, bk in zip(eq_b, buckets)]
-    half = max(bench.dp, int(eq_b[0]) // 2 // bench.dp * bench.dp)
-    if (half, buckets[0].shape) not in grid:
-        grid.append((half, buckets[0].shape))
-    compile_s, points = 0.0, []
-    for b, shape in grid:
-        t0 = time.perf_counter()
-        bench.compiled(b, shape)
-        compile_s += time.perf_counter() - t0
-        times = bench.time_steps(b, shape, warmup=2, iters=iters)
-        points.append({"batch": b, "shape": list(shape), "seq_len": bench.seq_len(shape),
-                       "time_s": statistics.median(times), **bench.memory(b, shape)})
-    fit = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points], [p["time_s"] for p in points])
-    for p in points:
-        p["predicted_s"] = float(fit.predict(p["batch"], p["seq_len"]))
+    # 1. shape benchmarking
+    fit, points, compile_s = shape_benchmark(bench, buckets, eq_b, iters)
     print(f"[{time.perf_counter() - t_start:.0f} s] fit: t = {fit.a * 1e3:.2f} ms + {fit.b:.3g} * B * S^{fit.p:.3f}"
           f"   R^2 {fit.r2:.4f}, max error {100 * fit.max_rel_error:.1f}% over {len(points)} shapes")
 
     # 2. the dual rule's compute budget from a target step time
     shares = np.array([b.share for b in buckets])
-
-    def dual_batches(target_s):
-        rule = BatchRule("dual", max_batch=MAX_BATCH, multiple=bench.dp, m_mem=m_mem,
-                         m_comp=fit.compute_budget_for(target_s), p=fit.p)
-        return np.array([rule(s) for s in seq])
-
-    target, sweep = balance_target(fit, seq, shares, dual_batches, eq_b)  # what fit-cost does
+    modes, target, sweep = batch_modes(fit, seq, shares, eq_b, m_mem, bench.dp, args.target)
     for s in sweep:
         s["per_rank_tokens_per_s"] = predicted_per_rank(fit, shares, np.array(s["batch"]), seq,
                                                         args.ranks)["tokens_per_s"]
-    if args.target != "auto":
-        target = float(args.target) / 1e3
-    dual_b = dual_batches(target)
-    modes = {"equal_tokens": eq_b, "dual": dual_b}
+    eq_b, dual_b = modes["equal_tokens"], modes["dual"]
 
     # (a) predicted
     predicted = {}
@@ -203,55 +308,14 @@ def main():
         predicted[name]["per_rank"]["tokens_per_s_ratio"] = pr["tokens_per_s"] / eq_per_rank["tokens_per_s"]
 
     # (b) measured: compile what is missing, warm up, then interleave the modes in blocks
-    for bb in modes.values():
-        for b, bk in zip(bb, buckets):
-            t0 = time.perf_counter()
-            bench.compiled(int(b), bk.shape)
-            compile_s += time.perf_counter() - t0
-    batches = {(int(b), bk.shape): bench.random_batch(int(b), bk.shape) for bb in modes.values()
-               for b, bk in zip(bb, buckets)}
-    for (b, shape), batch in batches.items():
-        bench.step(b, shape, batch)
+    batches, more_compile_s = compile_modes(bench, buckets, modes)
+    compile_s += more_compile_s
     elapsed = time.perf_counter() - t_start
     print(f"[{elapsed:.0f} s] {len(bench._compiled)} programs compiled in {compile_s:.0f} s; timing both modes")
     per_pair = predicted["equal_tokens"]["spmd"]["mean_step_s"] + predicted["dual"]["spmd"]["mean_step_s"]
     n_steps = int(max(min(20, steps), min(steps, (budget - elapsed - 5) / max(per_pair, 1e-6))))
-    rng = np.random.default_rng(1)
-    schedule = {name: rng.choice(len(buckets), size=n_steps, p=step_frequencies(shares, bb))
-                for name, bb in modes.items()}
-    times = {name: [] for name in modes}
-    tokens = {name: 0 for name in modes}
-    flops = {name: 0.0 for name in modes}
-    ooms = {name: 0 for name in modes}
-    losses = []
-    block = max(4, n_steps // 10)
-    with CompileCounter() as compiles:
-        for start in range(0, n_steps, block):
-            for name, bb in modes.items():
-                for i in range(start, min(start + block, n_steps)):
-                    k = int(schedule[name][i])
-                    b, shape = int(bb[k]), buckets[k].shape
-                    try:
-                        times[name].append(bench.step(b, shape, batches[(b, shape)]))
-                    except Exception as e:
-                        if not is_oom(e):
-                            raise
-                        ooms[name] += 1
-                        bench.reset_state()
-                        continue
-                    tokens[name] += b * int(seq[k])
-                    flops[name] += model_flops(n_params, cfg.model.depth, cfg.model.hidden, b, int(seq[k]))
-            losses.append(float(bench.last_metrics["loss"]))
-    measured = {}
-    for name, bb in modes.items():
-        total = sum(times[name])
-        used = {(int(bb[k]), buckets[k].shape) for k in set(schedule[name].tolist())}
-        measured[name] = {"steps": len(times[name]), "step_cv": step_time_cv(times[name]),
-                          "median_step_ms": 1e3 * statistics.median(times[name]),
-                          "tokens_per_s": tokens[name] / total, "model_tflops": flops[name] / total / 1e12,
-                          "mfu_vs_bf16_ceiling": flops[name] / total / 1e12 / H200_BF16_TFLOPS,
-                          "compiled_peak_bytes": max(bench.memory(b, s).get("peak_bytes", 0) for b, s in used),
-                          "ooms": ooms[name], "step_times_s": times[name]}
+    measured, n_compiles, losses = measure_modes(bench, buckets, seq, modes, batches, n_steps)
+    ooms = {name: m["ooms"] for name, m in measured.items()}
     gain = measured["dual"]["tokens_per_s"] / measured["equal_tokens"]["tokens_per_s"] - 1
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"non-finite training loss during the timed steps: {losses}")
@@ -270,7 +334,7 @@ def main():
     print_table(table, list(table[0]))
     print(f"\ndual vs equal tokens: measured tokens/s {100 * gain:+.1f}%, step-time CV "
           f"{100 * measured['equal_tokens']['step_cv']:.1f}% -> {100 * measured['dual']['step_cv']:.1f}%; "
-          f"compiles after warm-up: {compiles.count}; target step {1e3 * target:.1f} ms; {n_steps} steps per mode")
+          f"compiles after warm-up: {n_compiles}; target step {1e3 * target:.1f} ms; {n_steps} steps per mode")
 
     payload = {
         "quick": args.quick, "preset": cfg.name, "depth": cfg.model.depth, "hidden": cfg.model.hidden,
@@ -284,16 +348,18 @@ def main():
                 "points": points},
         "batch_sizes": {n: bb.tolist() for n, bb in modes.items()},
         "predicted": predicted, "target_sweep": sweep, "measured": measured,
-        "tokens_per_s_gain": gain, "compiles_after_warmup": compiles.count,
+        "tokens_per_s_gain": gain, "compiles_after_warmup": n_compiles,
         "compile_seconds": compile_s, "device_peak_bytes": peak_memory_bytes(),
         "goals": {"step_cv_le_8pct": measured["dual"]["step_cv"] <= 0.08, "tokens_per_s_ge_20pct": gain >= 0.20,
-                  "zero_ooms": not any(ooms.values()), "zero_recompiles": compiles.count == 0},
+                  "zero_ooms": not any(ooms.values()), "zero_recompiles": n_compiles == 0},
         "wall_s": time.perf_counter() - t_start,
     }
     name = "load_balance_quick" if args.quick else "load_balance"
     path = write_results(name, payload)
     plot(payload, os.path.join(RESULTS_DIR, f"{name}.png"))
     print(f"wrote {path}")
+
+
 
 
 def plot(payload: dict, path: str) -> None:
