@@ -16,7 +16,7 @@ import pytest
 from dsv_jax.attention import attention
 from dsv_jax.config import ParallelConfig
 from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_kv_blocks, selective_capacity
-from dsv_jax.parallel.comm import collective_bytes, context_bytes
+from dsv_jax.parallel.comm import _subjaxprs, collective_bytes, context_bytes
 from dsv_jax.parallel.hcp import balance_heads, balance_heads_host, device_loads
 from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention
 from pallas_kernels.lowrank_topk import lowrank_topk_reference
@@ -100,11 +100,8 @@ def _shard_map_meshes(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
             yield eqn.params["mesh"]
-        for val in eqn.params.values():
-            for sub in val if isinstance(val, (tuple, list)) else (val,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _shard_map_meshes(inner)
+        for _, sub in _subjaxprs(eqn):
+            yield from _shard_map_meshes(sub)
 
 
 @pytest.mark.parametrize("strategy, degrees, scp", [("ulysses", None, None), ("ring", None, None),

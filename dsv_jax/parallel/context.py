@@ -43,6 +43,18 @@ STRATEGIES = ("ulysses", "allgather", "ring", "selective", "hybrid")
 SCP_STRATEGIES = ("ring", "allgather", "selective")
 
 
+def _batch_axes(mesh: Mesh) -> tuple[tuple[str, ...], int]:
+    """The mesh axes the batch is sharded over (all but `context`) and their device count."""
+    axes = tuple(a for a in mesh.axis_names if a != "context")
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def _batch_spec(mesh: Mesh, batch: int):
+    """PartitionSpec entry of the batch dimension: its axes, or None (replicated) when they do not divide it."""
+    axes, dp = _batch_axes(mesh)
+    return axes if batch % dp == 0 else None
+
+
 def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, plan_fn=None):
     """(hcp_degree, scp_degree, scp_strategy) of a call."""
     if strategy not in STRATEGIES:
@@ -131,9 +143,8 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
 
-    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
-    dp = math.prod(mesh.shape[a] for a in batch_axes)
-    bspec = batch_axes if b % dp == 0 else None  # batch not divisible: replicate it over those axes
+    dp = _batch_axes(mesh)[1]
+    bspec = _batch_spec(mesh, b)
     seq_group, head_group = context_groups(n, ph, ps)
 
     # Device i of `context` holds sequence shard i and is member i % ph of its HCP group (neighbours):
@@ -202,9 +213,7 @@ def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_bloc
     if k_lr.shape != q_lr.shape or (s // n) % q_tile or s % kv_block:
         raise ValueError(f"q_lr {q_lr.shape} / k_lr {k_lr.shape}: need one shape [B, S, H, r] with S / context "
                          f"({s} / {n}) whole query tiles of {q_tile} and S whole KV blocks of {kv_block}")
-    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
-    dp = math.prod(mesh.shape[a] for a in batch_axes)
-    bspec = batch_axes if b % dp == 0 else None
+    bspec = _batch_spec(mesh, b)
     top_k = tuple(int(t) for t in top_k) if isinstance(top_k, (tuple, list, np.ndarray)) else int(top_k)
 
     def body(q_lr, k_lr):
@@ -261,9 +270,7 @@ def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, in
     if head_perm is None:
         head_perm = jnp.arange(h, dtype=jnp.int32)
     nb_loc = tiles * q_tile // kv_block // ps  # KV blocks of one SCP device
-    batch_axes = tuple(a for a in mesh.axis_names if a != "context")
-    dp = math.prod(mesh.shape[a] for a in batch_axes)
-    bspec = batch_axes if b % dp == 0 else None
+    bspec = _batch_spec(mesh, b)
     seq_group, head_group = context_groups(n, ph, ps)
 
     def body(kv_index, kv_count, perm):
@@ -353,12 +360,10 @@ class ContextPlan:
         """Queries sharded over `context` attending to keys every device holds (DiT's text tokens): no
         communication, so each device attends with its own queries, inside shard_map: cuDNN's
         partitioner refuses an operand sharded along the sequence."""
-        batch_axes = tuple(a for a in self.mesh.axis_names if a != "context")
-        dp = math.prod(self.mesh.shape[a] for a in batch_axes)
         b, s = q.shape[:2]
         if s % self.mesh.shape["context"]:  # uneven split: let XLA partition it
             return local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=None, backend="xla")
-        bspec = batch_axes if b % dp == 0 else None
+        bspec = _batch_spec(self.mesh, b)
         lens = jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None else jnp.broadcast_to(
             jnp.asarray(kv_lens, jnp.int32), (b,))
         body = lambda q, k, v, lens: local.dense_local(q, k, v, kv_lens=lens, sm_scale=None, backend=self.backend)
@@ -367,11 +372,10 @@ class ContextPlan:
 
     def constrain(self, x):
         """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence over context."""
-        batch_axes = tuple(a for a in self.mesh.axis_names if a != "context")
-        dp = math.prod(self.mesh.shape[a] for a in batch_axes)
+        axes, dp = _batch_axes(self.mesh)
         if x.shape[1] % self.mesh.shape["context"] or x.shape[0] % dp:
             return x
-        spec = P(batch_axes, "context", *([None] * (x.ndim - 2)))
+        spec = P(axes, "context", *([None] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
 
     # -- metrics --------------------------------------------------------------------------------
@@ -397,7 +401,7 @@ class ContextPlan:
 
         m = cfg.model
         n = self.mesh.shape["context"]
-        dp = math.prod(self.mesh.shape[a] for a in self.mesh.axis_names if a != "context")
+        dp = _batch_axes(self.mesh)[1]
         itemsize = jnp.dtype(compute_dtype(m)).itemsize
         out = {}
         for shape in shapes:
