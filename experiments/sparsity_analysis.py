@@ -11,7 +11,13 @@ For held-out batches at fixed noise levels t, every block's exact attention rows
   * the mean distance, per axis (t, h, w in tokens), of a query's critical keys from it, next to the
     mean distance of all keys (what uniform attention would give): how local attention is;
   * for a DSV run, the recall of its selection (the trained stage-2 plans; dense blocks measured at the
-    rung of the cost-benefit threshold).
+    rung of the cost-benefit threshold);
+  * the keep ratio (share of keys or KV blocks) at which a selection holds 95% of the attention mass:
+    keep95_tokens / keep95_blocks for the best possible selection of single tokens / of whole KV blocks
+    per query, keep95_exact for DSV's selection rule (one list per query tile from the tile's mean query,
+    block scores) applied to the true q, k, and keep95_predictor for the same rule on the predictor's
+    low-rank projections (DSV runs): where recall is lost, to the granularity, the sharing, or the rank.
+    --kv-block N measures them at another KV block size (default: the run's dsv.kv_block, else the tile).
 Plots (matplotlib, `pip install -e ".[plots]"`): top-key mass curves, a block x head sparsity map,
 critical-KV distances, named sparsity_<run>_*.png after the workdir's last component; results JSON
 sparsity_analysis_<run>.json. Written to $OUT, or experiments/results/sparsity_analysis/.
@@ -40,19 +46,21 @@ from experiments.harness import print_table, write_results  # noqa: E402
 AXES = ("t", "h", "w")
 
 
-def analysis_plans(cfg, shape, controller):
-    """Per-block plans that profile with the analysis statistics (and, for DSV, the trained selection)."""
+def analysis_plans(cfg, shape, controller, kv_block: int = 0):
+    """Per-block plans that profile with the analysis statistics (and, for DSV, the trained selection);
+    kv_block > 0 replaces the plans' KV block size."""
     from dsv_jax.dsv.controller import DSVController
     from dsv_jax.dsv.plan import AttentionPlan
 
     d = cfg.dsv
     if cfg.attention != "dsv":
         plan = AttentionPlan(mode="dense", backend=d.dense_backend, profile=True, analysis=True, theta=d.theta,
-                             percentile=d.percentile, query_stride=d.query_stride, max_queries=d.max_queries)
+                             percentile=d.percentile, query_stride=d.query_stride, max_queries=d.max_queries,
+                             kv_block=kv_block)
         return [plan] * cfg.model.depth, None
     ctl = DSVController(cfg, controller)
-    plans = [dataclasses.replace(p, profile=True, analysis=True, keep=p.keep or ctl.prospective)
-             for p in ctl.plans(shape, train=False)]
+    plans = [dataclasses.replace(p, profile=True, analysis=True, keep=p.keep or ctl.prospective,
+                                 kv_block=kv_block or p.kv_block) for p in ctl.plans(shape, train=False)]
     return plans, {"keep": jnp.asarray(ctl.keep(shape), jnp.float32)}
 
 
@@ -62,7 +70,7 @@ def uniform_distance(layout, positions) -> np.ndarray:
     return np.mean(np.abs(c[None] - c[positions][:, None]), axis=(0, 1))
 
 
-def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int):
+def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int, kv_block: int = 0):
     from flax import nnx
 
     from dsv_jax.data.feed import make_feed
@@ -70,7 +78,7 @@ def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, se
     from dsv_jax.model.tokens import grid_shape, token_layout
     from dsv_jax.train.loss import noised
 
-    plans, inputs = analysis_plans(cfg, shape, controller)
+    plans, inputs = analysis_plans(cfg, shape, controller, kv_block)
     feed = make_feed(cfg, batch_multiple=1, process_index=0, process_count=1, split="eval")
 
     @jax.jit
@@ -152,6 +160,28 @@ def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
     paths.append(os.path.join(out_dir, f"{prefix}_critical_distance.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+
+    from dsv_jax.dsv.profiler import RECALL_FRACTIONS
+
+    r = per_t[t]
+    depth = r["oracle_curve"].shape[0]
+    fig, axes = plt.subplots(1, depth, figsize=(3.2 * depth, 3.2), squeeze=False, sharey=True)
+    curves = {"best tokens": r["oracle_curve"][:, :, 0], "best blocks": r["oracle_curve"][:, :, 1],
+              "rule on true q, k": r["exact_proxy_curve"], "predictor": r["recall_curve"]}
+    for i, ax in enumerate(axes[0]):
+        for label, c in curves.items():
+            if np.isfinite(c[i]).all():
+                ax.plot(RECALL_FRACTIONS, c[i].mean(axis=0), label=label)
+        ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("keep ratio")
+        ax.set_title(f"block {i}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"recall (attention mass kept), t = {t}")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, f"{prefix}_recall_curves.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
     return paths
 
 
@@ -177,6 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--t", default="0.2,0.5,0.8", help="noise levels")
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-block", type=int, default=0, help="KV block size of the selections measured (0: the run's)")
     args = p.parse_args(argv)
     if not args.workdir and not args.quick:
         p.error("give --workdir (a trained run) or --quick")
@@ -188,9 +219,10 @@ def main(argv=None) -> int:
 
     shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else default_shape(cfg)
     t_values = [float(v) for v in args.t.split(",")]
-    per_t, uniform, layout = analyse(cfg, graphdef, params, controller, shape, t_values, args.batches, args.seed)
+    per_t, uniform, layout = analyse(cfg, graphdef, params, controller, shape, t_values, args.batches, args.seed,
+                                     args.kv_block)
 
-    from dsv_jax.dsv.profiler import TOP_FRACTIONS
+    from dsv_jax.dsv.profiler import TOP_FRACTIONS, keep_for_recall
 
     rows = []
     for t in t_values:
@@ -202,16 +234,21 @@ def main(argv=None) -> int:
             row.update({f"dist_{a}": float(r["critical_distance"][i, :, j].mean()) for j, a in enumerate(AXES)})
             if np.isfinite(r["recall"][i]).all():
                 row["recall"] = float(r["recall"][i].mean())
+            # keep ratios that reach 95% recall: the best token / block selections, the selection rule on
+            # the true q, k, and (DSV) on the predictor's projections (mean over heads)
+            curves = {"keep95_tokens": r["oracle_curve"][i, :, 0], "keep95_blocks": r["oracle_curve"][i, :, 1],
+                      "keep95_exact": r["exact_proxy_curve"][i], "keep95_predictor": r["recall_curve"][i]}
+            row.update({k: float(keep_for_recall(c, 0.95).mean()) for k, c in curves.items() if np.isfinite(c).all()})
             rows.append(row)
     print(f"{workdir} (step {step}, attention={cfg.attention}), shape {shape}: {layout.n_real} tokens; "
           f"uniform-attention distance t/h/w = {np.round(uniform, 2).tolist()}")
     print_table(rows, ["t", "block", "sparsity", "sparsity_mean", "top10%_mass", "dist_t", "dist_h", "dist_w",
-                       "recall"])
+                       "recall", "keep95_tokens", "keep95_blocks", "keep95_exact", "keep95_predictor"])
     out_dir = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="sparsity_plots_") if args.quick else os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "sparsity_analysis"))
     os.makedirs(out_dir, exist_ok=True)
     run_name = os.path.basename(os.path.abspath(workdir))
-    prefix = "quick" if args.quick else run_name
+    prefix = ("quick" if args.quick else run_name) + (f"_kv{args.kv_block}" if args.kv_block else "")
     paths = plot(per_t, uniform, out_dir, f"{run_name} step {step}, {shape}", f"sparsity_{prefix}")
     payload = {"workdir": workdir, "step": step, "attention": cfg.attention, "shape": shape, "tokens": layout.n_real,
                "theta": cfg.dsv.theta, "percentile": cfg.dsv.percentile, "top_fractions": TOP_FRACTIONS,

@@ -23,12 +23,15 @@ def check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce):
         raise ValueError(f"block_reduce={block_reduce!r} is not 'mean' or 'max'")
 
 
-def block_scores(q_lr, k_lr, *, q_tile=64, kv_block=64, block_reduce="mean"):
-    """Scores [B, H, S // q_tile, S // kv_block] in fp32 (materialised: the reference's way)."""
+def block_scores(q_lr, k_lr, *, q_tile=64, kv_block=64, block_reduce="mean", tiles=None):
+    """Scores [B, H, T, S // kv_block] in fp32 (materialised: the reference's way) of every query tile
+    (T = S // q_tile), or of the query tiles `tiles` (int array [T]) only."""
     b, s, h, r = q_lr.shape
     proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, s // q_tile, q_tile, h, r), axis=2)  # [B, T, H, r]
+    if tiles is not None:
+        proxy = proxy[:, tiles]
     scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr.astype(jnp.float32))
-    scores = scores.reshape(b, h, s // q_tile, s // kv_block, kv_block)
+    scores = scores.reshape(b, h, proxy.shape[1], s // kv_block, kv_block)
     return jnp.mean(scores, -1) if block_reduce == "mean" else jnp.max(scores, -1)
 
 

@@ -135,6 +135,78 @@ def test_window_backend_equals_masked_attention_on_a_real_layout():
     assert 0.05 < inside.mean() < 0.3  # the window really restricts
 
 
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_recall_curve_is_the_mass_of_the_predictors_best_blocks(reduce):
+    """Brute force: for each sampled query, rank its tile's KV blocks by the predictor's score, take the
+    best ceil(f * blocks), and sum the query's exact attention probabilities inside them."""
+    from dsv_jax.dsv.profiler import RECALL_FRACTIONS, profile_rows
+
+    b, s, h, r, q_tile, kv_block = 2, 96, 3, 4, 8, 4
+    z = 3 * rand(30, (b, h, 5, s))
+    positions = np.array([0, 17, 40, 63, 95])
+    q_lr, k_lr = rand(31, (b, s, h, r)), rand(32, (b, s, h, r))
+    out = profile_rows(z, positions, s, theta=0.9, percentile=10.0, coords=np.zeros((s, 3), np.int32),
+                       q_tile=q_tile, kv_block=kv_block, lowrank=(q_lr, k_lr), block_reduce=reduce)
+    p = np.asarray(jax.nn.softmax(z, -1))
+    scores = block_scores(q_lr, k_lr, q_tile, kv_block, reduce)  # [B, H, T, nb]
+    nb = s // kv_block
+    expect = np.zeros((h, len(RECALL_FRACTIONS)))
+    for j, f in enumerate(RECALL_FRACTIONS):
+        count = max(1, math.ceil(f * nb - 1e-4))
+        for bi in range(b):
+            for hi in range(h):
+                for qi, pos in enumerate(positions):
+                    best = np.argsort(-scores[bi, hi, pos // q_tile])[:count]
+                    mask = np.zeros(s, bool)
+                    for blk in best:
+                        mask[blk * kv_block:(blk + 1) * kv_block] = True
+                    expect[hi, j] += p[bi, hi, qi, mask].sum() / (b * len(positions))
+    np.testing.assert_allclose(out["recall_curve"], expect, atol=1e-5)
+    assert np.all(np.diff(np.asarray(out["recall_curve"]), axis=-1) >= -1e-6)
+    np.testing.assert_allclose(out["recall_curve"][:, -1], 1.0, atol=1e-5)
+    # without the predictor's projections there is no curve
+    assert np.isnan(profile_rows(z, positions, s, theta=0.9, percentile=10.0,
+                                 coords=np.zeros((s, 3), np.int32))["recall_curve"]).all()
+
+
+def test_oracle_curves_bound_the_selection_rule_and_the_predictor():
+    """Analysis statistics: the best token selection holds at least what the best block selection holds,
+    which holds at least what any rule (true q, k or the predictor) selects at the same keep ratio."""
+    from dsv_jax.dsv.profiler import RECALL_FRACTIONS, profile_rows
+
+    b, s, h, d, r, q_tile, kv_block = 1, 64, 2, 8, 4, 8, 4
+    q, k = rand(40, (b, s, h, d)), rand(41, (b, s, h, d))
+    positions = np.arange(0, s, 5)
+    z = jnp.einsum("bqhd,bkhd->bhqk", q[:, positions], k) * d ** -0.5
+    coords = np.stack(np.unravel_index(np.arange(s), (4, 4, 4)), 1)
+    out = profile_rows(z, positions, s, theta=0.9, percentile=10.0, coords=coords, q_tile=q_tile,
+                       kv_block=kv_block, lowrank=(rand(42, (b, s, h, r)), rand(43, (b, s, h, r))),
+                       analysis=True, exact=(q, k))
+    tokens, blocks = np.asarray(out["oracle_curve"][:, 0]), np.asarray(out["oracle_curve"][:, 1])
+    assert tokens.shape == blocks.shape == (h, len(RECALL_FRACTIONS))
+    whole = [j for j, f in enumerate(RECALL_FRACTIONS) if float(f * s / kv_block).is_integer()]  # no rounding
+    assert len(whole) >= 3 and np.all(tokens[:, whole] >= blocks[:, whole] - 1e-6)
+    for rule in ("exact_proxy_curve", "recall_curve"):
+        assert np.all(blocks >= np.asarray(out[rule]) - 1e-6)
+    np.testing.assert_allclose(tokens[:, -1], 1.0, atol=1e-5)
+
+
+def test_centred_predictor_loss_ignores_row_offsets():
+    """Softmax is shift-invariant per row: with center=True a constant added to a row of true logits
+    changes nothing; the paper's raw-row loss does change."""
+    from dsv_jax.dsv.predictor import predictor_loss
+
+    b, s, h, r = 1, 32, 2, 4
+    q_lr, k_lr = rand(50, (b, s, h, r)), rand(51, (b, s, h, r))
+    positions = np.array([0, 9, 20])
+    z = rand(52, (b, h, 3, s))
+    shifted = z + 5.0 * rand(53, (b, h, 3, 1))
+    centred = [float(predictor_loss(q_lr, k_lr, x, positions, s, center=True)) for x in (z, shifted)]
+    raw = [float(predictor_loss(q_lr, k_lr, x, positions, s, center=False)) for x in (z, shifted)]
+    assert centred[0] == pytest.approx(centred[1], abs=1e-5)
+    assert abs(raw[0] - raw[1]) > 1e-2
+
+
 # -- model: sparse plans that select everything equal dense; padded layouts fall back ---------------
 
 def dsv_model(arch, seed=0, **model_kw):
@@ -224,7 +296,7 @@ def test_predictor_learns_and_is_isolated_from_the_model():
     s2, _ = step(state, batch, np.float32(1e-2), {"keep": keep, "predictor_lr": np.float32(0.0)})
     after_main_only = jax.tree.leaves(jax.device_get(s2.params))
     curve = []
-    for _ in range(30):  # lr 0: only the predictor trains
+    for _ in range(60):  # lr 0: only the predictor trains
         state, m = step(state, batch, np.float32(0.0), {"keep": keep, "predictor_lr": np.float32(3e-3)})
         curve.append(float(np.mean(m["dsv/predictor_loss"])))
     assert bool(m["finite"]) and m["dsv/predictor_loss"].shape == (2,)
@@ -288,19 +360,48 @@ def test_controller_switches_after_the_configured_steps():
     # a shape first profiled in stage 2 is decided at once
     observe(ctl, 31, (1, 16, 16), 0.3, [[0.9, 0.9]] * 3)
     assert all(p.sparse for p in ctl.plans((1, 16, 16)))
-    # recall target: a sparse block below it keeps more keys (x1.25 per profile), one above gives them back
-    ctl = controller("dsv.stage1_steps=1", "dsv.recall_target=0.95", "dsv.ema=0.0")
-    ctl.before_step(1)
-    sp = np.full((3, 2), 0.9)
-    ctl.observe(1, (1, 16, 16), {"dsv/predictor_loss": np.zeros(3), "dsv/sparsity": sp,
-                                 "dsv/recall": np.full((3, 2), np.nan)})
-    ctl.observe(2, (1, 16, 16), {"dsv/predictor_loss": np.zeros(3), "dsv/sparsity": sp,
-                                 "dsv/recall": np.array([[0.8, 0.9], [0.99, 0.99], [0.96, 0.96]])})
-    np.testing.assert_allclose(ctl.keep((1, 16, 16))[:, 0], [0.125, 0.1, 0.1])
-    assert ctl.plans((1, 16, 16))[0].keep == 0.15  # the rung follows the larger keep ratio
     with pytest.raises(ValueError, match="3 blocks x 2 heads"):
         controller().load_state_dict({"stage": 1, "switch_step": None, "loss_ema": None,
                                       "shapes": {"1x16x16": {"sparsity": [[0.5]], "rungs": [0.0], "profiles": 1}}})
+
+
+def test_controller_keeps_what_the_recall_target_needs():
+    """With dsv.recall_target, a head keeps the smallest profiled fraction whose (EMA) recall reaches the
+    target; the block goes sparse when 1 - mean keep clears the threshold; the curves survive a round trip."""
+    from dsv_jax.dsv.profiler import RECALL_FRACTIONS
+
+    ctl = controller("dsv.stage1_steps=100", "dsv.recall_target=0.95", "dsv.ema=0.5", "dsv.threshold=0.5",
+                     "dsv.ladder=[0.1,0.2,0.5,1.0]")
+    shape, f = (4, 16, 16), np.asarray(RECALL_FRACTIONS)
+
+    def curve(knee):  # recall 0.9 below the knee fraction, 0.99 from it on
+        return np.where(f >= knee - 1e-9, 0.99, 0.9)
+
+    curves = np.stack([np.stack([curve(0.05), curve(0.1)]), np.stack([curve(0.6), curve(0.8)]),
+                       np.full((2, len(f)), np.nan)])  # block 2: no predictor measured
+    sparsity = np.full((3, 2), 0.97)  # the theta rule alone would keep 3% everywhere
+    ctl.observe(0, shape, {"dsv/predictor_loss": np.ones(3), "dsv/sparsity": sparsity, "dsv/recall_curve": curves})
+    np.testing.assert_allclose(ctl.keep(shape), [[0.05, 0.1], [0.6, 0.8], [0.03, 0.03]], atol=1e-9)
+    # the EMA: a second profile with block 0 head 0 at recall 0.9 up to 0.2 averages 0.945 below 0.2
+    curves2 = curves.copy()
+    curves2[0, 0] = curve(0.2)
+    ctl.observe(50, shape, {"dsv/predictor_loss": np.ones(3), "dsv/sparsity": sparsity, "dsv/recall_curve": curves2})
+    assert ctl.keep(shape)[0, 0] == pytest.approx(0.2)
+    assert "stage 2" in ctl.before_step(100)[0]
+    plans = ctl.plans(shape)
+    assert [p.sparse for p in plans] == [True, False, True]  # block 1 needs 70% of its blocks: dense
+    assert plans[0].keep == 0.2 and plans[2].keep == 0.1
+    clone = controller("dsv.stage1_steps=100", "dsv.recall_target=0.95", "dsv.ema=0.5", "dsv.threshold=0.5",
+                       "dsv.ladder=[0.1,0.2,0.5,1.0]")
+    clone.load_state_dict(json.loads(json.dumps(ctl.state_dict())))
+    np.testing.assert_array_equal(clone.keep(shape), ctl.keep(shape))
+    assert clone.plans(shape) == plans
+    rec = ctl.record(shape)
+    assert rec["dsv/head_keep/block1"] == pytest.approx(0.7) and rec["dsv/keep/block1"] == 1.0
+    with pytest.raises(ValueError, match="recall curves"):
+        bad = json.loads(json.dumps(ctl.state_dict()))
+        bad["shapes"]["4x16x16"]["recall_curve"][0] = [[0.5] * 3] * 2
+        clone.load_state_dict(bad)
 
 
 # -- training: the CLI reaches stage 2; a restore mid stage 2 continues identically -------------------

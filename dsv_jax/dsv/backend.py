@@ -154,7 +154,7 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
     if need_lr:
         q_lr, k_lr = predictor(jax.lax.stop_gradient(x), layout.coords)
     if plan.mode == "dsv" and plan.predictor:
-        aux["predictor_loss"] = predictor_loss(q_lr, k_lr, z, positions, ctx.n_real)
+        aux["predictor_loss"] = predictor_loss(q_lr, k_lr, z, positions, ctx.n_real, center=plan.center_logits)
     selection = None
     if geometry is not None:
         q_tile, kv_block = geometry
@@ -166,9 +166,11 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
                                   block_reduce=plan.block_reduce)
     if plan.profile:
         q_tile, kv_block = geometry or (1, 1)
+        lowrank = (q_lr, k_lr) if plan.mode == "dsv" and geometry is not None and q_lr is not None else None
         aux.update(profile_rows(z, positions, ctx.n_real, theta=plan.theta, percentile=plan.percentile,
                                 coords=layout.coords, selection=selection, q_tile=q_tile, kv_block=kv_block,
-                                analysis=plan.analysis))
+                                lowrank=lowrank, block_reduce=plan.block_reduce, analysis=plan.analysis,
+                                exact=(q, k) if geometry is not None else None))
     attend = selection if (selection is not None and plan.sparse) else None
     return attend, geometry, aux
 

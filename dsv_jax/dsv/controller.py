@@ -9,15 +9,20 @@
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
 profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
 profiled sparsity (a low percentile over sampled queries) is smoothed by an EMA; the per-head keep
-ratio min(1, scale * (1 - sparsity)) is a runtime input of the step, while the block's static
+ratio (below) is a runtime input of the step, while the block's static
 top_k is the smallest rung of dsv.ladder that holds its largest head keep ratio. Moving to a sparser
 rung, or from sparse back to dense, needs a margin (dsv.hysteresis), so decisions, and with them the
 compiled variants (cached by the trainer, keyed by (shape, plans)), change rarely.
 
-The scale is dsv.keep_scale, or, with dsv.recall_target > 0 (our addition), a per-block factor that
-grows by 25% while a sparse block's measured recall is below the target and shrinks back by 10% while
-it is clearly above, between keep_scale and 4 x keep_scale: theta bounds the mass of the exact top keys,
-while a shared tile-level selection needs some more keys to hold the same mass.
+Per-head keep ratios come from one of two rules. The paper's: min(1, dsv.keep_scale * (1 - sparsity)),
+theta bounding the mass of the exact top keys. With dsv.recall_target > 0 (our addition), from the
+measured recall curve instead: on every profile step the profiler measures, per block and head, the
+attention mass that the predictor's best-scoring fraction f of the KV blocks holds (profiler.RECALL_FRACTIONS);
+the curve is smoothed by the same EMA, and a head keeps the smallest f whose recall reaches the target
+(the paper's rule until the block has a curve).
+That is what the goal asks of a selection (its recall), measured on the selection the kernel would run
+(tile proxy, block scores), so the keep ratios of stage 2 are calibrated while stage 1 runs; the
+threshold then compares the sparsity at the target recall, 1 - mean keep, with the kernel's break-even.
 
 All decisions depend only on the step number and the profiled metrics, and the whole state is JSON
 (checkpointed with the run), so a resumed run makes the same decisions as an uninterrupted one.
@@ -30,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from dsv_jax.dsv.plan import AttentionPlan
+from dsv_jax.dsv.profiler import RECALL_FRACTIONS, keep_for_recall
 
 
 def shape_key(shape) -> str:
@@ -43,7 +49,8 @@ class DSVController:
         self.cfg, self.dsv = cfg, cfg.dsv
         self.depth, self.heads = cfg.model.depth, cfg.model.heads
         self.stage, self.switch_step, self.loss_ema = 1, None, None
-        # shape key -> {"sparsity": [depth][H] EMA, "rungs": [depth], "scale": [depth], "profiles": n}
+        # shape key -> {"sparsity": [depth][H] EMA, "recall_curve": [depth] of None or [H][F] EMA,
+        #               "rungs": [depth], "profiles": n}
         self.shapes: dict[str, dict[str, Any]] = {}
         # The selection measured for recall while a block is dense: the rung at the threshold.
         self.prospective = self.rung_for(1.0 - self.dsv.threshold) or self.dsv.ladder[-1]
@@ -65,6 +72,7 @@ class DSVController:
             keep = rung if sparse else (self.prospective if profile else 0.0)
             out.append(AttentionPlan(mode="dsv", backend=d.dense_backend, sparse=sparse, keep=keep, kv_block=d.kv_block,
                                      predictor=train, profile=profile, block_reduce=d.block_reduce,
+                                     center_logits=d.center_logits,
                                      query_stride=d.query_stride, max_queries=d.max_queries, theta=d.theta,
                                      percentile=d.percentile))
         return tuple(out)
@@ -78,7 +86,17 @@ class DSVController:
         entry = self.shapes.get(shape_key(shape))
         if entry is None:
             return np.ones((self.depth, self.heads))
-        return _keep(entry)
+        return self._keep(entry)
+
+    def _keep(self, entry) -> np.ndarray:
+        """Per-head keep ratios [depth, H] of a shape's statistics (see the module docstring)."""
+        d = self.dsv
+        keep = np.minimum(1.0, d.keep_scale * (1.0 - np.asarray(entry["sparsity"], np.float64)))
+        if d.recall_target:
+            for i, curve in enumerate(entry["recall_curve"]):
+                if curve is not None:
+                    keep[i] = keep_for_recall(curve, d.recall_target)
+        return keep
 
     def rungs(self, shape) -> list[float]:
         entry = self.shapes.get(shape_key(shape))
@@ -119,19 +137,18 @@ class DSVController:
         measured = np.asarray(metrics["dsv/sparsity"], np.float64)
         entry = self.shapes.get(key)
         if entry is None:
-            entry = self.shapes[key] = {"sparsity": measured.tolist(), "rungs": [0.0] * self.depth,
-                                        "scale": [d.keep_scale] * self.depth, "profiles": 0}
+            entry = self.shapes[key] = {"sparsity": measured.tolist(), "recall_curve": [None] * self.depth,
+                                        "rungs": [0.0] * self.depth, "profiles": 0}
         else:
             entry["sparsity"] = (d.ema * np.asarray(entry["sparsity"]) + (1 - d.ema) * measured).tolist()
         entry["profiles"] += 1
-        if d.recall_target and self.stage == 2 and "dsv/recall" in metrics:
-            recall = np.asarray(metrics["dsv/recall"], np.float64).reshape(self.depth, -1).mean(axis=1)
-            for i, r in enumerate(recall):
-                if entry["rungs"][i] > 0 and np.isfinite(r):  # only a sparse block measures its own selection
-                    if r < d.recall_target:
-                        entry["scale"][i] = min(entry["scale"][i] * 1.25, 4 * d.keep_scale)
-                    elif r > d.recall_target + 0.02:
-                        entry["scale"][i] = max(entry["scale"][i] / 1.1, d.keep_scale)
+        curves = metrics.get("dsv/recall_curve")
+        if curves is not None:
+            for i, curve in enumerate(np.asarray(curves, np.float64)):
+                if np.isfinite(curve).all():  # NaN: this block measured none (no predictor, or a padded layout)
+                    old = entry["recall_curve"][i]
+                    entry["recall_curve"][i] = (curve if old is None else d.ema * np.asarray(old) + (1 - d.ema) * curve
+                                                ).tolist()
         if self.stage == 1:
             if self.loss_ema < d.switch_loss:
                 return self._switch(step + 1, f"predictor loss {self.loss_ema:.4f} < {d.switch_loss}")
@@ -140,7 +157,7 @@ class DSVController:
 
     def _update_rungs(self, key: str) -> list[str]:
         entry = self.shapes[key]
-        keep = _keep(entry)
+        keep = self._keep(entry)
         events = []
         for i in range(self.depth):
             new = self.decide(keep[i], entry["rungs"][i])
@@ -163,14 +180,16 @@ class DSVController:
         rungs = self.rungs(shape)
         sparse = [self.stage == 2 and r > 0 for r in rungs]
         rec = {"dsv/stage": self.stage, "dsv/sparse_blocks": int(sum(sparse))}
+        keep = self.keep(shape)
         for i, (s, r) in enumerate(zip(sparse, rungs)):
             rec[f"dsv/sparse/block{i}"] = int(s)
             rec[f"dsv/keep/block{i}"] = float(r) if s else 1.0
+            rec[f"dsv/head_keep/block{i}"] = float(np.mean(keep[i]))  # the per-head ratios the rules ask for
         return rec
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "switch_step": self.switch_step, "loss_ema": self.loss_ema,
-                "shapes": {k: {"sparsity": v["sparsity"], "rungs": v["rungs"], "scale": v["scale"],
+                "shapes": {k: {"sparsity": v["sparsity"], "recall_curve": v["recall_curve"], "rungs": v["rungs"],
                                "profiles": v["profiles"]} for k, v in self.shapes.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -181,15 +200,15 @@ class DSVController:
             if sparsity.shape != (self.depth, self.heads) or len(v["rungs"]) != self.depth:
                 raise ValueError(f"DSV controller state for {k} has sparsity {sparsity.shape} and {len(v['rungs'])} "
                                  f"rungs; the model has {self.depth} blocks x {self.heads} heads")
+            curves = v.get("recall_curve") or [None] * self.depth
+            bad = [np.shape(c) for c in curves if c is not None and np.shape(c) != (self.heads, len(RECALL_FRACTIONS))]
+            if len(curves) != self.depth or bad:
+                raise ValueError(f"DSV controller state for {k} has recall curves for {len(curves)} blocks "
+                                 f"(shapes {bad}); the model has {self.depth} blocks x {self.heads} heads x "
+                                 f"{len(RECALL_FRACTIONS)} fractions")
             self.shapes[k] = {"sparsity": sparsity.tolist(), "rungs": [float(r) for r in v["rungs"]],
-                              "scale": [float(x) for x in v.get("scale", [self.dsv.keep_scale] * self.depth)],
+                              "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist() for c in curves],
                               "profiles": int(v["profiles"])}
-
-
-def _keep(entry) -> np.ndarray:
-    """Per-head keep ratios [depth, H] of a shape's statistics."""
-    scale = np.asarray(entry["scale"], np.float64)[:, None]
-    return np.minimum(1.0, scale * (1.0 - np.asarray(entry["sparsity"], np.float64)))
 
 
 def _describe(rung: float) -> str:

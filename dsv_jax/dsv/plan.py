@@ -32,6 +32,7 @@ class AttentionPlan:
     profile: bool = False  # collect sparsity / recall statistics this step
     analysis: bool = False  # with profile: also top-key mass and critical-KV distances (analysis script)
     block_reduce: str = "mean"
+    center_logits: bool = True  # dsv: the predictor loss compares mean-centred logit rows (dsv.center_logits)
     query_stride: int = 64
     max_queries: int = 256
     theta: float = 0.9

@@ -2,6 +2,7 @@
 
     q_lr = RoPE(x W_Q^lr),  k_lr = RoPE(x W_K^lr)     x: the block's normalised input (what QKV sees), detached
     loss = 0.9 * mean_rows(1 - cos(z_hat, z)) + 0.1 * mean_rows(MSE(z_hat / |z_hat|, z / |z|))
+           (with dsv.center_logits, our addition, on rows minus their mean: see `predictor_loss`)
 
 z are the true scaled logits q k^T * D**-0.5 of sampled queries (every `query_stride`-th) against all
 valid keys, detached; z_hat the predicted ones. The predictor's inputs and targets are stop-gradient,
@@ -63,12 +64,20 @@ def true_logits(q, k, positions, n_real, sm_scale):
     return jnp.where(jnp.arange(k.shape[1]) < n_real, z, -jnp.inf)
 
 
-def predictor_loss(q_lr, k_lr, z, positions, n_real):
-    """The paper's loss between predicted and true logit rows; z from `true_logits`. -> scalar."""
+def predictor_loss(q_lr, k_lr, z, positions, n_real, *, center: bool = True):
+    """The paper's loss between predicted and true logit rows; z from `true_logits`. -> scalar.
+
+    center (our default; False = the paper's form): compare the rows after subtracting each row's mean
+    over the valid keys. Softmax ignores a row's offset (q . mean key), which can dominate the cosine of
+    raw rows while saying nothing about which keys win; centred rows train the predictor on the ranking
+    that the selection uses."""
     valid = jnp.arange(k_lr.shape[1]) < n_real
     zh = jnp.einsum("bqhr,bkhr->bhqk", q_lr[:, positions], k_lr) * (q_lr.shape[-1] ** -0.5)
     zh = jnp.where(valid, zh, 0.0)
     zt = jnp.where(valid, z, 0.0)
+    if center:
+        zh = jnp.where(valid, zh - jnp.sum(zh, -1, keepdims=True) / n_real, 0.0)
+        zt = jnp.where(valid, zt - jnp.sum(zt, -1, keepdims=True) / n_real, 0.0)
     eps = 1e-6
     nh = jnp.sqrt(jnp.sum(zh * zh, -1, keepdims=True) + eps)
     nt = jnp.sqrt(jnp.sum(zt * zt, -1, keepdims=True) + eps)

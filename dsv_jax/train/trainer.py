@@ -379,10 +379,14 @@ class Trainer:
 
 def flatten_metric(name: str, value) -> dict[str, float]:
     """A step metric as scalars: per-block arrays [depth] / [depth, H] (DSV) become name/block{i}[/head{h}]
-    plus their means (name, name/block{i}); NaN entries (nothing measured) are left out."""
+    plus their means (name, name/block{i}); NaN entries (nothing measured) are left out. Arrays of more
+    dimensions (DSV's recall curves [depth, H, fractions]) are for the controller, which keeps their EMA
+    in its state, and are not logged."""
     v = np.asarray(value, np.float64)
     if v.ndim == 0:
         return {name: float(v)}
+    if v.ndim > 2:
+        return {}
     out = {}
     if np.isfinite(v).any():
         out[name] = float(np.nanmean(v))
