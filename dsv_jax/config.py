@@ -216,9 +216,9 @@ class DSVConfig:
     predictor_lr: float = 1e-4
     stage2_lr_scale: float = 0.1  # the predictor keeps training in stage 2 at predictor_lr * this
     predictor_weight_decay: float = 0.0  # the loss is scale-invariant: decay would only shrink weights
-    # The loss on logit rows minus their mean (ours, not the paper's): softmax ignores a row's offset, and
-    # on the 16k-token quality run the centred predictor's recall was 0.070 below DSV's selection rule on
-    # the true q, k (mean over the recall curve) against 0.099 for raw rows (RESULTS.md, quality section).
+    # The loss on logit rows minus their mean (ours, not the paper's): softmax ignores a row's offset. On
+    # the 16k-token quality runs the centred predictor's recall was 0.070 below DSV's selection rule on the
+    # true q, k (mean over the recall curve), the raw-row one 0.099 (one model each; RESULTS.md, quality).
     center_logits: bool = True
     query_stride: int = 64  # predictor loss and profiling use every Nth query ...
     max_queries: int = 256  # ... at most this many per sample (the paper's every-64th up to 16k tokens;
@@ -229,17 +229,19 @@ class DSVConfig:
     percentile: float = 10.0  # conservative head sparsity: this low percentile over sampled queries
     switch_loss: float = 0.01  # stage 2 once the predictor loss averaged over blocks is below this ...
     stage1_steps: int = 0  # ... or after this many steps (0: only the loss criterion)
-    # A block goes sparse only when its sparsity (1 - mean head keep ratio) is at least this. Set from the
-    # kernel measurements (experiments/results/bench_sparse_attention.json, H200, kv_block 64): sparse
-    # fwd+bwd runs at 0.45-0.63 of cuDNN's rate at S >= 16k, so it beats dense once keep < ~0.55; 0.5
-    # leaves room for selection and predictor (~4% of dense attention). The paper's artifact uses 0.8.
+    # A block goes sparse only when 1 - its mean head keep ratio is at least this. Set from the kernel
+    # measurements (experiments/results/bench_sparse_attention.json, H200, kv_block 64): sparse fwd+bwd
+    # runs at 0.45-0.63 of cuDNN's rate at keep 0.1-0.2 and S >= 16k; extrapolated, it beats dense once
+    # keep < ~0.55, and 0.5 leaves room for selection and predictor (~4% of dense attention). The paper's
+    # artifact uses 0.8.
     threshold: float = 0.5
     hysteresis: float = 0.05  # margin before a decision is reversed (sparse -> dense, or a smaller rung)
     # Static keep ratios (top_k = ceil(rung * KV blocks)); per-head counts below the rung are runtime.
     ladder: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
-    keep_scale: float = 1.0  # per-head keep = min(1, keep_scale * (1 - sparsity)): > 1 buys recall
+    keep_scale: float = 1.0  # paper's rule: keep = min(1, keep_scale * (1 - sparsity)); > 1 buys recall
     # > 0 (not in the paper; 0 = off): per-head keep = the smallest keep ratio whose measured recall (the
-    # attention mass inside the predictor's selection, profiled as a curve over keep ratios) reaches this.
+    # attention mass inside the predictor's selection, profiled as a curve over keep ratios) reaches this;
+    # replaces the keep_scale rule once a block has a curve.
     recall_target: float = 0.0
     kv_block: int = 0  # tokens per KV block of the selection; 0: the token layout's 3D tile
     block_reduce: str = "mean"  # how a KV block's score reduces over its keys (mean | max)

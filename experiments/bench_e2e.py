@@ -164,13 +164,13 @@ def step_flops(cfg, layout, kept: float = 1.0, dsv: bool = False) -> dict[str, f
 # -- the variants' attention --------------------------------------------------------------------------
 
 def measured_sparsity(path: str) -> dict | None:
-    """Per-block head sparsity at the last profile of the quality-parity DSV run (its stage-1 data)."""
+    """Per-block head sparsity (the controller's EMA at the end) of the quality-parity DSV run."""
     try:
         with open(path) as f:
-            per_block = json.load(f)["runs"]["dsv"]["sparsity_last_per_block"]
-    except (OSError, KeyError, ValueError):
+            blocks = json.load(f)["runs"]["dsv"]["blocks"]
+        values = [float(b["theta_sparsity_ema"]) for b in sorted(blocks, key=lambda b: b["block"])]
+    except (OSError, KeyError, ValueError, TypeError):
         return None
-    values = [float(per_block[k]) for k in sorted(per_block, key=lambda k: int(k.replace("block", "")))]
     return {"source": os.path.relpath(path), "per_block": values, "mean": float(np.mean(values))}
 
 
@@ -182,7 +182,7 @@ def dsv_stage2(cfg, latent_shape, sparsity: float):
     keep = 1.0 - sparsity
     ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {shape_key(latent_shape): {
         "sparsity": np.full((depth, heads), sparsity).tolist(), "rungs": [ctl.rung_for(keep)] * depth,
-        "scale": [1.0] * depth, "profiles": 1}}})
+        "profiles": 1}}})
     decision = ctl.decide(np.full(heads, keep), 0.0)
     return ctl.plans(latent_shape), ctl.inputs(latent_shape), decision
 

@@ -19,8 +19,9 @@ For held-out batches at fixed noise levels t, every block's exact attention rows
     low-rank projections (DSV runs): where recall is lost, to the granularity, the sharing, or the rank.
     --kv-block N measures them at another KV block size (default: the run's dsv.kv_block, else the tile).
 Plots (matplotlib, `pip install -e ".[plots]"`): top-key mass curves, a block x head sparsity map,
-critical-KV distances, named sparsity_<run>_*.png after the workdir's last component; results JSON
-sparsity_analysis_<run>.json. Written to $OUT, or experiments/results/sparsity_analysis/.
+critical-KV distances and the recall curves, named sparsity_<run>[_kv<N>]_*.png after the workdir's last
+component; results JSON sparsity_analysis_<run>[_kv<N>].json. Written to $OUT, or
+experiments/results/sparsity_analysis/.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     per_t, uniform, layout = analyse(cfg, graphdef, params, controller, shape, t_values, args.batches, args.seed,
                                      args.kv_block)
 
-    from dsv_jax.dsv.profiler import TOP_FRACTIONS, keep_for_recall
+    from dsv_jax.dsv.profiler import RECALL_FRACTIONS, TOP_FRACTIONS, keep_for_recall
 
     rows = []
     for t in t_values:
@@ -252,6 +253,7 @@ def main(argv=None) -> int:
     paths = plot(per_t, uniform, out_dir, f"{run_name} step {step}, {shape}", f"sparsity_{prefix}")
     payload = {"workdir": workdir, "step": step, "attention": cfg.attention, "shape": shape, "tokens": layout.n_real,
                "theta": cfg.dsv.theta, "percentile": cfg.dsv.percentile, "top_fractions": TOP_FRACTIONS,
+               "recall_fractions": RECALL_FRACTIONS, "kv_block": args.kv_block or "the run's",
                "uniform_distance": uniform.tolist(), "rows": rows, "plots": paths,
                "per_t": {str(t): {k: np.asarray(v).tolist() for k, v in r.items()} for t, r in per_t.items()}}
     print("wrote", write_results(f"sparsity_analysis_{prefix}", payload), *paths)

@@ -205,6 +205,17 @@ def test_centred_predictor_loss_ignores_row_offsets():
     raw = [float(predictor_loss(q_lr, k_lr, x, positions, s, center=False)) for x in (z, shifted)]
     assert centred[0] == pytest.approx(centred[1], abs=1e-5)
     assert abs(raw[0] - raw[1]) > 1e-2
+    # a padded layout: only the first n_real keys count, and the means are over them
+    n = 23
+    padded = jnp.where(jnp.arange(s) < n, shifted, -jnp.inf)
+    got = float(predictor_loss(q_lr, k_lr, padded, positions, n, center=True))
+    zh = np.einsum("bqhr,bkhr->bhqk", np.asarray(q_lr)[:, positions], np.asarray(k_lr)[:, :n]) * r ** -0.5
+    zt = np.asarray(shifted)[..., :n]
+    zh, zt = zh - zh.mean(-1, keepdims=True), zt - zt.mean(-1, keepdims=True)
+    nh, nt = np.linalg.norm(zh, axis=-1, keepdims=True), np.linalg.norm(zt, axis=-1, keepdims=True)
+    expect = 0.9 * np.mean(1 - np.sum(zh * zt, -1) / (nh * nt)[..., 0]) + \
+        0.1 * np.mean(np.sum((zh / nh - zt / nt) ** 2, -1) / n)
+    assert got == pytest.approx(expect, rel=1e-4)
 
 
 # -- model: sparse plans that select everything equal dense; padded layouts fall back ---------------
@@ -370,8 +381,9 @@ def test_controller_keeps_what_the_recall_target_needs():
     target; the block goes sparse when 1 - mean keep clears the threshold; the curves survive a round trip."""
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS
 
-    ctl = controller("dsv.stage1_steps=100", "dsv.recall_target=0.95", "dsv.ema=0.5", "dsv.threshold=0.5",
-                     "dsv.ladder=[0.1,0.2,0.5,1.0]")
+    overrides = ("dsv.stage1_steps=100", "dsv.recall_target=0.94", "dsv.ema=0.5", "dsv.threshold=0.5",
+                 "dsv.ladder=[0.1,0.2,0.5,1.0]")
+    ctl = controller(*overrides)
     shape, f = (4, 16, 16), np.asarray(RECALL_FRACTIONS)
 
     def curve(knee):  # recall 0.9 below the knee fraction, 0.99 from it on
@@ -382,26 +394,39 @@ def test_controller_keeps_what_the_recall_target_needs():
     sparsity = np.full((3, 2), 0.97)  # the theta rule alone would keep 3% everywhere
     ctl.observe(0, shape, {"dsv/predictor_loss": np.ones(3), "dsv/sparsity": sparsity, "dsv/recall_curve": curves})
     np.testing.assert_allclose(ctl.keep(shape), [[0.05, 0.1], [0.6, 0.8], [0.03, 0.03]], atol=1e-9)
-    # the EMA: a second profile with block 0 head 0 at recall 0.9 up to 0.2 averages 0.945 below 0.2
+    # the EMA: block 0 head 0 now measures recall 0.9 up to f = 0.2; averaged, 0.945 from 0.05 on still
+    # reaches 0.94 (the new curve alone would need 0.2)
     curves2 = curves.copy()
     curves2[0, 0] = curve(0.2)
     ctl.observe(50, shape, {"dsv/predictor_loss": np.ones(3), "dsv/sparsity": sparsity, "dsv/recall_curve": curves2})
-    assert ctl.keep(shape)[0, 0] == pytest.approx(0.2)
+    stored = np.asarray(ctl.shapes["4x16x16"]["recall_curve"][0])[0]
+    np.testing.assert_allclose(stored[(f >= 0.05) & (f < 0.2)], 0.945)
+    assert ctl.keep(shape)[0, 0] == pytest.approx(0.05)
     assert "stage 2" in ctl.before_step(100)[0]
     plans = ctl.plans(shape)
     assert [p.sparse for p in plans] == [True, False, True]  # block 1 needs 70% of its blocks: dense
-    assert plans[0].keep == 0.2 and plans[2].keep == 0.1
-    clone = controller("dsv.stage1_steps=100", "dsv.recall_target=0.95", "dsv.ema=0.5", "dsv.threshold=0.5",
-                       "dsv.ladder=[0.1,0.2,0.5,1.0]")
+    assert plans[0].keep == 0.1 and plans[2].keep == 0.1
+    clone = controller(*overrides)
     clone.load_state_dict(json.loads(json.dumps(ctl.state_dict())))
     np.testing.assert_array_equal(clone.keep(shape), ctl.keep(shape))
     assert clone.plans(shape) == plans
     rec = ctl.record(shape)
     assert rec["dsv/head_keep/block1"] == pytest.approx(0.7) and rec["dsv/keep/block1"] == 1.0
-    with pytest.raises(ValueError, match="recall curves"):
+    for broken in ([[0.5] * 3] * 2, [[None] * len(f)] * 2):  # wrong shape; JSON nulls
         bad = json.loads(json.dumps(ctl.state_dict()))
-        bad["shapes"]["4x16x16"]["recall_curve"][0] = [[0.5] * 3] * 2
-        clone.load_state_dict(bad)
+        bad["shapes"]["4x16x16"]["recall_curve"][0] = broken
+        with pytest.raises(ValueError, match="recall curves"):
+            clone.load_state_dict(bad)
+    # a state of the previous version (keep scales, no curves) loads, and follows the paper's rule
+    old = {"stage": 2, "switch_step": 10, "loss_ema": 0.2, "shapes": {"4x16x16": {
+        "sparsity": sparsity.tolist(), "rungs": [0.1, 0.0, 0.1], "scale": [1.25, 1.0, 1.0], "profiles": 3}}}
+    clone.load_state_dict(old)
+    np.testing.assert_allclose(clone.keep(shape), 0.03)
+    # curves measured at other keep ratios are dropped, not misread
+    other = json.loads(json.dumps(ctl.state_dict()))
+    other["recall_fractions"] = [0.5] * len(f)
+    clone.load_state_dict(other)
+    assert clone.shapes["4x16x16"]["recall_curve"] == [None] * 3
 
 
 # -- training: the CLI reaches stage 2; a restore mid stage 2 continues identically -------------------
@@ -434,6 +459,8 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     train(cfg, str(tmp_path / "split"), stop_at=5, progress=False)
     trainer = Trainer(cfg, str(tmp_path / "split"), progress=False)
     assert trainer.controller.stage == 2 and trainer.controller.switch_step == 3 and int(trainer.state.step) == 5
+    curves = trainer.controller.state_dict()["shapes"]["4x16x16"]["recall_curve"]  # profiled in training
+    assert all(c is not None and np.isfinite(c).all() for c in curves), curves
     trainer.close()
     train(cfg, str(tmp_path / "split"), progress=False)
     keys = ("loss", "grad_norm", "dsv/predictor_loss", "dsv/sparse_blocks", "dsv/stage")

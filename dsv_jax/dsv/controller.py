@@ -3,7 +3,8 @@
     stage 1  full attention everywhere; every block's predictor learns; sparsity is profiled
     stage 2  from the step where the predictor loss averaged over blocks falls below dsv.switch_loss
              (an EMA over profile steps), or after dsv.stage1_steps steps: a block attends sparsely
-             where its mean head sparsity is at least dsv.threshold (the cost-benefit switch); the
+             where 1 - the mean of its heads' keep ratios (below) is at least dsv.threshold (the
+             cost-benefit switch); the
              predictor keeps training at dsv.predictor_lr * dsv.stage2_lr_scale
 
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
@@ -30,12 +31,15 @@ All decisions depend only on the step number and the profiled metrics, and the w
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.profiler import RECALL_FRACTIONS, keep_for_recall
+
+log = logging.getLogger("dsv_jax")
 
 
 def shape_key(shape) -> str:
@@ -189,6 +193,7 @@ class DSVController:
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "switch_step": self.switch_step, "loss_ema": self.loss_ema,
+                "recall_fractions": list(RECALL_FRACTIONS),
                 "shapes": {k: {"sparsity": v["sparsity"], "recall_curve": v["recall_curve"], "rungs": v["rungs"],
                                "profiles": v["profiles"]} for k, v in self.shapes.items()}}
 
@@ -201,11 +206,19 @@ class DSVController:
                 raise ValueError(f"DSV controller state for {k} has sparsity {sparsity.shape} and {len(v['rungs'])} "
                                  f"rungs; the model has {self.depth} blocks x {self.heads} heads")
             curves = v.get("recall_curve") or [None] * self.depth
-            bad = [np.shape(c) for c in curves if c is not None and np.shape(c) != (self.heads, len(RECALL_FRACTIONS))]
+            if "scale" in v and any(abs(float(x) - self.dsv.keep_scale) > 1e-9 for x in v["scale"]):
+                log.warning("DSV controller state for %s: the per-block keep scales %s of an older version are "
+                            "not used; keep ratios now follow the recall curves (dsv.recall_target)", k, v["scale"])
+            if list(state.get("recall_fractions", RECALL_FRACTIONS)) != list(RECALL_FRACTIONS):
+                log.warning("DSV controller state for %s: recall curves measured at other keep ratios; dropped, "
+                            "they are measured again on the next profiles", k)
+                curves = [None] * self.depth
+            bad = [np.shape(c) for c in curves if c is not None and (
+                np.shape(c) != (self.heads, len(RECALL_FRACTIONS)) or not np.isfinite(np.asarray(c, np.float64)).all())]
             if len(curves) != self.depth or bad:
                 raise ValueError(f"DSV controller state for {k} has recall curves for {len(curves)} blocks "
-                                 f"(shapes {bad}); the model has {self.depth} blocks x {self.heads} heads x "
-                                 f"{len(RECALL_FRACTIONS)} fractions")
+                                 f"(bad: shapes {bad}, or non-finite values); the model has {self.depth} blocks x "
+                                 f"{self.heads} heads x {len(RECALL_FRACTIONS)} fractions")
             self.shapes[k] = {"sparsity": sparsity.tolist(), "rungs": [float(r) for r in v["rungs"]],
                               "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist() for c in curves],
                               "profiles": int(v["profiles"])}
