@@ -264,7 +264,7 @@ class Bench:
             sparsity = param if param is not None else (self.measured or {}).get("mean")
             if sparsity is None:
                 raise FileNotFoundError("no measured sparsity: experiments/results/quality_parity.json is missing "
-                                        "runs.dsv.sparsity_last_per_block")
+                                        "runs.dsv.blocks[i].theta_sparsity_ema")
             plans, inputs, decision = dsv_stage2(self.cfg, shape, sparsity)
             top_k = plans[0].top_k(n_blocks)
             counts = np.asarray(head_counts(inputs["keep"], n_blocks, top_k))

@@ -116,10 +116,9 @@ def dsv_summary(cfg, controller: dict, steps: list[dict]) -> dict:
             "recall_last": last.get(f"dsv/recall/block{i}"),
             "recall_stage2_mean": float(np.mean(used)) if used else None,
             "recall_curve_ema": None if curve is None else np.mean(curve, axis=0).tolist(),
-            "attention_work": (float(np.mean(last[f"dsv/head_keep/block{i}"])) if sparse else 1.0),
+            "attention_work": float(last[f"dsv/head_keep/block{i}"]) if sparse else 1.0,
         })
     return {"switch_step": controller["switch_step"], "controller": controller, "recall_fractions": RECALL_FRACTIONS,
-            "sparsity_last_per_block": {f"block{b['block']}": b["theta_sparsity_ema"] for b in blocks},
             "blocks": blocks, "sparse_blocks_last": last.get("dsv/sparse_blocks"),
             "attention_work_kept": float(np.mean([b["attention_work"] for b in blocks])),
             "profiles": [{"step": r["step"], "stage": r.get("dsv/stage"), "sparse_blocks": r.get("dsv/sparse_blocks"),

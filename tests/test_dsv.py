@@ -162,6 +162,14 @@ def test_recall_curve_is_the_mass_of_the_predictors_best_blocks(reduce):
                         mask[blk * kv_block:(blk + 1) * kv_block] = True
                     expect[hi, j] += p[bi, hi, qi, mask].sum() / (b * len(positions))
     np.testing.assert_allclose(out["recall_curve"], expect, atol=1e-5)
+    # and each point is the recall of the selection select_kv makes at that keep ratio (same block counts)
+    from dsv_jax.dsv.profiler import selection_recall
+
+    for j in (0, 5, 9, 14):
+        sel = select_kv(q_lr, k_lr, nb, jnp.full((h,), RECALL_FRACTIONS[j]), q_tile=q_tile, kv_block=kv_block,
+                        block_reduce=reduce)
+        np.testing.assert_allclose(selection_recall(jnp.asarray(p), positions, sel, q_tile, kv_block),
+                                   out["recall_curve"][:, j], atol=1e-5)
     assert np.all(np.diff(np.asarray(out["recall_curve"]), axis=-1) >= -1e-6)
     np.testing.assert_allclose(out["recall_curve"][:, -1], 1.0, atol=1e-5)
     # without the predictor's projections there is no curve

@@ -66,7 +66,8 @@ def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coord
         dist = jnp.stack(dist, -1) / jnp.sum(crit, -1, keepdims=True)  # [B, H, Q, 3]
         out["critical_distance"] = jnp.mean(dist, axis=(0, 2))
         # upper bounds of the recall curve: single tokens, and whole blocks of this plan's granularity
-        out["oracle_curve"] = jnp.stack([oracle_curve(p, 1), oracle_curve(p, kv_block)], axis=1)  # [H, 2, F]
+        tokens = _held_at_fractions(desc)  # the rows are already sorted: the token-level oracle
+        out["oracle_curve"] = jnp.stack([tokens, oracle_curve(p, kv_block)], axis=1)  # [H, 2, F]
         out["exact_proxy_curve"] = (recall_curve(p, positions, *exact, q_tile, kv_block, block_reduce)
                                     if exact is not None else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan))
     return out
