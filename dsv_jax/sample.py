@@ -97,10 +97,11 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
     """Generate one video per prompt and write them side by side to `path` (and an MP4 beside a GIF
     when `also_mp4` and a video writer is installed). Returns the paths written. A DSV run samples with
     the sparse plans of its controller state (stage 2 decisions), a window run with its windows."""
-    from dsv_jax.dsv.controller import attention_for
+    from dsv_jax.dsv.policy import make_policy
 
     shape = tuple(shape or default_shape(cfg))
-    attention, inputs = attention_for(cfg, shape, controller_state)
+    policy = make_policy(cfg, controller_state)
+    attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
                        attention=attention, attention_inputs=inputs)
     frames = decode_latents(latents, cfg.data.codec)

@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv_jax.attention import attention  # noqa: E402
+from dsv_jax.attention.rope import rope_angles  # noqa: E402
 from dsv_jax.config import get_config  # noqa: E402
 from dsv_jax.data.text import vocab_size  # noqa: E402
 from dsv_jax.dsv.controller import DSVController, shape_key  # noqa: E402
@@ -476,9 +477,11 @@ class Bench:
                     pred = LowRankPredictor(m, cfg.dsv.rank, nnx.Rngs(0), rope=cfg.dsv.predictor_rope)
                     graphdef, args["pred_params"] = nnx.split(pred)
                     positions = sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)
+                    rope = jnp.asarray(rope_angles(layout.coords, cfg.dsv.rank, m.rope_theta)) \
+                        if cfg.dsv.predictor_rope else None
 
                     def pred_loss(params, x, q, k):
-                        q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), layout.coords)
+                        q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), rope)
                         z = true_logits(q, k, positions, layout.n_real, m.head_dim ** -0.5)
                         return predictor_loss(q_lr, k_lr, z, positions, layout.n_real)
 

@@ -142,7 +142,7 @@ def run(name: str, args, root: str, out_dir: str) -> dict:
     t0 = time.perf_counter()
     trainer.run()
     wall = time.perf_counter() - t0
-    controller = trainer.controller.state_dict() if trainer.controller is not None else None
+    controller = trainer.policy.state_dict()
     gif = os.path.join(out_dir, f"{args.name}_{name}.gif")
     sample_from_state(cfg, trainer.graphdef, trainer.state.params, gif, steps=args.sample_steps,
                       guidance=cfg.train.guidance, controller_state=controller)

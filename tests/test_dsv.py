@@ -466,8 +466,8 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     cfg = small_config(*DSV_RUN)
     train(cfg, str(tmp_path / "split"), stop_at=5, progress=False)
     trainer = Trainer(cfg, str(tmp_path / "split"), progress=False)
-    assert trainer.controller.stage == 2 and trainer.controller.switch_step == 3 and int(trainer.state.step) == 5
-    curves = trainer.controller.state_dict()["shapes"]["4x16x16"]["recall_curve"]  # profiled in training
+    assert trainer.policy.stage == 2 and trainer.policy.switch_step == 3 and int(trainer.state.step) == 5
+    curves = trainer.policy.state_dict()["shapes"]["4x16x16"]["recall_curve"]  # profiled in training
     assert all(c is not None and np.isfinite(c).all() for c in curves), curves
     trainer.close()
     train(cfg, str(tmp_path / "split"), progress=False)

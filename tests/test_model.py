@@ -8,7 +8,7 @@ from flax import nnx
 
 from dsv_jax.config import get_config
 from dsv_jax.model import VideoDiT
-from dsv_jax.model.rope import apply_rope, rope_angles
+from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.model.tokens import patchify, token_layout, unpatchify
 
 

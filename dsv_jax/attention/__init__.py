@@ -1,8 +1,9 @@
 """The one attention entry point: `attention(q, k, v, *, backend=..., ...)`.
 
-q [B, Sq, H, D], k and v [B, Skv, H, D] -> [B, Sq, H, D]. Backends register themselves by name;
-call sites pass a name (or "auto") and never import a backend. `kv_lens` (int32 [B]) masks keys
-at positions >= kv_lens[b]: the valid keys are a prefix, which is what padding to whole tiles and
+q [B, Sq, H, D], k and v [B, Skv, H, D] -> [B, Sq, H, D]. Backends register themselves by name
+where they are defined, and call sites pass a name (or "auto"): the dense ones ("xla", "cudnn")
+register here, the sparse ones ("dsv", "window") in `dsv_jax.dsv.backend`, which the DSV package and
+the model import. `kv_lens` (int32 [B]) masks keys at positions >= kv_lens[b]: the valid keys are a prefix, which is what padding to whole tiles and
 text padding produce, and what cuDNN and the sparse kernels support without a dense mask.
 """
 
@@ -10,6 +11,5 @@ from __future__ import annotations
 
 from dsv_jax.attention.registry import attention, available_backends, register_backend, resolve_backend
 from dsv_jax.attention import dense as _dense  # noqa: F401  (registers "xla" and "cudnn")
-from dsv_jax.dsv import backend as _sparse  # noqa: F401,E402  (registers "dsv" and "window")
 
 __all__ = ["attention", "available_backends", "register_backend", "resolve_backend"]

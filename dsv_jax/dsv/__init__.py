@@ -4,6 +4,11 @@
     predictor.py   LowRankPredictor and its loss
     selection.py   top-k KV blocks per query tile (with per-head counts), window baseline index lists
     profiler.py    sparsity / recall statistics from exact attention rows of sampled queries
-    backend.py     the "dsv" and "window" attention backends and the block glue (DiT, MMDiT)
+    backend.py     the "dsv" and "window" attention backends (registered on import of this package)
     controller.py  stage 1 -> stage 2, per-block sparse/dense decisions on a keep ladder (host side)
+    policy.py      the attention-policy interface the training loop talks to (static, or the controller)
+
+The block glue that runs a plan inside a transformer block is the model's (`dsv_jax.model.attention`).
 """
+
+from dsv_jax.dsv import backend as _backend  # noqa: F401  (registers the "dsv" and "window" backends)

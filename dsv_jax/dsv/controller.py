@@ -81,10 +81,13 @@ class DSVController:
                                      percentile=d.percentile))
         return tuple(out)
 
-    def inputs(self, shape) -> dict[str, np.ndarray]:
-        """Runtime inputs: per-head keep ratios [depth, H] and the predictor's learning rate."""
+    def inputs(self, shape, *, train: bool = True) -> dict[str, np.ndarray]:
+        """Runtime inputs: per-head keep ratios [depth, H] and, in training, the predictor's learning rate."""
+        keep = {"keep": self.keep(shape).astype(np.float32)}
+        if not train:
+            return keep
         lr = self.dsv.predictor_lr * (self.dsv.stage2_lr_scale if self.stage == 2 else 1.0)
-        return {"keep": self.keep(shape).astype(np.float32), "predictor_lr": np.float32(lr)}
+        return {**keep, "predictor_lr": np.float32(lr)}
 
     def keep(self, shape) -> np.ndarray:
         entry = self.shapes.get(shape_key(shape))
@@ -227,13 +230,3 @@ class DSVController:
 def _describe(rung: float) -> str:
     return f"sparse keep<={rung:g}" if rung > 0 else "dense"
 
-
-def attention_for(cfg, shape, controller_state: dict | None = None):
-    """(attention, attention_inputs) of inference on `shape` (evaluation, sampling): the trained plans
-    of a DSV run from its controller state, the window plans, or a backend name."""
-    from dsv_jax.dsv.plan import static_plans
-
-    if cfg.attention != "dsv":
-        return static_plans(cfg), None
-    ctl = DSVController(cfg, controller_state)
-    return ctl.plans(shape, train=False), {"keep": ctl.keep(shape).astype(np.float32)}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv_jax.attention.rope import apply_rope
 from dsv_jax.config import ModelConfig
 
 
@@ -31,17 +32,19 @@ class LowRankPredictor(nnx.Module):
         self.wk = nnx.Linear(cfg.hidden, cfg.heads * rank, use_bias=False, kernel_init=init,
                              param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
 
-    def __call__(self, x, coords: np.ndarray):
-        """x [B, S, hidden] (already detached by the caller) -> q_lr, k_lr [B, S, H, rank] in fp32."""
+    def __call__(self, x, rope=None):
+        """x [B, S, hidden] (already detached by the caller) -> q_lr, k_lr [B, S, H, rank] in fp32.
+
+        rope: rotary angles [S, rank / 2] of the tokens' 3D positions (the model computes them, as for
+        q and k), applied when the predictor was built with rope=True."""
         b, s, _ = x.shape
         x = x.astype(jnp.float32)
         q = self.wq(x).reshape(b, s, self.heads, self.rank)
         k = self.wk(x).reshape(b, s, self.heads, self.rank)
         if self.rope:
-            from dsv_jax.model.rope import apply_rope, rope_angles  # noqa: PLC0415 (dsv_jax.model imports this module)
-
-            angles = jnp.asarray(rope_angles(coords, self.rank, self.rope_theta))
-            q, k = apply_rope(q, angles), apply_rope(k, angles)
+            if rope is None:
+                raise ValueError("this predictor applies 3D RoPE: pass the rotary angles of the tokens")
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q, k
 
 

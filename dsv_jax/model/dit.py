@@ -24,12 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv_jax.config import ModelConfig
-from dsv_jax.dsv.backend import joint_attention as plan_joint_attention
 from dsv_jax.dsv.plan import as_plan
 from dsv_jax.dsv.predictor import LowRankPredictor
+from dsv_jax.model.attention import joint_attention
 from dsv_jax.model.layers import (MLP, BlockContext, CrossAttention, Modulation, QKV, SelfAttention,
                                   TimestepEmbedder, compute_dtype, gated_modulate, linear, merge_heads, modulate)
-from dsv_jax.model.rope import apply_rope, rope_angles
+from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.model.tokens import patchify, unpatchify
 
 
@@ -77,24 +77,12 @@ class MMDiTBlock(nnx.Module):
         qv, kv, vv = self.qkv_video(yv)
         qt, kt, vt = self.qkv_text(modulate(xt, mt[1], mt[0], self.cfg))
         qv, kv = apply_rope(qv, ctx.rope), apply_rope(kv, ctx.rope)
-        ov, ot, aux = plan_joint_attention((qv, kv, vv), (qt, kt, vt), ctx, plan, yv, self.predictor, inputs)
+        ov, ot, aux = joint_attention((qv, kv, vv), (qt, kt, vt), ctx, plan, yv, self.predictor, inputs)
         hv, yv = gated_modulate(xv, self.out_video(merge_heads(ov)), mv[2], mv[4], mv[3], self.cfg)
         ht, yt = gated_modulate(xt, self.out_text(merge_heads(ot)), mt[2], mt[4], mt[3], self.cfg)
         xv = hv + (mv[5][:, None] * self.mlp_video(yv)).astype(hv.dtype)
         xt = ht + (mt[5][:, None] * self.mlp_text(yt)).astype(ht.dtype)
         return (xv, xt), aux
-
-
-def joint_attention(video, text, ctx: BlockContext, plan):
-    """Attention over the joint video + text sequence, masked by lengths only. -> (o_video, o_text)
-
-    The joint order is [real video tokens, text tokens, video padding]: since text padding is at the
-    end of the text, the valid keys of sample b are the prefix n_real + text_lens[b]. Attention is
-    invariant to the order of keys, so this costs two concatenations and no dense mask. Sparse plans
-    (dsv_jax.dsv.backend.joint_attention) keep text tokens dense and make video-video attention sparse.
-    """
-    ov, ot, _ = plan_joint_attention(video, text, ctx, plan)
-    return ov, ot
 
 
 class FinalLayer(nnx.Module):

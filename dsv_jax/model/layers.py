@@ -12,8 +12,8 @@ from flax import nnx
 
 from dsv_jax.attention import attention
 from dsv_jax.config import ModelConfig
-from dsv_jax.dsv.backend import self_attention
-from dsv_jax.model.rope import apply_rope
+from dsv_jax.model.attention import self_attention
+from dsv_jax.attention.rope import apply_rope
 from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
 
 zeros = nnx.initializers.zeros_init()

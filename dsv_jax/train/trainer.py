@@ -25,8 +25,7 @@ from tqdm.auto import tqdm
 
 from dsv_jax.config import Config, ConfigError
 from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
-from dsv_jax.dsv.controller import DSVController
-from dsv_jax.dsv.plan import static_plans
+from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.metrics import MetricsWriter
@@ -168,26 +167,26 @@ class Trainer:
         self.state_sharding = state_shardings(abstract, self.mesh)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
-        self.attention = static_plans(cfg)  # a backend name, or window plans; DSV plans come from the controller
-        self.controller = DSVController(cfg) if cfg.attention == "dsv" else None
+        # What every block's attention runs at each step: a static policy, or the DSV controller
+        self.policy = make_policy(cfg)
         if self.mesh.shape["context"] > 1:  # the sequence of a sample spans the context axis
-            if not isinstance(self.attention, str):
+            if not isinstance(self.policy.plans(self.feed.shapes[0]), str):
                 raise ConfigError(f"attention={cfg.attention!r} with parallel.context={self.mesh.shape['context']}: "
                                   "the model's context parallelism runs dense backends only so far "
                                   "(sparse context attention is available as dsv_jax.parallel.context_attention)")
             from dsv_jax.parallel.context import ContextPlan
+            from dsv_jax.dsv.policy import StaticPolicy
 
-            self.attention = ContextPlan(self.mesh, cfg.parallel.context_strategy, backend=cfg.attention)
+            self.policy = StaticPolicy(ContextPlan(self.mesh, cfg.parallel.context_strategy, backend=cfg.attention))
 
         latest = self.checkpointer.latest_step() if resume else None
         if latest is not None:
             self.checkpointer.check_compatible(latest, cfg)
             self.state, data_state = self.checkpointer.restore(latest, self.abstract_state)
             self.feed.set_state(data_state)
-            if self.controller is not None:
-                saved = self.checkpointer.controller_state(latest)
-                if saved is not None:
-                    self.controller.load_state_dict(saved)
+            saved = self.checkpointer.controller_state(latest)
+            if saved is not None:
+                self.policy.load_state_dict(saved)
             log.info("resumed from step %d in %s", latest, self.checkpointer.directory)
         else:
             self.state = jax.jit(lambda: init_state(cfg), out_shardings=self.state_sharding)()
@@ -204,13 +203,8 @@ class Trainer:
         return batch_spec(self.cfg, self.mesh, self.feed.batch_size(shape), shape)
 
     def attention_for(self, shape, *, train: bool = True, profile: bool = False):
-        """(plans, runtime inputs or None) of a step on `shape`; DSV asks its controller."""
-        if self.controller is None:
-            return self.attention, None
-        inputs = self.controller.inputs(shape)
-        if not train:
-            inputs = {"keep": inputs["keep"]}
-        return self.controller.plans(shape, train=train, profile=profile), inputs
+        """(plans, runtime inputs or None) of a step on `shape`, from the attention policy."""
+        return self.policy.plans(shape, train=train, profile=profile), self.policy.inputs(shape, train=train)
 
     def compiled_step(self, shape, plans=None):
         """The compiled train step of a bucket shape and attention plan (cached by (shape, plans))."""
@@ -220,12 +214,9 @@ class Trainer:
         if key not in self._compiled:
             if self._warm and all(tuple(shape) != k[0] for k in self._compiled):
                 log.warning("compiling bucket %s after warm-up: it is not among the feed's shapes", shape)
-            inputs = None
-            if self.controller is not None:
-                replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-                inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
-                                                                     sharding=replicated),
-                                      self.controller.inputs(shape))
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated),
+                                  self.policy.inputs(shape))
             t0 = time.perf_counter()
             self._compiled[key] = compile_train_step(self.cfg, self.graphdef, plans, self.abstract_state,
                                                      self.state_sharding, self.batch_spec(shape), inputs)
@@ -238,9 +229,9 @@ class Trainer:
         t0 = time.perf_counter()
         shapes = self.feed.shapes
         for shape in tqdm(shapes, desc="compiling buckets", disable=not (self.progress and self.is_main), leave=False):
-            self.compiled_step(shape, self.attention_for(shape)[0])
-            if self.controller is not None:  # the profiling variant too
-                self.compiled_step(shape, self.attention_for(shape, profile=True)[0])
+            variants = {self.attention_for(shape)[0], self.attention_for(shape, profile=True)[0]}
+            for plans in variants:  # the profiling variant too, where the policy profiles
+                self.compiled_step(shape, plans)
         self._warm = True
         return time.perf_counter() - t0
 
@@ -261,8 +252,9 @@ class Trainer:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
-            cp = self.attention.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
-                if hasattr(self.attention, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
+            plans = self.policy.plans(self.feed.shapes[0])
+            cp = plans.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
+                if hasattr(plans, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
             writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes), **cp})
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
@@ -275,18 +267,16 @@ class Trainer:
                         shape = batch["latents"].shape[1:4]
                         b_global = batch["latents"].shape[0] * jax.process_count()
                         lr = np.float32(lr_at(cfg.train, step))
-                        profile = False
-                        if self.controller is not None:
-                            self._dsv_events(writer, step, self.controller.before_step(step))
-                            profile = self.controller.profile_due(step, shape)
+                        self._policy_events(writer, step, self.policy.before_step(step))
+                        profile = self.policy.profile_due(step, shape)
                         plans, inputs = self.attention_for(shape, profile=profile)
                         args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
                         self.state, metrics = self.compiled_step(shape, plans)(*args)
-                        extra = self.controller.record(shape) if self.controller is not None else {}
+                        extra = self.policy.record(shape)
                         step += 1
-                        if profile:  # the controller decides on this step's statistics (a host sync)
+                        if profile:  # the policy decides on this step's statistics (a host sync)
                             host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
-                            self._dsv_events(writer, step, self.controller.observe(step - 1, shape, host))
+                            self._policy_events(writer, step, self.policy.observe(step - 1, shape, host))
                         window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
                         pending.append((step, shape, b_global, metrics, extra))
                         if step % cfg.train.log_every == 0 or step == end:
@@ -316,10 +306,10 @@ class Trainer:
         writer.close()
         return records
 
-    def _dsv_events(self, writer, step, lines):
+    def _policy_events(self, writer, step, lines):
         for line in lines:
             log.info(line)
-            writer.write(step, {"dsv/event": line, "dsv/stage": self.controller.stage})
+            writer.write(step, {"dsv/event": line})
 
     def _records(self, pending, elapsed, tokens):
         if not pending:
@@ -335,8 +325,9 @@ class Trainer:
             rec.update(extra)
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
                        tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
-            if hasattr(self.attention, "step_metrics"):
-                rec.update(self.attention.step_metrics())
+            plans = self.policy.plans(shape)
+            if hasattr(plans, "step_metrics"):
+                rec.update(plans.step_metrics())
             if not m["finite"]:
                 log.warning("step %d: non-finite loss or gradient, update skipped", step)
             out.append(rec)
@@ -346,8 +337,7 @@ class Trainer:
         step = int(self.state.step)
         if step in self.checkpointer.all_steps():
             return
-        self.checkpointer.save(step, self.state, data_state, self.cfg,
-                               self.controller.state_dict() if self.controller is not None else None)
+        self.checkpointer.save(step, self.state, data_state, self.cfg, self.policy.state_dict())
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall."""
@@ -360,9 +350,8 @@ class Trainer:
             if plans not in self._eval_fns:
                 self._eval_fns[plans] = jax.jit(make_eval_step(cfg, self.graphdef, plans))
             fn = self._eval_fns[plans]
-            extra = (inputs,) if inputs is not None else ()
             losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
-                                    jax.random.key(i), *extra)) for i in range(cfg.train.eval_batches)]
+                                    jax.random.key(i), inputs)) for i in range(cfg.train.eval_batches)]
             mean = np.mean(losses, axis=0)
             out[f"eval_loss/{'x'.join(map(str, shape))}"] = float(mean.mean())
             all_losses.append(mean)
@@ -413,9 +402,8 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
             from dsv_jax.sample import sample_from_state
 
             path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
-            controller = trainer.controller.state_dict() if trainer.controller is not None else None
             sample_from_state(cfg, trainer.graphdef, trainer.state.params, path, steps=cfg.train.sample_steps,
-                              guidance=cfg.train.guidance, controller_state=controller)
+                              guidance=cfg.train.guidance, controller_state=trainer.policy.state_dict())
             log.info("wrote %s", path)
     finally:
         trainer.close()

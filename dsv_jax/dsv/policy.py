@@ -1,0 +1,75 @@
+"""Attention policies: what each block's video attention runs at every step, decided on the host.
+
+The training loop, evaluation and sampling ask a policy for the static per-block plans of a step and
+their runtime inputs, and feed it what a profiled step measured; they never ask which policy it is.
+
+    policy = make_policy(cfg)                    # StaticPolicy, or the DSV controller for attention=dsv
+    events = policy.before_step(step)            # log lines (e.g. "DSV stage 2 from step ...")
+    profile = policy.profile_due(step, shape)
+    plans = policy.plans(shape, train=True, profile=profile)   # hashable: part of the compile key
+    inputs = policy.inputs(shape, train=True)    # runtime arrays of the plans, or None
+    ... run the step ...
+    events = policy.observe(step, shape, host_metrics)         # only after a profiled step
+    policy.record(shape), policy.state_dict()    # metrics of the step; JSON state for checkpoints
+
+`StaticPolicy` serves every fixed choice: a dense backend name, the window baseline, or a wrapper's
+fixed plans (context parallelism wraps any policy: `dsv_jax.parallel.policy.ContextPolicy`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from dsv_jax.dsv.controller import DSVController
+from dsv_jax.dsv.plan import static_plans
+
+
+class AttentionPolicy(Protocol):
+    def plans(self, shape, *, train: bool = True, profile: bool = False) -> Any: ...
+    def inputs(self, shape, *, train: bool = True) -> dict | None: ...
+    def profile_due(self, step: int, shape) -> bool: ...
+    def before_step(self, step: int) -> list[str]: ...
+    def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]: ...
+    def record(self, shape) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any] | None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StaticPolicy:
+    """The same plans at every step: a backend name, or one plan (or one per block) such as the window
+    baseline. Nothing to profile, decide or checkpoint."""
+
+    def __init__(self, attention: Any):
+        self.attention = attention
+
+    def plans(self, shape, *, train: bool = True, profile: bool = False) -> Any:
+        return self.attention
+
+    def inputs(self, shape, *, train: bool = True) -> None:
+        return None
+
+    def profile_due(self, step: int, shape) -> bool:
+        return False
+
+    def before_step(self, step: int) -> list[str]:
+        return []
+
+    def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]:
+        return []
+
+    def record(self, shape) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def make_policy(cfg, state: dict[str, Any] | None = None) -> AttentionPolicy:
+    """The policy of a config: the DSV controller for attention=dsv (restored from `state`, a
+    checkpoint's JSON), else a StaticPolicy of the backend name or window plan."""
+    if cfg.attention == "dsv":
+        return DSVController(cfg, state)
+    return StaticPolicy(static_plans(cfg))
