@@ -1,6 +1,7 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
     dsv-jax train --config NAME [--workdir DIR] [--steps N] [key=value ...]
+        [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
     dsv-jax sample --workdir DIR --out FILE.gif [--prompt TEXT ...] [--steps N]
     dsv-jax presets
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
@@ -18,6 +19,9 @@ from dsv_jax.config import PRESETS, ConfigError, get_config
 
 
 def _train(args) -> int:
+    from dsv_jax.train.distributed import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id)  # several processes: SLURM, OpenMPI, flags
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -101,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="checkpoints, metrics and samples go here (default runs/<config>)")
     p.add_argument("--steps", type=int, help="total training steps (same as train.steps=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (SLURM / OpenMPI: detected)")
+    p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
+    p.add_argument("--process-id", type=int, help="multi-process run: this process's index")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.depth=8")
     p.set_defaults(fn=_train)
 

@@ -189,10 +189,15 @@ class ParallelConfig:
     # Context-parallel attention when context > 1: hybrid (planner picks HCP x SCP) | ulysses | ring |
     # allgather | selective (sparse only). See dsv_jax/parallel/context.py.
     context_strategy: str = "hybrid"
+    # Force the HCP degree of every block (0: the planner picks HCP x SCP per block). It must divide
+    # parallel.context and the number of heads.
+    hcp_degree: int = 0
 
     def __post_init__(self):
         _choice("parallel.context_strategy", self.context_strategy,
                 ("hybrid", "ulysses", "ring", "allgather", "selective"))
+        if self.hcp_degree < 0:
+            raise ConfigError(f"parallel.hcp_degree={self.hcp_degree} must be >= 0 (0: chosen by the planner)")
         sizes = (self.data, self.fsdp, self.context)
         if sum(s == -1 for s in sizes) > 1:
             raise ConfigError(f"at most one of parallel.data/fsdp/context may be -1, got {sizes}")

@@ -194,6 +194,9 @@ class DSVController:
             rec[f"dsv/head_keep/block{i}"] = float(np.mean(keep[i]))  # the per-head ratios the rules ask for
         return rec
 
+    def summary(self, shapes) -> dict[str, Any]:
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "switch_step": self.switch_step, "loss_ema": self.loss_ema,
                 "recall_fractions": list(RECALL_FRACTIONS),

@@ -11,6 +11,7 @@ their runtime inputs, and feed it what a profiled step measured; they never ask 
     ... run the step ...
     events = policy.observe(step, shape, host_metrics)         # only after a profiled step
     policy.record(shape), policy.state_dict()    # metrics of the step; JSON state for checkpoints
+    policy.summary(shapes)                       # logged once, with the compile time
 
 `StaticPolicy` serves every fixed choice: a dense backend name, the window baseline, or a wrapper's
 fixed plans (context parallelism wraps any policy: `dsv_jax.parallel.policy.ContextPolicy`).
@@ -31,6 +32,7 @@ class AttentionPolicy(Protocol):
     def before_step(self, step: int) -> list[str]: ...
     def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]: ...
     def record(self, shape) -> dict[str, Any]: ...
+    def summary(self, shapes) -> dict[str, Any]: ...
     def state_dict(self) -> dict[str, Any] | None: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -58,6 +60,9 @@ class StaticPolicy:
         return []
 
     def record(self, shape) -> dict[str, Any]:
+        return {}
+
+    def summary(self, shapes) -> dict[str, Any]:
         return {}
 
     def state_dict(self) -> None:

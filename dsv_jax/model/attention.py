@@ -79,8 +79,10 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
             selection = sparse_backends.window_kv(b, h, layout.grid, layout.tile, plan.window)
         elif plan.selects and q_lr is not None:
             keep = None if inputs is None else inputs.get("keep")
-            selection = select_kv(q_lr, k_lr, plan.top_k(s // kv_block), keep, q_tile=q_tile, kv_block=kv_block,
-                                  block_reduce=plan.block_reduce)
+            # under context parallelism the selection runs where the query tiles live
+            select = getattr(plan.backend, "select_kv", select_kv)
+            selection = select(q_lr, k_lr, plan.top_k(s // kv_block), keep, q_tile=q_tile, kv_block=kv_block,
+                               block_reduce=plan.block_reduce)
     if plan.profile:
         q_tile, kv_block = geometry or (1, 1)
         lowrank = (q_lr, k_lr) if plan.mode == "dsv" and geometry is not None and q_lr is not None else None
@@ -100,16 +102,37 @@ def _backend(plan):
     return plan.backend if isinstance(plan, AttentionPlan) else plan
 
 
+def context_backend(plan):
+    """The context-parallel backend a plan runs on (`dsv_jax.parallel.ContextAttention`: it keeps
+    activations sharded over the sequence and attends to text per device), or None."""
+    backend = _backend(plan)
+    return backend if hasattr(backend, "constrain") else None
+
+
+CONTEXT_STATS = ("requested_blocks", "overflow_blocks", "fallback")
+
+
+def _attend(q, k, v, plan, aux, **kw):
+    """Attention of a non-dense plan: sparse through a selection (kv_index / kv_count in kw) or dense.
+    On a context-parallel backend the exchange statistics go into aux as cp/... (every block reports
+    the same keys, so blocks with different plans stack)."""
+    backend = plan.backend
+    if context_backend(plan) is not None:
+        o, stats = attention(q, k, v, backend=backend, return_stats=True, **kw)
+        aux.update({f"cp/{name}": stats[name] for name in CONTEXT_STATS})
+        return o
+    return attention(q, k, v, backend="dsv" if "kv_index" in kw else backend, **kw)
+
+
 def self_attention(q, k, v, x, ctx, plan, predictor=None, inputs=None):
     """DiT video self-attention under `plan` (a backend name or an AttentionPlan). -> (o, aux)."""
     if _is_dense(plan):
         return attention(q, k, v, backend=_backend(plan), kv_lens=ctx.video_lens), {}
     selection, geometry, aux = plan_selection(q, k, x, ctx, plan, predictor, inputs)
     if selection is None:
-        return attention(q, k, v, backend=plan.backend, kv_lens=ctx.video_lens), aux
+        return _attend(q, k, v, plan, aux, kv_lens=ctx.video_lens), aux
     q_tile, kv_block = geometry
-    o = attention(q, k, v, backend="dsv", kv_index=selection[0], kv_count=selection[1], q_tile=q_tile,
-                  kv_block=kv_block)
+    o = _attend(q, k, v, plan, aux, kv_index=selection[0], kv_count=selection[1], q_tile=q_tile, kv_block=kv_block)
     return o, aux
 
 

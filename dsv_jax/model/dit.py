@@ -26,7 +26,7 @@ from flax import nnx
 from dsv_jax.config import ModelConfig
 from dsv_jax.dsv.plan import as_plan
 from dsv_jax.dsv.predictor import LowRankPredictor
-from dsv_jax.model.attention import joint_attention
+from dsv_jax.model.attention import context_backend, joint_attention
 from dsv_jax.model.layers import (MLP, BlockContext, CrossAttention, Modulation, QKV, SelfAttention,
                                   TimestepEmbedder, compute_dtype, gated_modulate, linear, merge_heads, modulate)
 from dsv_jax.attention.rope import apply_rope, rope_angles
@@ -137,9 +137,9 @@ class VideoDiT(nnx.Module):
         b = latents.shape[0]
         tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile)
         x = self.patch_embed(tokens)
-        plan = attention[0] if isinstance(attention, (list, tuple)) else attention
-        if hasattr(plan, "constrain"):  # context parallelism: keep the tokens sharded over the sequence
-            x = plan.constrain(x)
+        cp = context_backend(attention[0] if isinstance(attention, (list, tuple)) else attention)
+        if cp is not None:  # context parallelism: keep the tokens sharded over the sequence
+            x = cp.constrain(x)
 
         text_lens = jnp.sum(text_mask.astype(jnp.int32), axis=1)
         txt = self.text_mlp(nnx.gelu(self.text_in(text.astype(dtype)), approximate=True))

@@ -12,7 +12,7 @@ from flax import nnx
 
 from dsv_jax.attention import attention
 from dsv_jax.config import ModelConfig
-from dsv_jax.model.attention import self_attention
+from dsv_jax.model.attention import context_backend, self_attention
 from dsv_jax.attention.rope import apply_rope
 from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
 
@@ -144,8 +144,9 @@ class CrossAttention(nnx.Module):
 
     def __call__(self, x, ctx: "BlockContext", plan=None):
         q, k, v = self.qkv(x, ctx.text)
-        if hasattr(plan, "cross_attention"):  # context parallelism: per device, on its share of the queries
-            o = plan.cross_attention(q, k, v, kv_lens=ctx.text_lens)
+        cp = context_backend(plan)
+        if cp is not None:  # context parallelism: per device, on its share of the queries
+            o = cp.cross_attention(q, k, v, kv_lens=ctx.text_lens)
         else:
             o = attention(q, k, v, backend="auto", kv_lens=ctx.text_lens)
         return self.out(merge_heads(o))

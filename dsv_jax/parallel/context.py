@@ -190,7 +190,7 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
                              head_group=head_group)
     out_specs = (P(bspec, "context"), P())
     out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
-    if scp_strategy == "selective" and ps > 1:
+    if scp_strategy == "selective" and ps > 1 and not return_stats:  # else the caller reports it
         jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
     if not return_stats:
         return out
@@ -203,11 +203,13 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     return out, stats
 
 
-def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_block: int = 64, block_reduce="mean"):
+def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_block: int = 64, block_reduce="mean",
+                     keep=None):
     """Block selection of every query tile with q_lr, k_lr [B, S, H, r] sharded over `context`:
     each device all-gathers the low-rank keys (rank r: cheap) and selects for its own query tiles.
     Returns (kv_index [B, H, S // q_tile, K], kv_count) sharded over the tiles, ready for
-    context_attention; equal to `pallas_kernels.lowrank_topk` on one device (top_k an int, or one per head)."""
+    context_attention; equal to `dsv_jax.dsv.selection.select_kv` on one device (top_k an int, or one
+    per head; keep: runtime per-head keep ratios [H] or [B, H] with an int top_k, as select_kv)."""
     n = mesh.shape["context"]
     b, s, h, _ = q_lr.shape
     if k_lr.shape != q_lr.shape or (s // n) % q_tile or s % kv_block:
@@ -216,23 +218,22 @@ def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_bloc
     bspec = _batch_spec(mesh, b)
     top_k = tuple(int(t) for t in top_k) if isinstance(top_k, (tuple, list, np.ndarray)) else int(top_k)
 
-    def body(q_lr, k_lr):
+    def body(q_lr, k_lr, keep=None):
         k_all = jax.lax.all_gather(k_lr, "context", axis=1, tiled=True)
-        return scp.local_selection(q_lr, k_all, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce)
+        return scp.local_selection(q_lr, k_all, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
+                                   keep=keep)
 
     spec_in = P(bspec, "context")
     spec_out = P(bspec, None, "context")
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec_in, spec_in), out_specs=(spec_out, spec_out),
-                         check_vma=False)(q_lr, k_lr)
-
-
-OVERFLOW_EVENTS = {"calls": 0, "blocks": 0}  # host-side tally of selective-exchange overflows
+    args, specs = (q_lr, k_lr), (spec_in, spec_in)
+    if keep is not None:
+        keep = jnp.asarray(keep, jnp.float32)
+        args, specs = args + (keep,), specs + (P(bspec) if keep.ndim == 2 else P(),)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(spec_out, spec_out), check_vma=False)(*args)
 
 
 def _report_overflow(blocks, fallback):
     if int(fallback):
-        OVERFLOW_EVENTS["calls"] += 1
-        OVERFLOW_EVENTS["blocks"] += int(blocks)
         log.warning("selective context attention: %d requested KV blocks over capacity; took the all-gather path",
                     int(blocks))
 
@@ -331,13 +332,16 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
 
 
 @dataclasses.dataclass(frozen=True)
-class ContextPlan:
-    """Context-parallel attention as an attention plan: pass it wherever a backend name goes
-    (`attention(q, k, v, backend=plan)`, `VideoDiT(..., attention=plan)`); hashable, so it is a static
-    argument of jit / remat like a backend name. The trainer builds one when `parallel.context > 1`.
+class ContextAttention:
+    """Context-parallel attention as an attention backend: pass it wherever a backend name goes
+    (`attention(q, k, v, backend=...)`, an `AttentionPlan`'s `backend`, `VideoDiT(..., attention=...)`);
+    hashable, so it is a static argument of jit / remat like a backend name. The trainer's
+    `dsv_jax.parallel.policy.ContextPolicy` builds one per block when `parallel.context > 1`.
 
-    A sequence that does not divide over the context axis (e.g. MMDiT's joint video + text tokens) is
-    padded at the end with keys masked by kv_lens, and the padded query rows are dropped."""
+    Dense calls run `strategy`; a call with a selection (kv_index, kv_count) runs the sparse strategies,
+    and `select_kv` computes that selection where the queries live. A dense sequence that does not divide
+    over the context axis (e.g. MMDiT's joint video + text tokens) is padded at the end with keys masked
+    by kv_lens, and the padded query rows are dropped."""
 
     mesh: Mesh
     strategy: str = "hybrid"
@@ -354,7 +358,14 @@ class ContextPlan:
             kv_lens = s if kv_lens is None else jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s)
         out = context_attention(q, k, v, mesh=self.mesh, strategy=self.strategy, kv_lens=kv_lens, sm_scale=sm_scale,
                                 backend=self.backend, **{**dict(self.options), **options})
-        return out[:, :s] if pad else out
+        if not pad:
+            return out
+        return (out[0][:, :s], out[1]) if options.get("return_stats") else out[:, :s]
+
+    def select_kv(self, q_lr, k_lr, top_k, keep=None, *, q_tile, kv_block, block_reduce="mean"):
+        """The DSV selection (as `dsv_jax.dsv.selection.select_kv`) computed where the query tiles live."""
+        return select_kv_blocks(q_lr, k_lr, top_k, mesh=self.mesh, q_tile=q_tile, kv_block=kv_block,
+                                block_reduce=block_reduce, keep=keep)
 
     def cross_attention(self, q, k, v, *, kv_lens=None):
         """Queries sharded over `context` attending to keys every device holds (DiT's text tokens): no
@@ -392,33 +403,5 @@ class ContextPlan:
         return resolve_degrees(self.strategy, n, degrees=opts.get("degrees"), scp_strategy=opts.get("scp"),
                                plan_fn=plan_fn)
 
-    def bucket_metrics(self, cfg, shapes, batch_size) -> dict[str, Any]:
-        """Per bucket: the plan and the bytes each device sends per layer (dense attention; formulas of
-        `comm.context_bytes`), for the training metrics. batch_size(shape) -> global batch."""
-        from dsv_jax.model.layers import compute_dtype
-        from dsv_jax.model.tokens import grid_shape, token_layout
-        from dsv_jax.parallel.comm import context_bytes
 
-        m = cfg.model
-        n = self.mesh.shape["context"]
-        dp = _batch_axes(self.mesh)[1]
-        itemsize = jnp.dtype(compute_dtype(m)).itemsize
-        out = {}
-        for shape in shapes:
-            s = token_layout(grid_shape(tuple(shape), m.patch), m.tile).seq_len
-            if m.arch == "mmdit":  # joint video + text sequence
-                s += cfg.text.max_len
-            s += -s % n
-            b = max(1, batch_size(shape) // dp)
-            ph, ps, scp_strategy = self.resolve(s, m.heads, m.head_dim, b, itemsize)
-            bytes_ = context_bytes(hcp=ph, scp=ps, scp_strategy=scp_strategy, batch=b, seq_len=s, heads=m.heads,
-                                   head_dim=m.head_dim, itemsize=itemsize)
-            key = "cp/" + "x".join(map(str, shape))
-            out[f"{key}/plan"] = f"{ph}x{ps} {scp_strategy if ps > 1 else 'ulysses'}"
-            out[f"{key}/bytes_per_layer"] = bytes_["total"]
-        return out
-
-    @staticmethod
-    def step_metrics() -> dict[str, int]:
-        """Selective-exchange overflows so far (calls that took the all-gather path, and their blocks)."""
-        return {"cp_overflow_calls": OVERFLOW_EVENTS["calls"], "cp_overflow_blocks": OVERFLOW_EVENTS["blocks"]}
+ContextPlan = ContextAttention  # the earlier name (issue text, user code)

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dsv_jax.dsv.selection import head_counts
 from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
 
@@ -224,24 +225,30 @@ def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacit
     return out, stats
 
 
-def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean"):
+def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean", keep=None):
     """Selection of this device's query tiles against the whole sequence's low-rank keys.
 
     q_lr [B, S_local, H, r], k_lr_all [B, S, H, r] -> kv_index [B, H, T_local, K], kv_count [B, H, T_local]:
-    the same blocks `pallas_kernels.lowrank_topk` picks for these tiles (mean-of-tile proxy, block
+    the same blocks `dsv_jax.dsv.selection.select_kv` picks for these tiles (mean-of-tile proxy, block
     score reduced over the block, top-k ids ascending). top_k: an int, or one int per head (K = max;
-    head h keeps its top_k[h] best, so kv_count carries heterogeneous per-head sparsity)."""
+    head h keeps its top_k[h] best, so kv_count carries heterogeneous per-head sparsity). keep: per-head
+    keep ratios [H] or [B, H] (runtime, as select_kv takes them; with an int top_k only)."""
     b, s_loc, h, r = q_lr.shape
     s = k_lr_all.shape[1]
+    nb = s // kv_block
     proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, s_loc // q_tile, q_tile, h, r), axis=2)
     scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr_all.astype(jnp.float32))
-    scores = scores.reshape(b, h, s_loc // q_tile, s // kv_block, kv_block)
+    scores = scores.reshape(b, h, s_loc // q_tile, nb, kv_block)
     scores = jnp.mean(scores, -1) if block_reduce == "mean" else jnp.max(scores, -1)
     per_head = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (h,))
     k_max = int(max(top_k)) if isinstance(top_k, (tuple, list)) else int(top_k)
+    if keep is not None:
+        per_head = head_counts(keep, nb, k_max)
+        per_head = per_head if per_head.ndim == 2 else per_head[None]
+    per_head = jnp.broadcast_to(per_head, (b, h)) if per_head.ndim == 2 else jnp.broadcast_to(per_head[None], (b, h))
     _, idx = jax.lax.top_k(scores, k_max)  # best first
-    keep = jnp.arange(k_max) < per_head[None, :, None, None]
-    idx = jnp.sort(jnp.where(keep, idx, jnp.iinfo(jnp.int32).max), axis=-1)  # kept ids ascending, then the rest
+    live = jnp.arange(k_max) < per_head[:, :, None, None]
+    idx = jnp.sort(jnp.where(live, idx, jnp.iinfo(jnp.int32).max), axis=-1)  # kept ids ascending, then the rest
     idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, 0, idx).astype(jnp.int32)
-    count = jnp.broadcast_to(per_head[None, :, None], idx.shape[:3])
+    count = jnp.broadcast_to(per_head[:, :, None], idx.shape[:3])
     return idx, count

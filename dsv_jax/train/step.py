@@ -81,7 +81,8 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
                                   opt_state=keep(opt_state, state.opt_state),
                                   skipped=state.skipped + (~finite).astype(jnp.int32))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
-        metrics.update({f"dsv/{k}": v for k, v in aux.items()})  # per block: [depth] or [depth, H]
+        # per block: [depth] or [depth, H]; DSV's outputs under dsv/, context-parallel exchange stats under cp/
+        metrics.update({(k if k.startswith("cp/") else f"dsv/{k}"): v for k, v in aux.items()})
         return new_state, metrics
 
     return train_step

@@ -27,7 +27,9 @@ from dsv_jax.config import Config, ConfigError
 from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
 from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
+from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer
+from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.optimizer import lr_at
 from dsv_jax.train.step import EVAL_T, TrainState, abstract_model, init_state, make_eval_step, make_train_step
@@ -153,6 +155,7 @@ def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_s
 class Trainer:
     def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True):
         cfg = resolve_data_config(cfg)  # a prepared dataset's buckets and codec go into the saved config
+        check_same_config(cfg)  # the processes of a multi-host run must agree
         self.cfg, self.workdir, self.progress = cfg, os.path.abspath(workdir), progress
         check_writable(self.workdir)
         enable_compilation_cache()
@@ -167,17 +170,12 @@ class Trainer:
         self.state_sharding = state_shardings(abstract, self.mesh)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
-        # What every block's attention runs at each step: a static policy, or the DSV controller
+        # What every block's attention runs at each step: a static policy or the DSV controller, on the
+        # context axis when the sequence of a sample spans several devices
         self.policy = make_policy(cfg)
-        if self.mesh.shape["context"] > 1:  # the sequence of a sample spans the context axis
-            if not isinstance(self.policy.plans(self.feed.shapes[0]), str):
-                raise ConfigError(f"attention={cfg.attention!r} with parallel.context={self.mesh.shape['context']}: "
-                                  "the model's context parallelism runs dense backends only so far "
-                                  "(sparse context attention is available as dsv_jax.parallel.context_attention)")
-            from dsv_jax.parallel.context import ContextPlan
-            from dsv_jax.dsv.policy import StaticPolicy
-
-            self.policy = StaticPolicy(ContextPlan(self.mesh, cfg.parallel.context_strategy, backend=cfg.attention))
+        if self.mesh.shape["context"] > 1:
+            check_context(cfg, self.mesh, self.feed.shapes)
+            self.policy = ContextPolicy(self.policy, cfg, self.mesh, self.feed.batch_size)
 
         latest = self.checkpointer.latest_step() if resume else None
         if latest is not None:
@@ -252,17 +250,15 @@ class Trainer:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
-            plans = self.policy.plans(self.feed.shapes[0])
-            cp = plans.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
-                if hasattr(plans, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
-            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes), **cp})
+            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes),
+                                **self.policy.summary(self.feed.shapes)})
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
             pending, window_t0, window_tokens = [], time.perf_counter(), 0
             try:
                 with StopRequest() as stop:
-                    while step < end and not stop.requested:
+                    while step < end and not any_process(stop.requested):  # a stop on any host stops all
                         batch = prefetch.next()
                         shape = batch["latents"].shape[1:4]
                         b_global = batch["latents"].shape[0] * jax.process_count()
@@ -296,7 +292,7 @@ class Trainer:
                         writer.write(rec["step"], rec)
                         records.append(rec)
                     self.save(prefetch.state)
-                    stopped = stop.requested
+                    stopped = step < end
             finally:
                 prefetch.close()
                 bar.close()
@@ -325,11 +321,12 @@ class Trainer:
             rec.update(extra)
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
                        tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
-            plans = self.policy.plans(shape)
-            if hasattr(plans, "step_metrics"):
-                rec.update(plans.step_metrics())
             if not m["finite"]:
                 log.warning("step %d: non-finite loss or gradient, update skipped", step)
+            if m.get("cp/fallback") is not None and np.any(m["cp/fallback"]):
+                log.warning("step %d: selective context attention overflowed its capacity in %d block(s) (%d KV "
+                            "blocks over); those took the exact all-gather path", step,
+                            int(np.sum(m["cp/fallback"] > 0)), int(np.sum(m["cp/overflow_blocks"])))
             out.append(rec)
         return out
 
@@ -398,13 +395,16 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
     try:
         records = trainer.run(stop_at=stop_at)
         done = int(trainer.state.step) >= cfg.train.steps
-        if (cfg.train.sample_at_end if sample is None else sample) and done and trainer.is_main:
+        if (cfg.train.sample_at_end if sample is None else sample) and done:
             from dsv_jax.sample import sample_from_state
 
-            path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
-            sample_from_state(cfg, trainer.graphdef, trainer.state.params, path, steps=cfg.train.sample_steps,
-                              guidance=cfg.train.guidance, controller_state=trainer.policy.state_dict())
-            log.info("wrote %s", path)
+            # every process takes part in the copy; the main process then samples on its own device
+            params = host_copy(trainer.state.params)
+            if trainer.is_main:
+                path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
+                sample_from_state(cfg, trainer.graphdef, params, path, steps=cfg.train.sample_steps,
+                                  guidance=cfg.train.guidance, controller_state=trainer.policy.state_dict())
+                log.info("wrote %s", path)
     finally:
         trainer.close()
     return records
