@@ -427,7 +427,7 @@ def test_cli_trains_with_context_parallelism(tmp_path):
         recs = [json.loads(x) for x in f if x.strip()]
     losses = [m["loss"] for m in recs if "loss" in m]
     assert len(losses) == 2 and all(np.isfinite(losses))
-    assert all(m["cp_overflow_calls"] == 0 for m in recs if "loss" in m)
+    assert all(m["cp/bytes_per_step"] > 0 for m in recs if "loss" in m)
     # the plan and bytes per layer of the bucket (64 tokens, 2 heads x 16, float32, 1 sample per device)
     info = next(m for m in recs if "compile_seconds" in m)
     plan = info["cp/4x16x16/plan"]
