@@ -175,7 +175,8 @@ class ContextPolicy:
             best = min(cands, key=lambda c: c.time_s)
         else:
             best = plan_attention(w, self.n, self.hardware, self.kernels).cost
-        capacity = min(1.0, CAPACITY_FACTOR * float(np.max(keep)))  # of a peer's blocks; overflow: the exact path
+        # of a peer's KV blocks over all rows, as the planner counts it; overflow takes the exact path
+        capacity = float(np.mean(np.minimum(1.0, CAPACITY_FACTOR * keep)))
         return {"hcp": best.hcp, "scp": best.scp, "scp_strategy": best.scp_strategy if best.scp > 1 else "ulysses",
                 "slots": best.hcp_slots, "capacity": capacity, "bytes": float(best.bytes_sent),
                 "time_s": float(best.time_s)}
