@@ -476,14 +476,15 @@ class Bench:
                     args["x"] = jax.random.normal(ks[6], (1, s, m.hidden), bf)
                     pred = LowRankPredictor(m, cfg.dsv.rank, nnx.Rngs(0), rope=cfg.dsv.predictor_rope)
                     graphdef, args["pred_params"] = nnx.split(pred)
-                    positions = sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)
+                    positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride,
+                                                                          cfg.dsv.max_queries)]
                     rope = jnp.asarray(rope_angles(layout.coords, cfg.dsv.rank, m.rope_theta)) \
                         if cfg.dsv.predictor_rope else None
 
                     def pred_loss(params, x, q, k):
                         q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), rope)
-                        z = true_logits(q, k, positions, layout.n_real, m.head_dim ** -0.5)
-                        return predictor_loss(q_lr, k_lr, z, positions, layout.n_real)
+                        z = true_logits(q, k, positions, layout.valid, m.head_dim ** -0.5)
+                        return predictor_loss(q_lr, k_lr, z, positions, layout.valid)
 
                     add("pred_f", pred_loss, args["pred_params"], args["x"], *qkv[:2])
                     add("pred_fb", jax.value_and_grad(pred_loss), args["pred_params"], args["x"], *qkv[:2])

@@ -153,7 +153,7 @@ def measure_ring_block(sizes, dtype, iters):
     for s in sizes:
         q, k, v, do = _qkv(s, dtype)
         one = GroupAxis("cp_seq", 1)
-        body = lambda q, k, v: scp.ring_attention(q, k, v, None, None, one, HEAD_DIM ** -0.5, 1024, 64, 64)
+        body = lambda q, k, v: scp.ring_attention(q, k, v, None, None, None, one, HEAD_DIM ** -0.5, 1024, 64, 64)
         f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), check_vma=False)
         err = harness.rel_error(jax.jit(f)(q, k, v), jax.nn.dot_product_attention(q, k, v))
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]

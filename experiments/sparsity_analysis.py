@@ -67,8 +67,9 @@ def analysis_plans(cfg, shape, controller, kv_block: int = 0):
 
 def uniform_distance(layout, positions) -> np.ndarray:
     """Mean per-axis distance from the sampled queries to all valid keys (uniform attention) [3]."""
-    c = layout.coords[: layout.n_real].astype(np.float64)
-    return np.mean(np.abs(c[None] - c[positions][:, None]), axis=(0, 1))
+    c = layout.coords[layout.valid].astype(np.float64)
+    q = layout.coords[positions].astype(np.float64)
+    return np.mean(np.abs(c[None] - q[:, None]), axis=(0, 1))
 
 
 def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int, kv_block: int = 0):
@@ -98,7 +99,7 @@ def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, se
                                      jnp.float32(t), jax.random.key(seed + i))) for i in range(batches)]
         per_t[t] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     layout = token_layout(grid_shape(shape, cfg.model.patch), cfg.model.tile)
-    positions = sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)
+    positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)]
     return per_t, uniform_distance(layout, positions), layout
 
 

@@ -209,16 +209,17 @@ def test_centred_predictor_loss_ignores_row_offsets():
     positions = np.array([0, 9, 20])
     z = rand(52, (b, h, 3, s))
     shifted = z + 5.0 * rand(53, (b, h, 3, 1))
-    centred = [float(predictor_loss(q_lr, k_lr, x, positions, s, center=True)) for x in (z, shifted)]
-    raw = [float(predictor_loss(q_lr, k_lr, x, positions, s, center=False)) for x in (z, shifted)]
+    every = np.ones(s, bool)
+    centred = [float(predictor_loss(q_lr, k_lr, x, positions, every, center=True)) for x in (z, shifted)]
+    raw = [float(predictor_loss(q_lr, k_lr, x, positions, every, center=False)) for x in (z, shifted)]
     assert centred[0] == pytest.approx(centred[1], abs=1e-5)
     assert abs(raw[0] - raw[1]) > 1e-2
-    # a padded layout: only the first n_real keys count, and the means are over them
-    n = 23
-    padded = jnp.where(jnp.arange(s) < n, shifted, -jnp.inf)
-    got = float(predictor_loss(q_lr, k_lr, padded, positions, n, center=True))
-    zh = np.einsum("bqhr,bkhr->bhqk", np.asarray(q_lr)[:, positions], np.asarray(k_lr)[:, :n]) * r ** -0.5
-    zt = np.asarray(shifted)[..., :n]
+    # a padded layout (padding inside tiles): only the valid keys count, and the means are over them
+    valid = np.random.default_rng(0).random(s) < 0.7
+    padded = jnp.where(valid, shifted, -jnp.inf)
+    got = float(predictor_loss(q_lr, k_lr, padded, positions, valid, center=True))
+    zh = np.einsum("bqhr,bkhr->bhqk", np.asarray(q_lr)[:, positions], np.asarray(k_lr)[:, valid]) * r ** -0.5
+    zt = np.asarray(shifted)[..., valid]
     zh, zt = zh - zh.mean(-1, keepdims=True), zt - zt.mean(-1, keepdims=True)
     nh, nt = np.linalg.norm(zh, axis=-1, keepdims=True), np.linalg.norm(zt, axis=-1, keepdims=True)
     expect = 0.9 * np.mean(1 - np.sum(zh * zt, -1) / (nh * nt)[..., 0]) + \

@@ -46,20 +46,33 @@ def test_notebook_api_shape():
     assert velocity.shape == latents.shape and velocity.dtype == latents.dtype
 
 
-@pytest.mark.parametrize("grid, tile", [((3, 6, 10), (2, 4, 4)), ((1, 8, 8), (2, 4, 4)), ((4, 4, 4), (4, 4, 4))])
-def test_token_layout_is_tile_major_and_reversible(grid, tile):
-    layout = token_layout(grid, tile)
-    assert layout.tile == tuple(min(t, g) for t, g in zip(tile, grid))
-    # every real raster index appears exactly once, padding only at the end
-    assert sorted(layout.order[: layout.n_real].tolist()) == list(range(np.prod(grid)))
-    assert np.all(layout.order[layout.n_real:] == layout.n_real)
-    # each full tile is a contiguous range covering one 3D box
+@pytest.mark.parametrize("grid, tile, multiple", [((3, 6, 10), (2, 4, 4), 1), ((1, 8, 8), (2, 4, 4), 1),
+                                                  ((4, 4, 4), (4, 4, 4), 1), ((5, 7, 9), (2, 4, 4), 8),
+                                                  ((1, 45, 80), (4, 4, 4), 1)])
+def test_token_layout_is_tile_major_valid_first_and_reversible(grid, tile, multiple):
+    layout = token_layout(grid, tile, multiple)
     ts = layout.tile_size
-    first = layout.coords[:ts]
-    assert np.all(first.max(0) - first.min(0) + 1 == np.array(layout.tile))
+    assert layout.tile == tuple(min(t, g) for t, g in zip(tile, grid))
+    assert layout.seq_len % ts == 0 and (layout.seq_len // ts) % multiple == 0
+    # every real raster index appears exactly once; padding points at n_real
+    assert sorted(layout.order[layout.valid].tolist()) == list(range(np.prod(grid)))
+    assert np.all(layout.order[~layout.valid] == layout.n_real) and layout.n_real == np.prod(grid)
+    # each tile is a contiguous range covering one 3D box of the padded grid, its real tokens first
+    for i in range(layout.seq_len // ts):
+        box, valid = layout.coords[i * ts:(i + 1) * ts], layout.valid[i * ts:(i + 1) * ts]
+        assert np.all(box.max(0) - box.min(0) + 1 == np.array(layout.tile))
+        assert np.all(np.diff(valid.astype(int)) <= 0)  # True... then False...
+        assert np.array_equal(valid, np.all(box < np.array(grid), axis=1))
+    # kv_valid: per block, the number of valid keys, which are the block's first ones
+    for kv_block in (ts, max(1, ts // 2), 1):
+        counts = layout.kv_valid(kv_block)
+        rows = layout.valid.reshape(-1, kv_block)
+        assert np.array_equal(counts, rows.sum(1))
+        assert np.array_equal(rows, np.arange(kv_block)[None] < counts[:, None])
     x = jax.random.normal(jax.random.key(0), (2, grid[0] * 1, grid[1] * 2, grid[2] * 2, 3))
-    tokens, lay = patchify(x, (1, 2, 2), tile)
+    tokens, lay = patchify(x, (1, 2, 2), tile, multiple)
     assert tokens.shape == (2, layout.seq_len, 12)
+    assert float(jnp.abs(tokens[:, ~lay.valid]).max(initial=0.0)) == 0.0  # padding tokens are zero
     np.testing.assert_array_equal(unpatchify(tokens, lay, (1, 2, 2), 3), x)
 
 

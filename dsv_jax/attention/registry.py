@@ -49,9 +49,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto"
     """softmax(q k^T * sm_scale) v over heads; q [B, Sq, H, D], k/v [B, Skv, H, D].
 
     backend: "auto" (cuDNN on GPU for 16-bit inputs, else XLA), a registered name, or a callable plan
-        taking (q, k, v, *, kv_lens, sm_scale, **options) such as a context-parallel `ContextPlan`.
+        taking (q, k, v, *, kv_lens, sm_scale, **options) such as a context-parallel `ContextAttention`.
     kv_lens: optional int32 [B]; keys at positions >= kv_lens[b] are ignored.
-    sm_scale: defaults to D ** -0.5. Other keyword options go to the backend (e.g. a sparse plan).
+    sm_scale: defaults to D ** -0.5. Other keyword options go to the backend (e.g. a sparse plan;
+        the dense backends take kv_mask, bool [B, Skv] or [Skv]: only True keys are attended).
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; got {q.shape}, {k.shape}, {v.shape}")

@@ -50,7 +50,8 @@ class LowRankPredictor(nnx.Module):
 
 @functools.lru_cache(maxsize=256)
 def sample_positions(n_real: int, stride: int, max_queries: int) -> np.ndarray:
-    """Static query positions: one per `stride` tokens (more stride when that exceeds `max_queries`).
+    """Static query samples: one per `stride` tokens (more stride when that exceeds `max_queries`), as
+    indices 0..n_real-1 into the real tokens (a padded layout maps them through its valid positions).
 
     The offset inside each stride cycles (i * 37 mod stride) so the samples do not all sit at the same
     corner of a 3D tile, which a plain every-Nth sample of tile-major tokens would do."""
@@ -60,30 +61,33 @@ def sample_positions(n_real: int, stride: int, max_queries: int) -> np.ndarray:
     return np.minimum(pos, n_real - 1).astype(np.int32)
 
 
-def true_logits(q, k, positions, n_real, sm_scale):
-    """Scaled logits [B, H, Q, S] of the sampled queries (fp32, detached); invalid keys -inf."""
+def true_logits(q, k, positions, key_valid, sm_scale):
+    """Scaled logits [B, H, Q, S] of the sampled queries (fp32, detached); keys where key_valid [S]
+    (bool) is False are -inf."""
     qs = jax.lax.stop_gradient(q[:, positions]).astype(jnp.float32)
     z = jnp.einsum("bqhd,bkhd->bhqk", qs, jax.lax.stop_gradient(k).astype(jnp.float32)) * sm_scale
-    return jnp.where(jnp.arange(k.shape[1]) < n_real, z, -jnp.inf)
+    return jnp.where(jnp.asarray(key_valid), z, -jnp.inf)
 
 
-def predictor_loss(q_lr, k_lr, z, positions, n_real, *, center: bool = True):
-    """The paper's loss between predicted and true logit rows; z from `true_logits`. -> scalar.
+def predictor_loss(q_lr, k_lr, z, positions, key_valid, *, center: bool = True):
+    """The paper's loss between predicted and true logit rows over the valid keys (key_valid [S],
+    bool); z from `true_logits`. -> scalar.
 
     center (our default; False = the paper's form): compare the rows after subtracting each row's mean
     over the valid keys. Softmax ignores a row's offset (q . mean key), which can dominate the cosine of
     raw rows while saying nothing about which keys win; centred rows train the predictor on the ranking
     that the selection uses."""
-    valid = jnp.arange(k_lr.shape[1]) < n_real
+    valid = jnp.asarray(key_valid)
+    n_valid = int(np.sum(key_valid))
     zh = jnp.einsum("bqhr,bkhr->bhqk", q_lr[:, positions], k_lr) * (q_lr.shape[-1] ** -0.5)
     zh = jnp.where(valid, zh, 0.0)
     zt = jnp.where(valid, z, 0.0)
     if center:
-        zh = jnp.where(valid, zh - jnp.sum(zh, -1, keepdims=True) / n_real, 0.0)
-        zt = jnp.where(valid, zt - jnp.sum(zt, -1, keepdims=True) / n_real, 0.0)
+        zh = jnp.where(valid, zh - jnp.sum(zh, -1, keepdims=True) / n_valid, 0.0)
+        zt = jnp.where(valid, zt - jnp.sum(zt, -1, keepdims=True) / n_valid, 0.0)
     eps = 1e-6
     nh = jnp.sqrt(jnp.sum(zh * zh, -1, keepdims=True) + eps)
     nt = jnp.sqrt(jnp.sum(zt * zt, -1, keepdims=True) + eps)
     cosine = jnp.sum(zh * zt, -1) / (nh[..., 0] * nt[..., 0])
-    mse = jnp.sum(jnp.square(zh / nh - zt / nt), -1) / n_real
+    mse = jnp.sum(jnp.square(zh / nh - zt / nt), -1) / n_valid
     return 0.9 * jnp.mean(1.0 - cosine) + 0.1 * jnp.mean(mse)

@@ -34,7 +34,7 @@ log = logging.getLogger("dsv_jax")
 
 def _geometry(plan: AttentionPlan, layout, seq_len: int):
     """(q_tile, kv_block) of a sparse plan on this layout, or None where it must run dense."""
-    if layout is None or layout.padded:
+    if layout is None or layout.padded:  # TODO(kv_valid): padded layouts through the kernels' key counts
         return None
     q_tile = layout.tile_size
     kv_block = layout.tile_size if plan.mode == "window" or not plan.kv_block else plan.kv_block
@@ -61,17 +61,17 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
     scale = d ** -0.5
     aux = {}
     geometry = _geometry(plan, layout, s)
-    positions = sample_positions(ctx.n_real, plan.query_stride, plan.max_queries)
+    positions = layout.valid_positions[sample_positions(ctx.n_real, plan.query_stride, plan.max_queries)]
     if plan.mode == "dsv" and predictor is None and (plan.predictor or plan.selects):
         raise ValueError("a DSV plan that selects or trains needs the block's predictor: build the model with "
                          "attention=dsv (Config.predictor_rank > 0)")
     need_lr = plan.mode == "dsv" and (plan.predictor or (plan.selects and geometry is not None))
-    z = true_logits(q, k, positions, ctx.n_real, scale) if (plan.predictor or plan.profile) else None
+    z = true_logits(q, k, positions, layout.valid, scale) if (plan.predictor or plan.profile) else None
     q_lr = k_lr = None
     if need_lr:
         q_lr, k_lr = _lowrank(predictor, x, layout)
     if plan.mode == "dsv" and plan.predictor:
-        aux["predictor_loss"] = predictor_loss(q_lr, k_lr, z, positions, ctx.n_real, center=plan.center_logits)
+        aux["predictor_loss"] = predictor_loss(q_lr, k_lr, z, positions, layout.valid, center=plan.center_logits)
     selection = None
     if geometry is not None:
         q_tile, kv_block = geometry
@@ -124,13 +124,18 @@ def _attend(q, k, v, plan, aux, **kw):
     return attention(q, k, v, backend="dsv" if "kv_index" in kw else backend, **kw)
 
 
+def _key_mask(ctx) -> dict:
+    """The dense attention keyword that masks a padded layout's padding keys (nothing when unpadded)."""
+    return {"kv_mask": jnp.asarray(ctx.layout.valid)} if ctx.layout.padded else {}
+
+
 def self_attention(q, k, v, x, ctx, plan, predictor=None, inputs=None):
     """DiT video self-attention under `plan` (a backend name or an AttentionPlan). -> (o, aux)."""
     if _is_dense(plan):
-        return attention(q, k, v, backend=_backend(plan), kv_lens=ctx.video_lens), {}
+        return attention(q, k, v, backend=_backend(plan), **_key_mask(ctx)), {}
     selection, geometry, aux = plan_selection(q, k, x, ctx, plan, predictor, inputs)
     if selection is None:
-        return _attend(q, k, v, plan, aux, kv_lens=ctx.video_lens), aux
+        return _attend(q, k, v, plan, aux, **_key_mask(ctx)), aux
     q_tile, kv_block = geometry
     o = _attend(q, k, v, plan, aux, kv_index=selection[0], kv_count=selection[1], q_tile=q_tile, kv_block=kv_block)
     return o, aux
@@ -139,19 +144,18 @@ def self_attention(q, k, v, x, ctx, plan, predictor=None, inputs=None):
 def joint_attention(video, text, ctx, plan, x=None, predictor=None, inputs=None):
     """MMDiT joint attention over video + text tokens. -> (o_video, o_text, aux).
 
-    Dense: one call over [real video, text, video padding] masked by length (the valid keys are a
-    prefix). Sparse: video->video through the selection, video->text dense, merged by log-sum-exp;
-    text queries dense over all valid keys."""
+    Dense: one call over [video, text], the padding of both masked (by length where the video layout
+    is unpadded: the valid keys are then a prefix). Sparse: video->video through the selection,
+    video->text dense, merged by log-sum-exp; text queries dense over all valid keys."""
     backend = _backend(plan)
     aux, selection = {}, None
     if not _is_dense(plan):
         selection, geometry, aux = plan_selection(video[0], video[1], x, ctx, plan, predictor, inputs)
-    n = ctx.n_real
     if selection is None:
-        q, k, v = (jnp.concatenate([a[:, :n], b, a[:, n:]], axis=1) for a, b in zip(video, text))
-        o = attention(q, k, v, backend=backend, kv_lens=n + ctx.text_lens)
-        lt = text[0].shape[1]
-        return jnp.concatenate([o[:, :n], o[:, n + lt:]], axis=1), o[:, n:n + lt], aux
+        s = video[0].shape[1]
+        q, k, v = (jnp.concatenate([a, b], axis=1) for a, b in zip(video, text))
+        o = attention(q, k, v, backend=backend, **_joint_keys(ctx, s, text[0].shape[1]))
+        return o[:, :s], o[:, s:], aux
     (qv, kv, vv), (qt, kt, vt) = video, text
     scale = qv.shape[-1] ** -0.5
     q_tile, kv_block = geometry
@@ -159,8 +163,17 @@ def joint_attention(video, text, ctx, plan, x=None, predictor=None, inputs=None)
     o_vt, lse_vt = dense_attention_lse(qv, kt, vt, ctx.text_lens, scale)
     ov = merge_attention(o_vv, lse_vv, o_vt, lse_vt).astype(qv.dtype)
     k_all, v_all = jnp.concatenate([kv, kt], axis=1), jnp.concatenate([vv, vt], axis=1)
-    ot = attention(qt, k_all, v_all, backend=backend, kv_lens=kv.shape[1] + ctx.text_lens)
+    ot = attention(qt, k_all, v_all, backend=backend, **_joint_keys(ctx, kv.shape[1], kt.shape[1]))
     return ov, ot, aux
+
+
+def _joint_keys(ctx, s: int, lt: int) -> dict:
+    """Key masking of the joint [video (s), text (lt)] sequence: a length where the video is unpadded."""
+    if not ctx.layout.padded:
+        return {"kv_lens": s + ctx.text_lens}
+    text_valid = jnp.arange(lt)[None] < ctx.text_lens[:, None]
+    video_valid = jnp.broadcast_to(jnp.asarray(ctx.layout.valid), (text_valid.shape[0], s))
+    return {"kv_mask": jnp.concatenate([video_valid, text_valid], axis=1)}
 
 
 # -- plain-JAX parts with log-sum-exp (MMDiT until the kernel returns it) --------------------------

@@ -135,10 +135,11 @@ class VideoDiT(nnx.Module):
         if text.ndim != 3 or text.shape[-1] != cfg.text_dim or text_mask.shape != text.shape[:2]:
             raise ValueError(f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; got {text.shape}, {text_mask.shape}")
         b = latents.shape[0]
-        tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile)
-        x = self.patch_embed(tokens)
         cp = context_backend(attention[0] if isinstance(attention, (list, tuple)) else attention)
-        if cp is not None:  # context parallelism: keep the tokens sharded over the sequence
+        # context parallelism: every device holds whole tiles, and the tokens stay sharded over the sequence
+        tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile, cp.token_multiple if cp else 1)
+        x = self.patch_embed(tokens)
+        if cp is not None:
             x = cp.constrain(x)
 
         text_lens = jnp.sum(text_mask.astype(jnp.int32), axis=1)
@@ -146,7 +147,6 @@ class VideoDiT(nnx.Module):
         c = self.time_embed(timesteps)
         ctx = BlockContext(cond=c, text=txt, text_lens=text_lens,
                            rope=jnp.asarray(rope_angles(layout.coords, cfg.head_dim, cfg.rope_theta)),
-                           video_lens=jnp.full((b,), layout.n_real, jnp.int32) if layout.padded else None,
                            n_real=layout.n_real, layout=layout)
         if cfg.arch == "mmdit":
             mask = text_mask.astype(jnp.float32)[..., None]

@@ -160,7 +160,6 @@ class BlockContext:
     text: jax.Array  # [B, L, D] projected text tokens
     text_lens: jax.Array  # [B] valid text tokens (a prefix)
     rope: jax.Array  # [S, Dh / 2] rotary angles of the video tokens
-    video_lens: jax.Array | None  # [B] valid video tokens, None when the grid needs no padding
     n_real: int  # valid video tokens (static)
     text_cond: jax.Array | None = None  # MMDiT text-stream conditioning
-    layout: Any = None  # the TokenLayout (static): grid, tile, coordinates; sparse plans need it
+    layout: Any = None  # the TokenLayout (static): grid, tile, coordinates, which positions are padding

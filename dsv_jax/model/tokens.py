@@ -12,9 +12,12 @@ one gather on the way in and one on the way out. RoPE uses each token's true (t,
 which makes attention independent of the order.
 
 Where a grid dimension is smaller than the tile, the tile shrinks to it (an image has t = 1). Where a
-grid does not divide into tiles, it is padded to whole tiles; the padding tokens are moved to the end
-of the sequence so that the valid keys are a prefix, which attention masks with a length
-(`kv_lens`), the form cuDNN and the sparse kernels support without a dense mask.
+grid does not divide into tiles, it is padded to whole tiles: the edge tiles are partly padding, and
+inside every tile the real tokens come first (any order inside a tile is free: RoPE uses the true
+coordinates and unpatchify inverts the order). So a KV block of a tile holds its valid keys first, and
+one count per block (`kv_valid`) masks the rest in the sparse kernels; dense attention masks keys with
+`valid`. `multiple` adds whole padding tiles at the end so that the tile count divides it (context
+parallelism: every device holds whole tiles).
 """
 
 from __future__ import annotations
@@ -34,22 +37,30 @@ class TokenLayout:
     seq_len: int  # tokens after padding to whole tiles
     order: np.ndarray  # [seq_len] raster index of each sequence position; padding points at n_real
     coords: np.ndarray  # [seq_len, 3] (t, h, w) of each position (padding: its padded-grid coordinate)
+    valid: np.ndarray  # [seq_len] bool: the position holds a real token
 
     @property
     def tile_size(self) -> int:
         return int(np.prod(self.tile))
 
     @property
-    def num_tiles(self) -> int:
-        return self.seq_len // self.tile_size
-
-    @property
     def padded(self) -> bool:
         return self.seq_len != self.n_real
 
+    @functools.cached_property
+    def valid_positions(self) -> np.ndarray:
+        """Sequence positions of the real tokens, ascending."""
+        return np.flatnonzero(self.valid).astype(np.int32)
+
+    def kv_valid(self, kv_block: int) -> np.ndarray:
+        """int32 [seq_len // kv_block]: the valid keys of each KV block (they come first in the block)."""
+        return self.valid.reshape(-1, kv_block).sum(axis=1).astype(np.int32)
+
 
 @functools.lru_cache(maxsize=256)
-def token_layout(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> TokenLayout:
+def token_layout(grid: tuple[int, int, int], tile: tuple[int, int, int], multiple: int = 1) -> TokenLayout:
+    """Tile-major layout of a token grid (see the module docstring); `multiple`: the tile count is
+    padded to a multiple of it with whole padding tiles."""
     grid = tuple(int(g) for g in grid)
     tile = tuple(min(int(t), g) for t, g in zip(tile, grid))
     padded = tuple(-(-g // t) * t for g, t in zip(grid, tile))
@@ -57,14 +68,20 @@ def token_layout(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> Toke
     # Coordinates of the padded grid, enumerated tile-major: (tile_t, tile_h, tile_w, in_t, in_h, in_w).
     it = np.indices((nt[0], nt[1], nt[2], tile[0], tile[1], tile[2])).reshape(6, -1)
     coords = np.stack([it[i] * tile[i] + it[i + 3] for i in range(3)], axis=1)
+    size = int(np.prod(tile))
+    extra = -int(np.prod(nt)) % max(1, int(multiple))
+    if extra:  # whole padding tiles, placed after the grid along t
+        pad = np.indices((extra, *tile)).reshape(4, -1)
+        coords = np.concatenate([coords, np.stack([padded[0] + pad[0] * tile[0] + pad[1], pad[2], pad[3]], 1)])
     valid = np.all(coords < np.array(grid), axis=1)
-    # Real tokens first (keeping tile-major order), padding last.
-    coords = np.concatenate([coords[valid], coords[~valid]])
+    # Inside each tile, the real tokens first (stable: raster order within the tile otherwise).
+    rank = np.argsort((np.arange(len(coords)) // size) * 2 + ~valid, kind="stable")
+    coords, valid = coords[rank], valid[rank]
     n_real = int(valid.sum())
     raster = (coords[:, 0] * grid[1] + coords[:, 1]) * grid[2] + coords[:, 2]
-    order = np.where(np.arange(len(coords)) < n_real, raster, n_real).astype(np.int32)
+    order = np.where(valid, raster, n_real).astype(np.int32)
     return TokenLayout(grid=grid, tile=tile, n_real=n_real, seq_len=len(coords), order=order,
-                       coords=coords.astype(np.int32))
+                       coords=coords.astype(np.int32), valid=valid)
 
 
 def grid_shape(latent_shape: tuple[int, int, int], patch: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -74,12 +91,12 @@ def grid_shape(latent_shape: tuple[int, int, int], patch: tuple[int, int, int]) 
     return tuple(s // p for s, p in zip(latent_shape, patch))
 
 
-def patchify(latents: jnp.ndarray, patch: tuple[int, int, int], tile: tuple[int, int, int]):
-    """[B, T, H, W, C] -> (tokens [B, S, pt*ph*pw*C] in tile-major order, layout)."""
+def patchify(latents: jnp.ndarray, patch: tuple[int, int, int], tile: tuple[int, int, int], multiple: int = 1):
+    """[B, T, H, W, C] -> (tokens [B, S, pt*ph*pw*C] in tile-major order, layout); padding tokens are zero."""
     b, t, h, w, c = latents.shape
     pt, ph, pw = patch
     gt, gh, gw = grid_shape((t, h, w), patch)
-    layout = token_layout((gt, gh, gw), tuple(tile))
+    layout = token_layout((gt, gh, gw), tuple(tile), multiple)
     x = latents.reshape(b, gt, pt, gh, ph, gw, pw, c).transpose(0, 1, 3, 5, 2, 4, 6, 7)
     x = x.reshape(b, gt * gh * gw, pt * ph * pw * c)
     if layout.padded:
@@ -93,7 +110,7 @@ def unpatchify(tokens: jnp.ndarray, layout: TokenLayout, patch: tuple[int, int, 
     gt, gh, gw = layout.grid
     pt, ph, pw = patch
     inverse = np.empty(layout.n_real, np.int32)
-    inverse[layout.order[: layout.n_real]] = np.arange(layout.n_real, dtype=np.int32)
+    inverse[layout.order[layout.valid]] = layout.valid_positions
     x = jnp.take(tokens, jnp.asarray(inverse), axis=1)
     x = x.reshape(b, gt, gh, gw, pt, ph, pw, channels).transpose(0, 1, 4, 2, 5, 3, 6, 7)
     return x.reshape(b, gt * pt, gh * ph, gw * pw, channels)

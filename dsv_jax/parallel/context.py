@@ -76,7 +76,7 @@ def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, p
     return ph, ps, scp_strategy
 
 
-def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block):
+def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, kv_mask, q_tile, kv_block):
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"context_attention expects q, k, v of one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
     b, s, h, _ = q.shape
@@ -89,8 +89,8 @@ def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile
     if scp_strategy == "selective" and ps > 1 and not sparse:
         raise ValueError("strategy 'selective' exchanges selected KV blocks: it needs kv_index and kv_count")
     if sparse:
-        if kv_lens is not None:
-            raise ValueError("kv_lens with a sparse selection: mask padded keys through the selection instead")
+        if kv_lens is not None or kv_mask is not None:
+            raise ValueError("kv_lens / kv_mask with a sparse selection: mask padded keys with kv_valid instead")
         if (s // n) % q_tile or (s // ps) % kv_block:
             raise ValueError(f"sequence {s} over context {n}: each device's {s // n} tokens must be whole query "
                              f"tiles of {q_tile}, and each SCP slice ({s // ps}) whole KV blocks of {kv_block}")
@@ -100,7 +100,7 @@ def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile
                              f"[{b}, {h}, {tiles}]; got {kv_index.shape}, {kv_count.shape}")
 
 
-def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_scale: float | None = None,
+def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_mask=None, sm_scale: float | None = None,
                       kv_index=None, kv_count=None, q_tile: int = 64, kv_block: int = 64,
                       head_perm: Any = "auto", hcp_slots: int | None = None,
                       degrees: tuple[int, int] | None = None, scp: str | None = None,
@@ -110,7 +110,8 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
 
     mesh: from `dsv_jax.parallel.make_mesh`; batch stays on (data, fsdp), sequence on context.
     strategy: "ulysses" | "ring" | "allgather" | "selective" | "hybrid".
-    kv_lens: [B] valid key prefix (dense only). kv_index / kv_count: a block-sparse selection.
+    kv_lens: [B] valid key prefix; kv_mask: bool [B, S] or [S], the valid keys (dense only).
+    kv_index / kv_count: a block-sparse selection.
     head_perm: HCP head assignment: "auto" (balance the selected work, sparse only), None (heads in
         order) or an int array [d * slots] from `hcp.balance_heads` (device j runs heads
         perm[j*slots:(j+1)*slots], an entry H is an empty slot); a runtime input: no recompilation.
@@ -140,7 +141,7 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
                             dtype_bytes=jnp.dtype(q.dtype).itemsize)
 
     ph, ps, scp_strategy = resolve_degrees(strategy, n, degrees=degrees, scp_strategy=scp, plan_fn=plan_fn)
-    _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, q_tile, kv_block)
+    _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, kv_mask, q_tile, kv_block)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
 
     dp = _batch_axes(mesh)[1]
@@ -154,6 +155,9 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, sm_sc
     if kv_lens is not None:
         args["kv_lens"] = jnp.broadcast_to(jnp.asarray(kv_lens, jnp.int32), (b,))
         specs["kv_lens"] = P(bspec)
+    if kv_mask is not None:  # gathered whole on every device inside (one bool per key: cheap)
+        args["kv_mask"] = jnp.broadcast_to(jnp.asarray(kv_mask, bool), (b, s))
+        specs["kv_mask"] = P(bspec, "context")
     if sparse:
         args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
         specs["kv_index"] = specs["kv_count"] = P(bspec, None, "context")
@@ -290,6 +294,9 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
     q, k, v = args["q"], args["k"], args["v"]
     heads = q.shape[2]
     kv_lens, perm = args.get("kv_lens"), args.get("perm")
+    kv_mask = args.get("kv_mask")
+    if kv_mask is not None:  # the whole sequence's key mask, indexed by group-global key position
+        kv_mask = jax.lax.all_gather(kv_mask, "context", axis=1, tiled=True)
     kv_index, kv_count = args.get("kv_index"), args.get("kv_count")
     sparse = kv_index is not None
     stats = {"requested_blocks": jnp.zeros((), jnp.int32), "overflow_blocks": jnp.zeros((), jnp.int32),
@@ -307,14 +314,15 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
             out = local.sparse_local(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                      sm_scale=sm_scale, impl=impl)
         else:
-            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
+            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend, kv_mask=kv_mask)
     elif scp_strategy == "allgather":
-        out = scp.allgather_attention(q, k, v, axis=seq_group, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
+        out = scp.allgather_attention(q, k, v, axis=seq_group, kv_lens=kv_lens, kv_mask=kv_mask, sm_scale=sm_scale,
+                                      backend=backend,
                                       kv_index=kv_index, kv_count=kv_count, q_tile=q_tile, kv_block=kv_block,
                                       impl=impl)
     elif scp_strategy == "ring":
         sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
-        out = scp.ring_attention(q, k, v, kv_lens, sel, seq_group, sm_scale, q_chunk, q_tile, kv_block)
+        out = scp.ring_attention(q, k, v, kv_lens, kv_mask, sel, seq_group, sm_scale, q_chunk, q_tile, kv_block)
     else:
         out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_group, capacity=capacity,
                                           sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl)
@@ -356,11 +364,19 @@ class ContextAttention:
             widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
             q, k, v = widen(q), widen(k), widen(v)
             kv_lens = s if kv_lens is None else jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s)
+            if options.get("kv_mask") is not None:
+                mask = jnp.asarray(options["kv_mask"], bool)
+                options["kv_mask"] = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)])
         out = context_attention(q, k, v, mesh=self.mesh, strategy=self.strategy, kv_lens=kv_lens, sm_scale=sm_scale,
                                 backend=self.backend, **{**dict(self.options), **options})
         if not pad:
             return out
         return (out[0][:, :s], out[1]) if options.get("return_stats") else out[:, :s]
+
+    @property
+    def token_multiple(self) -> int:
+        """Token layouts pad their tile count to a multiple of this: every device holds whole tiles."""
+        return self.mesh.shape["context"]
 
     def select_kv(self, q_lr, k_lr, top_k, keep=None, *, q_tile, kv_block, block_reduce="mean"):
         """The DSV selection (as `dsv_jax.dsv.selection.select_kv`) computed where the query tiles live."""

@@ -23,8 +23,9 @@ from pallas_kernels.sparse_attention import sparse_attention
 NEG = -1e30  # log-sum-exp of a row with no visible key: finite, so merges never form inf - inf
 
 
-def dense_local(q, k, v, *, kv_lens, sm_scale, backend="auto"):
-    return attention(q, k, v, backend=backend, kv_lens=kv_lens, sm_scale=sm_scale)
+def dense_local(q, k, v, *, kv_lens, sm_scale, backend="auto", kv_mask=None):
+    masks = {} if kv_mask is None else {"kv_mask": kv_mask}
+    return attention(q, k, v, backend=backend, kv_lens=kv_lens, sm_scale=sm_scale, **masks)
 
 
 def sparse_local(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, impl="auto"):

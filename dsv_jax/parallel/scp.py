@@ -29,9 +29,10 @@ from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
 
 
-def _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block):
-    """Visibility of key chunk `src` (group-global offset src * s_chunk) for query rows [row0, row0 + rows)."""
-    if kv_lens is None and sel is None:
+def _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block):
+    """Visibility of key chunk `src` (group-global offset src * s_chunk) for query rows [row0, row0 + rows).
+    kv_mask: bool [B, S] over the group's whole sequence (valid keys), or None."""
+    if kv_lens is None and kv_mask is None and sel is None:
         return lambda row0, rows: None
     key_pos = src * s_chunk + jnp.arange(s_chunk)
 
@@ -39,6 +40,9 @@ def _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block):
         mask = None
         if kv_lens is not None:
             mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, Sk]
+        if kv_mask is not None:
+            chunk = jnp.take(kv_mask, key_pos, axis=1)[:, None, None, :]
+            mask = chunk if mask is None else mask & chunk
         if sel is not None:
             tiles = (row0 + jnp.arange(rows)) // q_tile
             m = jnp.take(sel, tiles, axis=2)  # [B, H, rows, nb]
@@ -65,15 +69,16 @@ def selection_mask(kv_index, kv_count, n_blocks, *, per_tile=True):
     return out.astype(bool)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def ring_attention(q, k, v, kv_lens, sel, axis: GroupAxis, sm_scale, q_chunk, q_tile, kv_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def ring_attention(q, k, v, kv_lens, kv_mask, sel, axis: GroupAxis, sm_scale, q_chunk, q_tile, kv_block):
     """Dense (or selection-masked) attention of the local queries over the whole group's keys.
 
-    kv_lens [B] (group-global valid key prefix) and sel [B, H, T_local, n_blocks] are optional masks."""
-    return _ring_fwd(q, k, v, kv_lens, sel, axis, sm_scale, q_chunk, q_tile, kv_block)[0]
+    kv_lens [B] (group-global valid key prefix), kv_mask [B, S_group] (valid keys) and
+    sel [B, H, T_local, n_blocks] are optional masks."""
+    return _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, kv_block)[0]
 
 
-def _ring_fwd(q, k, v, kv_lens, sel, axis, sm_scale, q_chunk, q_tile, kv_block):
+def _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, kv_block):
     me, n = axis.index(), axis.size
     s_chunk = k.shape[1]
 
@@ -83,7 +88,7 @@ def _ring_fwd(q, k, v, kv_lens, sel, axis, sm_scale, q_chunk, q_tile, kv_block):
         k_next = axis.shift(k_cur) if send else k_cur
         v_next = axis.shift(v_cur) if send else v_cur
         src = (me - r) % n
-        mask_fn = _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block)
+        mask_fn = _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block)
         o_b, lse_b = local.block_lse(q, k_cur, v_cur, mask_fn, sm_scale=sm_scale, q_chunk=q_chunk)
         o, lse = local.merge(o, lse, o_b, lse_b)
         return o, lse, k_next, v_next
@@ -93,11 +98,11 @@ def _ring_fwd(q, k, v, kv_lens, sel, axis, sm_scale, q_chunk, q_tile, kv_block):
     carry = jax.lax.fori_loop(0, n - 1, step, carry)
     o, lse, _, _ = step(n - 1, carry, send=False)
     out = o.astype(q.dtype)
-    return out, (q, k, v, kv_lens, sel, out, lse)
+    return out, (q, k, v, kv_lens, kv_mask, sel, out, lse)
 
 
 def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, do):
-    q, k, v, kv_lens, sel, o, lse = res
+    q, k, v, kv_lens, kv_mask, sel, o, lse = res
     me, n = axis.index(), axis.size
     s_chunk = k.shape[1]
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
@@ -107,7 +112,7 @@ def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, do):
         k_next = axis.shift(k_cur) if send else k_cur
         v_next = axis.shift(v_cur) if send else v_cur
         src = (me - r) % n
-        mask_fn = _mask_fn(src, s_chunk, kv_lens, sel, q_tile, kv_block)
+        mask_fn = _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block)
         dq_b, dk_b, dv_b = local.block_grads(q, k_cur, v_cur, do, lse, delta, mask_fn, sm_scale=sm_scale,
                                              q_chunk=q_chunk)
         # dK/dV of chunk src travel with it; after the last block one more hop brings them home.
@@ -118,7 +123,7 @@ def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, do):
     carry = (jnp.zeros(q.shape, jnp.float32), k, v, zeros, zeros)
     carry = jax.lax.fori_loop(0, n - 1, step, carry)
     dq, _, _, dk, dv = step(n - 1, carry, send=False)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -129,10 +134,11 @@ def gather_kv(k, v, axis: GroupAxis):
 
 
 def allgather_attention(q, k, v, *, axis, kv_lens, sm_scale, backend="auto", kv_index=None, kv_count=None,
-                        q_tile=64, kv_block=64, impl="auto"):
+                        q_tile=64, kv_block=64, impl="auto", kv_mask=None):
     k_all, v_all = gather_kv(k, v, axis)
     if kv_index is None:
-        return local.dense_local(q, k_all, v_all, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend)
+        return local.dense_local(q, k_all, v_all, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
+                                 kv_mask=kv_mask)
     return local.sparse_local(q, k_all, v_all, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                               sm_scale=sm_scale, impl=impl)
 
