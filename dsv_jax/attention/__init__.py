@@ -4,12 +4,15 @@ q [B, Sq, H, D], k and v [B, Skv, H, D] -> [B, Sq, H, D]. Backends register them
 call sites pass a name (or "auto") and never import a backend. `kv_lens` (int32 [B]) masks keys
 at positions >= kv_lens[b]: the valid keys are a prefix, which is what padding to whole tiles and
 text padding produce, and what cuDNN and the sparse kernels support without a dense mask.
+`return_lse=True` also returns each query's log-sum-exp; `merge_attention` combines two partial
+results over disjoint key sets exactly.
 """
 
 from __future__ import annotations
 
+from dsv_jax.attention.merge import merge_attention
 from dsv_jax.attention.registry import attention, available_backends, register_backend, resolve_backend
 from dsv_jax.attention import dense as _dense  # noqa: F401  (registers "xla" and "cudnn")
 from dsv_jax.dsv import backend as _sparse  # noqa: F401,E402  (registers "dsv" and "window")
 
-__all__ = ["attention", "available_backends", "register_backend", "resolve_backend"]
+__all__ = ["attention", "available_backends", "merge_attention", "register_backend", "resolve_backend"]
