@@ -484,8 +484,10 @@ def checked_pair(cfg, q_tile, kv_block, tuning, interpret, *, kv_valid=None, wit
     fwd_bwd_c, t_fb = compile_fn(fwd_bwd, q, k, v, idx, cnt, cot)
     row = {"compile_s": t_f + t_fb}
     if full:
-        ref = lambda q, k, v: sparse_attention_reference(q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block,  # noqa: E731
-                                                         kv_valid=kv_valid, return_lse=with_lse)
+        def ref(q, k, v):
+            return sparse_attention_reference(q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid,
+                                              return_lse=with_lse)
+
         ref_out, ref_vjp = jax.vjp(ref, q, k, v)
         out, grads = fwd_bwd_c(q, k, v, idx, cnt, cot)
         o, ref_o = (out[0], ref_out[0]) if with_lse else (out, ref_out)
@@ -646,8 +648,8 @@ def goals(out):
     for row in out["headline"]:
         if "speedup_vs_dense" in row:
             g[f"select+fwd+bwd speedup S=64k {int(row['sparsity'] * 100)}% (goal {5 if row['sparsity'] == 0.9 else 9}x)"] = row["speedup_vs_dense"]
-    for key, rows in (("padded kv_valid / unpadded", out.get("padded", [])), ("return_lse / plain", out.get("lse", []))):
-        for r in rows:
+    for key, section in (("padded kv_valid / unpadded", "padded"), ("return_lse / plain", "lse")):
+        for r in out.get(section, []):
             if "fwd_bwd_ratio" in r:
                 g[f"{key} fwd+bwd time S={r['seq']} (goal <= 1.05)"] = r["fwd_bwd_ratio"]
     ratios = [r["tflops_vs_dense"] for r in out["runs"] if "tflops_vs_dense" in r]

@@ -28,7 +28,8 @@ def check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_vali
         raise ValueError(f"top_k={top_k} must be in 1..{s // kv_block} (the number of KV blocks)")
     if block_reduce not in ("mean", "max"):
         raise ValueError(f"block_reduce={block_reduce!r} is not 'mean' or 'max'")
-    if kv_valid is not None and (kv_valid.shape != (b, s // kv_block) or not jnp.issubdtype(kv_valid.dtype, jnp.integer)):
+    if kv_valid is not None and (kv_valid.shape != (b, s // kv_block)
+                                 or not jnp.issubdtype(kv_valid.dtype, jnp.integer)):
         raise ValueError(f"kv_valid must be integers [B, S // kv_block] = [{b}, {s // kv_block}]; "
                          f"got {kv_valid.dtype} {kv_valid.shape}")
 

@@ -211,6 +211,11 @@ def _select(q_lr, k_lr, static, kv_valid=None):
 
 
 _select_sharded = partitioned_over_batch_and_heads(_select, ("bshr", "bshr"), ("bhtk",))
+
+
+def _select_masked(q_lr, k_lr, kv_valid, static):
+    return _select(q_lr, k_lr, static, kv_valid)
+
+
 _select_masked_sharded = partitioned_over_batch_and_heads(
-    lambda q_lr, k_lr, kv_valid, static: _select(q_lr, k_lr, static, kv_valid),
-    ("bshr", "bshr", "bn"), ("bhtk",))  # kv_valid [B, S // kv_block]: batch-sharded
+    _select_masked, ("bshr", "bshr", "bn"), ("bhtk",))  # kv_valid [B, S // kv_block]: batch-sharded

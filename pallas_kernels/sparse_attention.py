@@ -8,10 +8,10 @@ kv_block consecutive tokens (kv_block = 1 selects single tokens). Entries of kv_
 
 Padded layouts: kv_valid (optional, int32 [B, S // kv_block]) is the number of valid keys of each KV
 block, 0..kv_block; the valid keys of a block are its first kv_valid rows (the token layout puts each
-tile's real tokens first), the others are never attended. A selection may hold fully masked blocks;
-they add nothing. A query row whose selected keys are all masked (or kv_count = 0) attends to nothing:
-o = 0, lse = -inf, zero gradients. Query rows that are padding are computed like any other (finite);
-the caller drops them.
+tile's real tokens first), the others are never attended (at kv_block = 1 the entries are 0 or 1). A
+selection may hold fully masked blocks; they add nothing. A query row whose selected keys are all masked
+(or kv_count = 0) attends to nothing: o = 0, lse = -inf, zero gradients. Query rows that are padding are
+computed like any other (finite); the caller drops them.
 
 return_lse: also return lse [B, H, S] fp32, the natural-log log-sum-exp of each query's selected valid
 logits (times sm_scale), so partial results over disjoint key sets merge exactly

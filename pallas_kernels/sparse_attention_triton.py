@@ -374,15 +374,21 @@ _QKV, _SEL, _ROWS, _KEYS = ("bshd",) * 3, ("bhtk", "bht"), "bhs", "bs"  # key_va
 _forward_sharded = partitioned_over_batch_and_heads(_forward, _QKV + _SEL, ("bshd", _ROWS))
 _backward_sharded = partitioned_over_batch_and_heads(
     _backward, _QKV + _SEL + ("bshd", _ROWS, "bshd"), ("bshd",) * 3)  # (o, lse, do): the Mosaic GPU path's
-_forward_masked_sharded = partitioned_over_batch_and_heads(
-    lambda q, k, v, index, count, key_valid, plan: _forward(q, k, v, index, count, plan, key_valid),
-    _QKV + _SEL + (_KEYS,), ("bshd", _ROWS))
+
+
+def _forward_masked(q, k, v, index, count, key_valid, plan: Plan):
+    return _forward(q, k, v, index, count, plan, key_valid)
+
+
+def _backward_masked(q, k, v, index, count, lse, do, delta, key_valid, plan: Plan):
+    return _backward_from_delta(q, k, v, index, count, lse, do, delta, plan, key_valid)
+
+
+_forward_masked_sharded = partitioned_over_batch_and_heads(_forward_masked, _QKV + _SEL + (_KEYS,), ("bshd", _ROWS))
 _backward_delta_sharded = partitioned_over_batch_and_heads(
     _backward_from_delta, _QKV + _SEL + (_ROWS, "bshd", _ROWS), ("bshd",) * 3)
 _backward_delta_masked_sharded = partitioned_over_batch_and_heads(
-    lambda q, k, v, index, count, lse, do, delta, key_valid, plan: _backward_from_delta(
-        q, k, v, index, count, lse, do, delta, plan, key_valid),
-    _QKV + _SEL + (_ROWS, "bshd", _ROWS, _KEYS), ("bshd",) * 3)
+    _backward_masked, _QKV + _SEL + (_ROWS, "bshd", _ROWS, _KEYS), ("bshd",) * 3)
 
 
 def _run_forward(q, k, v, index, count, key_valid, plan: Plan):

@@ -43,10 +43,12 @@ def masked_attention(q, k, v, allowed):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * q.shape[-1] ** -0.5
     s = jnp.where(allowed, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
-    e = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    e = jnp.exp(s - m)
     l = jnp.sum(e, -1, keepdims=True)
-    o = jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(l > 0, l, 1.0), v, precision="highest")
-    return o, jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l > 0, l, 1.0))[..., 0] + jnp.where(m == -jnp.inf, 0.0, m)[..., 0], -jnp.inf)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    o = jnp.einsum("bhqk,bkhd->bqhd", e / l_safe, v, precision="highest")
+    return o, jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]
 
 
 def allowed_keys(index, count, kv_valid, q_tile, kv_block, s):

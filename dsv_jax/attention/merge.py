@@ -15,7 +15,8 @@ import jax.numpy as jnp
 def merge_attention(o_a, lse_a, o_b, lse_b):
     """o_a, o_b [B, S, H, D]; lse_a, lse_b [B, H, S] (natural log). -> (o [B, S, H, D], lse [B, H, S] fp32).
     o has the promoted dtype of o_a and o_b (computed in fp32)."""
-    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != (o_a.shape[0], o_a.shape[2], o_a.shape[1]):
+    b, s, h, _ = o_a.shape
+    if o_b.shape != o_a.shape or lse_a.shape != (b, h, s) or lse_b.shape != (b, h, s):
         raise ValueError(f"merge_attention expects o [B, S, H, D] and lse [B, H, S] for both parts; got "
                          f"{o_a.shape}, {lse_a.shape}, {o_b.shape}, {lse_b.shape}")
     lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)

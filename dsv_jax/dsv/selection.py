@@ -46,8 +46,8 @@ def candidate_scores(q_lr, k_lr, kv_index, *, q_tile: int, kv_block: int, block_
     proxy = tile_proxies(q_lr, q_tile, valid_rows).transpose(0, 2, 1, 3)  # [B, H, T, r]
     n_valid = None
     if kv_valid is not None:
-        n_valid = jnp.take_along_axis(jnp.broadcast_to(kv_valid.astype(jnp.int32)[:, None, None], (*kv_index.shape[:3], nb)),
-                                      kv_index, axis=-1)  # [B, H, T, K]
+        per_block = jnp.broadcast_to(kv_valid.astype(jnp.int32)[:, None, None], (*kv_index.shape[:3], nb))
+        n_valid = jnp.take_along_axis(per_block, kv_index, axis=-1)  # [B, H, T, K]
     if block_reduce == "mean":  # mean of dot products = dot product with the block's mean key
         kbar = block_mean_keys(k_lr, kv_block, kv_valid).transpose(0, 2, 1, 3)  # [B, H, nb, r]
         picked = jnp.take_along_axis(kbar[:, :, None], kv_index[..., None], axis=3)  # [B, H, T, K, r]
