@@ -1,9 +1,9 @@
 """Dense attention backends: XLA (any platform) and cuDNN flash attention (GPU).
 
-return_lse=True gives (o, lse [B, H, Sq] fp32, natural log) on both. jax exposes cuDNN's softmax
+return_lse=True gives (o, lse [B, H, Sq] fp32, natural log) on both. jax (0.10) exposes cuDNN's softmax
 statistics only through `jax.nn.dot_product_attention(..., return_residual=True)`, cast to the output
 dtype (bf16: about 3 significant digits, too coarse to merge partial results exactly) and without a
-gradient. So o comes from the chosen implementation as usual and lse from `softmax_lse`: plain JAX,
+gradient (cuDNN's backward drops the residual's cotangent). So o comes from the chosen implementation as usual and lse from `softmax_lse`: plain JAX,
 chunked over queries (memory O(chunk * Skv), never [Sq, Skv] for long keys), with its own backward
 (d lse_i / d s_ij = p_ij, recomputed chunk by chunk). Its cost is one extra Q K^T pass forward and two
 more backward, which the lse-merging call sites (MMDiT text part, context-parallel blocks) pay.
