@@ -1,7 +1,8 @@
 """DSV kernels on the GPU: selection (lowrank_topk) + block-sparse attention fwd/bwd against cuDNN dense.
 
-    PYTHONPATH=. python experiments/bench_sparse_attention.py            # H200, ~4-5 min
+    PYTHONPATH=. python experiments/bench_sparse_attention.py            # H200, ~6 min
     PYTHONPATH=. python experiments/bench_sparse_attention.py --quick    # CPU, interpret mode, tiny sizes
+    PYTHONPATH=. python experiments/bench_sparse_attention.py --sections padded,lse   # only the new rows
 
 Per sequence length S (B=1, H=16, D=128, bf16): cuDNN full attention fwd and fwd+bwd; per kv_block
 (1 = token level, 64 = 3D tiles): one compiled sparse forward and fwd+bwd whose index capacity K is
@@ -12,6 +13,14 @@ lowrank_topk on smooth ("real-looking") q_lr, k_lr at 90% and 95%. The headline 
 90% / 95%) is also compiled with the exact K. Every compiled function is checked against the
 reference before it is timed (full reference at S=16k, sampled query tiles above); a failed check or
 an exception is recorded in the JSON and the run goes on. A time guard skips what does not fit.
+
+Sections (--sections, default all): "main" is the above; "padded" times a padded video grid (21 x 30 x 52
+tokens in 4x4x4 tiles, padded to 24 x 32 x 52 = 39936 positions, kv_valid masking the padding) against the
+same call without kv_valid (equal kept work: the same selection, 90%), plus the selection with and without
+kv_valid; "lse" times return_lse=True (fwd, and fwd+bwd with an lse cotangent) against the plain call.
+Both check against the reference first (full fwd+bwd at <= full_check_max tokens, else sampled query
+tiles forward), and write rows to the "padded" and "lse" lists of the JSON with ratios to their baselines
+(goal: within 5%). A run of some sections only writes bench_sparse_attention_<sections>.json.
 """
 
 from __future__ import annotations
@@ -40,10 +49,14 @@ from pallas_kernels.tuning import SparseAttentionTuning, for_device, generation
 
 FULL = dict(sizes=[16384, 65536, 131072, 32768], sparsities=[0.8, 0.9, 0.95, 0.98], kv_blocks=[64, 1],
             select_sparsities=[0.9, 0.95], heads=16, head_dim=128, q_tile=64, rank=16, token_group=16,
-            full_check_max=16384, iters=3, budget_s=235.0, mosaic_timeout_s=60, sweep_seq=32768)
+            full_check_max=16384, iters=3, budget_s=235.0, mosaic_timeout_s=60, sweep_seq=32768,
+            padded_grid=(21, 30, 52), padded_check_grid=(5, 30, 52), tile=(4, 4, 4), lse_sizes=[16384, 65536],
+            extra_sparsity=0.9, extra_iters=10, extra_budget_s=180.0)
 QUICK = dict(sizes=[256], sparsities=[0.75], kv_blocks=[32, 1], select_sparsities=[0.75], heads=2,
              head_dim=64, q_tile=64, rank=16, token_group=16, full_check_max=256, iters=1, budget_s=120.0,
-             sweep_seq=256)
+             sweep_seq=256, padded_grid=(5, 7, 9), padded_check_grid=(3, 7, 9), tile=(2, 4, 8), lse_sizes=[256],
+             extra_sparsity=0.75, extra_iters=1, extra_budget_s=900.0)
+SECTIONS = ("main", "padded", "lse")
 HEADLINE = (65536, 64)  # (S, kv_block) of the goals
 
 
@@ -124,9 +137,11 @@ def compile_fn(fn, *args):
     return compiled, time.perf_counter() - t0
 
 
-def sparse_fns(q_tile, kv_block, tuning, interpret):
+def sparse_fns(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False):
+    """Compiled-to-be fwd(q, k, v, index, count) and fwd_bwd(..., do): the Pallas path, optionally masking
+    padded keys (kv_valid, a constant of the call) and returning lse (then fwd_bwd takes (do, dlse))."""
     attend = functools.partial(sparse_attention_pallas, q_tile=q_tile, kv_block=kv_block, sm_scale=None,
-                               tuning=tuning, interpret=interpret)
+                               tuning=tuning, interpret=interpret, kv_valid=kv_valid, return_lse=with_lse)
 
     def fwd(q, k, v, index, count):
         return attend(q, k, v, index, count, sm_scale=q.shape[-1] ** -0.5)
@@ -170,8 +185,9 @@ def attention_flops(seq, heads, head_dim, keys_per_query):
 # correctness
 
 
-def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block):
-    """Reference output rows of query tiles `tiles` (same for every head): gather, softmax, weighted sum."""
+def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block, kv_valid=None, with_lse=False):
+    """Reference output rows of query tiles `tiles` (same for every head): gather, softmax, weighted sum;
+    padded keys (kv_valid) masked; with_lse: also their lse [n * q_tile, H]."""
     _, s, h, d = q.shape
     rows = (tiles[:, None] * q_tile + jnp.arange(q_tile)).ravel()
     qs = q[0, rows].astype(jnp.float32).reshape(len(tiles), q_tile, h, d).transpose(2, 0, 1, 3)  # [H, n, qt, D]
@@ -179,13 +195,21 @@ def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block):
     live = jnp.arange(sel.shape[-1]) < cnt[..., None]
     key_rows = (jnp.where(live, sel, 0)[..., None] * kv_block + jnp.arange(kv_block)).reshape(h, len(tiles), -1)
     key_live = jnp.repeat(live, kv_block, axis=-1)
+    if kv_valid is not None:
+        row_ok = (jnp.arange(kv_block) < kv_valid[0][:, None]).reshape(-1)  # [S]
+        key_live = key_live & row_ok[key_rows]
     kh, vh = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [H, S, D]
     ks = jax.vmap(lambda kk, r: kk[r])(kh, key_rows).astype(jnp.float32)  # [H, n, R, D]
     vs = jax.vmap(lambda vv, r: vv[r])(vh, key_rows).astype(jnp.float32)
     logits = jnp.einsum("hnqd,hnrd->hnqr", qs, ks, precision="highest") * d ** -0.5
-    p = jax.nn.softmax(jnp.where(key_live[:, :, None], logits, -jnp.inf), axis=-1)
+    logits = jnp.where(key_live[:, :, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("hnqr,hnrd->hnqd", p, vs, precision="highest")
-    return out.transpose(1, 2, 0, 3).reshape(len(tiles) * q_tile, h, d), rows
+    out = out.transpose(1, 2, 0, 3).reshape(len(tiles) * q_tile, h, d)
+    if not with_lse:
+        return out, rows
+    lse = jax.nn.logsumexp(logits, axis=-1).transpose(1, 2, 0).reshape(len(tiles) * q_tile, h)
+    return out, lse, rows
 
 
 def check_sparse(fwd_c, fwd_bwd_c, q, k, v, do, index, count, *, q_tile, kv_block, full):
@@ -433,6 +457,158 @@ def tuning_sweep(cfg, interpret, out, budget):
     return best
 
 
+# --------------------------------------------------------------------------------------------------
+# padded video grids and lse output (sections "padded" and "lse")
+
+
+def padded_kv_valid(grid, tile, kv_block):
+    """(kv_valid int32 [1, S // kv_block], S, real tokens) of a token grid padded to whole tiles in tile-major
+    order with each tile's real tokens first (the model's layout); kv_block divides the tile size."""
+    tile = [min(t, g) for t, g in zip(tile, grid)]
+    n_tiles = [-(-g // t) for g, t in zip(grid, tile)]
+    extent = [np.minimum(t, g - np.arange(n) * t) for g, t, n in zip(grid, tile, n_tiles)]  # real extent per tile
+    real = (extent[0][:, None, None] * extent[1][None, :, None] * extent[2][None, None, :]).reshape(-1)
+    size = int(np.prod(tile))
+    per_block = np.clip(real[:, None] - np.arange(size // kv_block) * kv_block, 0, kv_block).reshape(-1)
+    return jnp.asarray(per_block[None], jnp.int32), len(real) * size, int(real.sum())
+
+
+def checked_pair(cfg, q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False, full=False,
+                 inputs=None, selection=None):
+    """Compile fwd and fwd+bwd of one variant and check them against the reference. -> (fwd_c, fwd_bwd_c, row)."""
+    q, k, v, do, dlse = inputs
+    idx, cnt = selection
+    fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret, kv_valid=kv_valid, with_lse=with_lse)
+    cot = (do, dlse) if with_lse else do
+    fwd_c, t_f = compile_fn(fwd, q, k, v, idx, cnt)
+    fwd_bwd_c, t_fb = compile_fn(fwd_bwd, q, k, v, idx, cnt, cot)
+    row = {"compile_s": t_f + t_fb}
+    if full:
+        def ref(q, k, v):
+            return sparse_attention_reference(q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid,
+                                              return_lse=with_lse)
+
+        ref_out, ref_vjp = jax.vjp(ref, q, k, v)
+        out, grads = fwd_bwd_c(q, k, v, idx, cnt, cot)
+        o, ref_o = (out[0], ref_out[0]) if with_lse else (out, ref_out)
+        check = {"mode": "full", "o": harness.rel_error(o, ref_o)}
+        if with_lse:
+            check["lse"] = harness.rel_error(out[1], ref_out[1])
+        check.update({n: harness.rel_error(g, rg) for n, g, rg in zip(("dq", "dk", "dv"), grads, ref_vjp(cot))})
+    else:
+        tiles = jnp.asarray(np.random.default_rng(0).choice(q.shape[1] // q_tile, min(4, q.shape[1] // q_tile),
+                                                            replace=False))
+        ref = sampled_reference(q, k, v, idx, cnt, tiles, q_tile, kv_block, kv_valid, with_lse=True)
+        out = fwd_c(q, k, v, idx, cnt)
+        o = out[0] if with_lse else out
+        check = {"mode": "sampled 4 tiles x all heads", "o": harness.rel_error(o[0, ref[2]], ref[0])}
+        if with_lse:
+            check["lse"] = harness.rel_error(out[1][0][:, ref[2]].T, ref[1])
+    row["check"] = check
+    row["correct"] = all(v_ < 2e-2 for k_, v_ in check.items() if k_ != "mode")
+    return fwd_c, fwd_bwd_c, row
+
+
+def time_pair(fwd_c, fwd_bwd_c, inputs, selection, iters, with_lse):
+    q, k, v, do, dlse = inputs
+    idx, cnt = selection
+    cot = (do, dlse) if with_lse else do
+    f_ms = harness.time_fn(fwd_c, q, k, v, idx, cnt, warmup=2, iters=iters)["median_ms"]
+    fb_ms = harness.time_fn(fwd_bwd_c, q, k, v, idx, cnt, cot, warmup=2, iters=iters)["median_ms"]
+    return f_ms, fb_ms
+
+
+def extra_inputs(key, seq, cfg):
+    q, k, v, do = qkv_do(key, seq, cfg["heads"], cfg["head_dim"])
+    dlse = jax.random.normal(jax.random.fold_in(key, 1), (1, cfg["heads"], seq), jnp.float32)
+    return q, k, v, do, dlse
+
+
+def compare_variants(cfg, interpret, seq, kv_block, selection, inputs, variant, baseline, full, budget):
+    """Check and time two variants of the same call (equal kept work): {"baseline": ..., "variant": ...,
+    "fwd_ratio", "fwd_bwd_ratio"} (variant time / baseline time)."""
+    q_tile, tuning = cfg["q_tile"], for_device()[0]
+    row = {"seq": seq, "kv_block": kv_block, "target_sparsity": cfg["extra_sparsity"],
+           "kept_fraction": float(jnp.mean(selection[1].astype(jnp.float32))) * kv_block / seq}
+    timed = {}
+    for name, opts in (("baseline", baseline), ("variant", variant)):
+        if budget.left() < 15:
+            row["error"] = f"time budget before {name}"
+            return row
+        try:
+            fwd_c, fwd_bwd_c, part = checked_pair(cfg, q_tile, kv_block, tuning, interpret, full=full, inputs=inputs,
+                                                  selection=selection, **opts)
+            if part["correct"]:
+                part["fwd_ms"], part["fwd_bwd_ms"] = time_pair(fwd_c, fwd_bwd_c, inputs, selection,
+                                                               cfg["extra_iters"], opts.get("with_lse", False))
+                timed[name] = part
+            row[name] = part
+            del fwd_c, fwd_bwd_c
+        except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+            row[name] = {"error": error_text(e)}
+    if len(timed) == 2:
+        for key in ("fwd", "fwd_bwd"):
+            row[f"{key}_ratio"] = timed["variant"][f"{key}_ms"] / timed["baseline"][f"{key}_ms"]
+        row["within_5pct"] = row["fwd_bwd_ratio"] <= 1.05
+    return row
+
+
+def run_padded(cfg, interpret, out, budget):
+    """The padded grid with kv_valid against the same call without (same S and selection), the selection
+    with and without kv_valid, and a full fwd+bwd check of the padded call on a smaller padded grid."""
+    kv_block = int(np.prod(cfg["tile"]))  # tile-sized blocks (what DSV selects on video)
+    h, q_tile = cfg["heads"], cfg["q_tile"]
+    if q_tile != kv_block:
+        out["skipped"].append(f"padded rows: q_tile {q_tile} is not the tile size {kv_block}")
+        return
+    for label, grid, full in (("check", cfg["padded_check_grid"], True), ("timed", cfg["padded_grid"], False)):
+        kv_valid, seq, real = padded_kv_valid(grid, cfg["tile"], kv_block)
+        inputs = extra_inputs(jax.random.key(seq), seq, cfg)
+        selection = random_selection(jax.random.key(seq + 1), seq=seq, heads=h, q_tile=q_tile, group=kv_block,
+                                     keep=1.0 - cfg["extra_sparsity"])
+        row = compare_variants(cfg, interpret, seq, kv_block, selection, inputs, {"kv_valid": kv_valid}, {},
+                               full=full, budget=budget)
+        row.update({"rows": label, "grid": list(grid), "tile": list(cfg["tile"]), "real_tokens": real,
+                    "valid_blocks": int(jnp.sum(kv_valid > 0)), "blocks": int(kv_valid.shape[1])})
+        out["padded"].append(row)
+
+    # selection on the timed grid: lowrank_topk with kv_valid (masked means, proxies of valid rows) vs without
+    top_k = max(1, round((1.0 - cfg["extra_sparsity"]) * seq / kv_block))
+    sel = {"rows": "selection", "grid": list(cfg["padded_grid"]), "seq": seq, "kv_block": kv_block, "top_k": top_k}
+    if budget.left() < 15:
+        out["skipped"].append("padded selection: time budget")
+        return
+    try:
+        q_lr, k_lr = lowrank_inputs(jax.random.key(seq + 2), seq, h, cfg["rank"])
+        for name, valid in (("select_ms", None), ("select_padded_ms", kv_valid)):
+            select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
+                                       block_reduce="mean", tuning=for_device()[1], interpret=interpret, kv_valid=valid)
+            sel_c, _ = compile_fn(select, q_lr, k_lr)
+            ids = sel_c(q_lr, k_lr)
+            if valid is not None:
+                ref = lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, kv_valid=valid)
+                sel["padded_id_agreement"] = float(jnp.mean(ids == ref))
+                usable = jnp.broadcast_to(valid[:, None, None] > 0, (*ids.shape[:3], valid.shape[1]))
+                sel["picks_padding"] = not bool(jnp.all(jnp.take_along_axis(usable, ids, -1)))
+            sel[name] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=cfg["extra_iters"])["median_ms"]
+        sel["select_ratio"] = sel["select_padded_ms"] / sel["select_ms"]
+    except Exception as e:  # noqa: BLE001
+        sel["error"] = error_text(e)
+    out["padded"].append(sel)
+
+
+def run_lse(cfg, interpret, out, budget):
+    """return_lse=True (fwd; fwd+bwd with an lse cotangent) against the plain call, same selection."""
+    kv_block, h, q_tile = 64, cfg["heads"], cfg["q_tile"]
+    for seq in cfg["lse_sizes"]:
+        inputs = extra_inputs(jax.random.key(seq + 3), seq, cfg)
+        selection = random_selection(jax.random.key(seq + 4), seq=seq, heads=h, q_tile=q_tile, group=kv_block,
+                                     keep=1.0 - cfg["extra_sparsity"])
+        row = compare_variants(cfg, interpret, seq, kv_block, selection, inputs, {"with_lse": True}, {},
+                               full=seq <= cfg["full_check_max"], budget=budget)
+        out["lse"].append(row)
+
+
 MOSAIC_TAG = "MOSAIC_RESULT "
 
 
@@ -472,6 +648,10 @@ def goals(out):
     for row in out["headline"]:
         if "speedup_vs_dense" in row:
             g[f"select+fwd+bwd speedup S=64k {int(row['sparsity'] * 100)}% (goal {5 if row['sparsity'] == 0.9 else 9}x)"] = row["speedup_vs_dense"]
+    for key, section in (("padded kv_valid / unpadded", "padded"), ("return_lse / plain", "lse")):
+        for r in out.get(section, []):
+            if "fwd_bwd_ratio" in r:
+                g[f"{key} fwd+bwd time S={r['seq']} (goal <= 1.05)"] = r["fwd_bwd_ratio"]
     ratios = [r["tflops_vs_dense"] for r in out["runs"] if "tflops_vs_dense" in r]
     if ratios:
         g["sparse fwd+bwd TFLOP/s / cuDNN, median over runs (goal 0.7)"] = float(np.median(ratios))
@@ -486,41 +666,67 @@ def goals(out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes on CPU (Pallas interpret mode)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--mosaic-check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        parser.error(f"--sections {args.sections!r}: unknown {unknown}; choose from {', '.join(SECTIONS)}")
     if args.mosaic_check:
         return mosaic_check_main()
     cfg = QUICK if args.quick else FULL
-    mosaic = None if args.quick else try_mosaic_gpu(cfg["mosaic_timeout_s"])  # first: before we hold the GPU
+    main_rows = "main" in sections
+    mosaic = try_mosaic_gpu(cfg["mosaic_timeout_s"]) if main_rows and not args.quick else None  # before we hold the GPU
     interpret = not harness.on_gpu()
+    start = time.perf_counter()
     budget = Budget(cfg["budget_s"])
-    out = {"config": {k_: v_ for k_, v_ in cfg.items()}, "generation": generation(), "dense": [], "runs": [],
-           "selection": [], "headline": [], "tuning_sweep": [], "skipped": []}
+    out = {"config": {k_: v_ for k_, v_ in cfg.items()}, "sections": sections, "generation": generation(),
+           "dense": [], "runs": [], "selection": [], "headline": [], "tuning_sweep": [], "padded": [], "lse": [],
+           "skipped": []}
     if mosaic is not None:
         out["mosaic_gpu"] = mosaic
-    tunings = tuning_sweep(cfg, interpret, out, budget) if harness.on_gpu() else {}
-    for seq in cfg["sizes"]:
-        if budget.left() < 25:
-            out["skipped"].append(f"S={seq}: time budget")
-            continue
-        run_size(seq, cfg, budget, tunings, interpret, out)
+    if main_rows:
+        tunings = tuning_sweep(cfg, interpret, out, budget) if harness.on_gpu() else {}
+        for seq in cfg["sizes"]:
+            if budget.left() < 25:
+                out["skipped"].append(f"S={seq}: time budget")
+                continue
+            run_size(seq, cfg, budget, tunings, interpret, out)
+    extra_budget = Budget(cfg["extra_budget_s"])
+    if "padded" in sections:
+        run_padded(cfg, interpret, out, extra_budget)
+    if "lse" in sections:
+        run_lse(cfg, interpret, out, extra_budget)
     goals(out)
-    out["wall_s"] = cfg["budget_s"] - budget.left()
-    path = harness.write_results("bench_sparse_attention" + ("_quick" if args.quick else ""), out)
+    out["wall_s"] = time.perf_counter() - start
+    name = "bench_sparse_attention" + ("" if main_rows and len(sections) == len(SECTIONS) else "_" + "_".join(sections))
+    path = harness.write_results(name + ("_quick" if args.quick else ""), out)
 
-    print(f"dense ({out['dense'][0].get('dense_impl') if out['dense'] else '-'}):")
-    harness.print_table(out["dense"], ["seq", "dense_fwd_ms", "dense_fwd_bwd_ms", "dense_tflops"])
-    print("\nsparse attention:")
-    harness.print_table(out["runs"], ["seq", "kv_block", "selection", "kept_fraction", "fwd_ms", "bwd_ms",
-                                      "worklist_ms", "fwd_bwd_tflops", "speedup_vs_dense", "tflops_vs_dense",
-                                      "correct"])
-    print("\nselection (lowrank_topk):")
-    harness.print_table(out["selection"], ["seq", "kv_block", "sparsity", "top_k", "select_ms", "naive_select_ms",
-                                           "select_share_of_attention", "id_agreement", "picks_are_top_k"])
+    if main_rows:
+        print(f"dense ({out['dense'][0].get('dense_impl') if out['dense'] else '-'}):")
+        harness.print_table(out["dense"], ["seq", "dense_fwd_ms", "dense_fwd_bwd_ms", "dense_tflops"])
+        print("\nsparse attention:")
+        harness.print_table(out["runs"], ["seq", "kv_block", "selection", "kept_fraction", "fwd_ms", "bwd_ms",
+                                          "worklist_ms", "fwd_bwd_tflops", "speedup_vs_dense", "tflops_vs_dense",
+                                          "correct"])
+        print("\nselection (lowrank_topk):")
+        harness.print_table(out["selection"], ["seq", "kv_block", "sparsity", "top_k", "select_ms", "naive_select_ms",
+                                               "select_share_of_attention", "id_agreement", "picks_are_top_k"])
+    for key in ("padded", "lse"):
+        if out[key]:
+            print(f"\n{key} (variant / baseline at equal kept work):")
+            harness.print_table([{**r, **{f"{n}_{m}": r.get(n, {}).get(m) for n in ("baseline", "variant")
+                                          for m in ("fwd_ms", "fwd_bwd_ms", "correct")}} for r in out[key]],
+                                ["rows", "seq", "kv_block", "kept_fraction", "baseline_fwd_bwd_ms",
+                                 "variant_fwd_bwd_ms", "fwd_ratio", "fwd_bwd_ratio", "variant_correct",
+                                 "select_ratio"])
     if out["headline"]:
         print("\nheadline:")
         harness.print_table(out["headline"], ["seq", "kv_block", "sparsity", "select_fwd_bwd_ms", "speedup_vs_dense"])
-    errors = [r for r in out["runs"] + out["selection"] + out["headline"] if "error" in r]
+    errors = [r for r in out["runs"] + out["selection"] + out["headline"] + out["padded"] + out["lse"] if "error" in r]
+    errors += [r[n] for r in out["padded"] + out["lse"] for n in ("baseline", "variant") if "error" in r.get(n, {})]
     for r in errors:
         print(f"\nERROR at {({k_: r[k_] for k_ in ('seq', 'kv_block') if k_ in r})}: {r['error'][:300]}")
     if "mosaic_gpu" in out:

@@ -20,6 +20,11 @@ not fit registers for k in the thousands (token level). Counting does fit:
      id, as lax.top_k does. Positions come from a running count plus an in-chunk cumulative sum.
 
 A program handles `tiles_per_program` query tiles, which share every load of the key table.
+
+Padded layouts (kv_valid): proxies and block means are taken over valid rows in XLA, as the reference
+does; the kernel also reads each block's valid count beside its scores, so that the max over a block
+skips its padded rows and a block without a valid key gets the key of -inf (ranked below every real
+score, above the INT_MIN of the padding columns).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.lowrank_topk import block_mean_keys, row_flags, tile_proxies
 from pallas_kernels.sparse_attention_triton import partitioned_over_batch_and_heads
 from pallas_kernels.sparse_index import result_type
 from pallas_kernels.tuning import TopkTuning
 
 INT_MIN = -(2**31)
+NEG_INF_KEY = -2139095041  # sortable_key(-inf): the bits 0xFF800000 with the magnitude bits flipped
 
 
 def sortable_key(score):
@@ -45,7 +52,9 @@ def sortable_key(score):
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, reduce: str, tuning: TopkTuning):
+def _select_kernel(proxy_ref, table_ref, *refs, top_k: int, num_keys: int, reduce: str, tuning: TopkTuning,
+                   masked: bool):
+    valid_ref, out_ref = refs if masked else (None, refs[0])
     tp = proxy_ref.shape[0]
     rows, padded_keys = table_ref.shape[0], table_ref.shape[1]
     step = tuning.keys_per_step
@@ -56,8 +65,13 @@ def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, 
         """int32 sort keys [tp, step] of keys chunk * step ... + step; padding keys get INT_MIN."""
         sl = pl.ds(pl.multiple_of(chunk * step, step), step)
 
+        n_valid = None if valid_ref is None else valid_ref[sl][None, :]  # [1, step] valid rows per block
+
         def row_scores(j):
-            return plgpu.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True)
+            score = plgpu.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True)
+            if n_valid is not None and rows > 1:  # the max skips padded rows
+                score = jnp.where(j < n_valid, score, -jnp.inf)
+            return score
 
         if rows == 1:
             score = row_scores(0)
@@ -66,8 +80,11 @@ def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, 
             score = lax.fori_loop(1, rows, lambda j, acc: combine(acc, row_scores(j)), row_scores(0))
             if reduce == "mean":
                 score = score / rows
+        key = sortable_key(score)
+        if n_valid is not None:
+            key = jnp.where(n_valid > 0, key, NEG_INF_KEY)
         col = chunk * step + lax.broadcasted_iota(jnp.int32, (tp, step), 1)
-        return jnp.where(col < num_keys, sortable_key(score), INT_MIN), col
+        return jnp.where(col < num_keys, key, INT_MIN), col
 
     # --- 1. radix select of the top_k-th largest key per tile -----------------------------------
     bits = tuning.radix_bits
@@ -133,13 +150,17 @@ def _select_kernel(proxy_ref, table_ref, out_ref, *, top_k: int, num_keys: int, 
     lax.fori_loop(0, n_steps, compact, (zeros, zeros))
 
 
-def lowrank_topk_pallas(q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tuning: TopkTuning, interpret):
+def lowrank_topk_pallas(q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tuning: TopkTuning, interpret,
+                        kv_valid=None):
     """Inputs as the public lowrank_topk (already checked); returns int32 [B, H, S // q_tile, top_k].
     Partitionable over B and H like the attention kernels (each device selects for its own heads)."""
-    return _select_sharded(q_lr, k_lr, (top_k, q_tile, kv_block, block_reduce, tuning, interpret))
+    static = (top_k, q_tile, kv_block, block_reduce, tuning, interpret)
+    if kv_valid is None:
+        return _select_sharded(q_lr, k_lr, static)
+    return _select_masked_sharded(q_lr, k_lr, kv_valid.astype(jnp.int32), static)
 
 
-def _select(q_lr, k_lr, static):
+def _select(q_lr, k_lr, static, kv_valid=None):
     top_k, q_tile, kv_block, block_reduce, tuning, interpret = static
     b, s, h, r = q_lr.shape
     tiles, num_keys = s // q_tile, s // kv_block
@@ -147,37 +168,54 @@ def _select(q_lr, k_lr, static):
     tp = max(tp, 16)
     step = tuning.keys_per_step
     rp = max(16, pl.next_power_of_2(r))
+    masked = kv_valid is not None
+    if masked:
+        kv_valid = jnp.clip(kv_valid, 0, kv_block)
 
-    # Proxies exactly as the reference computes them (fp32 mean of the tile's rows).
-    proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, tiles, q_tile, h, r), axis=2).transpose(0, 2, 1, 3)
+    # Proxies exactly as the reference computes them (fp32 mean of the tile's (valid) rows).
+    proxy = tile_proxies(q_lr, q_tile, None if kv_valid is None else row_flags(kv_valid, kv_block))
+    proxy = proxy.transpose(0, 2, 1, 3)
     tiles_p = -(-tiles // tp) * tp
     proxy = jnp.pad(proxy, ((0, 0), (0, 0), (0, tiles_p - tiles), (0, rp - r)))
 
     # Key table [B, H, rows, num_keys, r]: the block score is the reduce over `rows` dot products.
     if kv_block == 1:
         table = k_lr.transpose(0, 2, 1, 3)[:, :, None]
-    elif block_reduce == "mean":  # mean of dot products = dot product with the block's mean row
-        table = jnp.mean(k_lr.astype(jnp.float32).reshape(b, num_keys, kv_block, h, r), axis=2)
-        table = table.transpose(0, 2, 1, 3)[:, :, None]
+    elif block_reduce == "mean":  # mean of dot products = dot product with the block's mean (valid) row
+        table = block_mean_keys(k_lr, kv_block, kv_valid).transpose(0, 2, 1, 3)[:, :, None]
     else:
         table = k_lr.reshape(b, num_keys, kv_block, h, r).transpose(0, 3, 2, 1, 4)
     keys_p = -(-num_keys // step) * step
     table = jnp.pad(table, ((0, 0), (0, 0), (0, 0), (0, keys_p - num_keys), (0, rp - r)))
     rows = table.shape[2]
 
-    kernel = functools.partial(_select_kernel, top_k=top_k, num_keys=num_keys, reduce=block_reduce, tuning=tuning)
+    in_specs = [pl.BlockSpec((None, None, tp, rp), lambda i, bi, hi: (bi, hi, i, 0)),
+                pl.BlockSpec((None, None, rows, keys_p, rp), lambda i, bi, hi: (bi, hi, 0, 0, 0))]
+    args = [proxy, table]
+    if masked:
+        in_specs.append(pl.BlockSpec((None, keys_p), lambda i, bi, hi: (bi, 0)))
+        args.append(jnp.pad(kv_valid, ((0, 0), (0, keys_p - num_keys))))
+    kernel = functools.partial(_select_kernel, top_k=top_k, num_keys=num_keys, reduce=block_reduce, tuning=tuning,
+                               masked=masked)
     out = pl.pallas_call(
         kernel,
         grid=(tiles_p // tp, b, h),
-        in_specs=[pl.BlockSpec((None, None, tp, rp), lambda i, bi, hi: (bi, hi, i, 0)),
-                  pl.BlockSpec((None, None, rows, keys_p, rp), lambda i, bi, hi: (bi, hi, 0, 0, 0))],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, tp, top_k + 1), lambda i, bi, hi: (bi, hi, i, 0)),
         out_shape=result_type((b, h, tiles_p, top_k + 1), jnp.int32, proxy),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages),
         interpret=interpret,
         name="lowrank_topk",
-    )(proxy, table)
+    )(*args)
     return out[:, :, :tiles, :top_k]
 
 
 _select_sharded = partitioned_over_batch_and_heads(_select, ("bshr", "bshr"), ("bhtk",))
+
+
+def _select_masked(q_lr, k_lr, kv_valid, static):
+    return _select(q_lr, k_lr, static, kv_valid)
+
+
+_select_masked_sharded = partitioned_over_batch_and_heads(
+    _select_masked, ("bshr", "bshr", "bn"), ("bhtk",))  # kv_valid [B, S // kv_block]: batch-sharded

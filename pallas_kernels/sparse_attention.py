@@ -5,6 +5,17 @@
 q, k, v [B, S, H, D] in tile-major token order; query tiles are q_tile consecutive tokens, KV blocks
 kv_block consecutive tokens (kv_block = 1 selects single tokens). Entries of kv_index at positions
 >= kv_count are ignored whatever they hold.
+
+Padded layouts: kv_valid (optional, int32 [B, S // kv_block]) is the number of valid keys of each KV
+block, 0..kv_block; the valid keys of a block are its first kv_valid rows (the token layout puts each
+tile's real tokens first), the others are never attended (at kv_block = 1 the entries are 0 or 1). A
+selection may hold fully masked blocks; they add nothing. A query row whose selected keys are all masked
+(or kv_count = 0) attends to nothing: o = 0, lse = -inf, zero gradients. Query rows that are padding are
+computed like any other (finite); the caller drops them.
+
+return_lse: also return lse [B, H, S] fp32, the natural-log log-sum-exp of each query's selected valid
+logits (times sm_scale), so partial results over disjoint key sets merge exactly
+(`dsv_jax.attention.merge_attention`). The gradient takes a cotangent for lse: d lse_i / d s_ij = p_ij.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 
-def check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block):
+def check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid=None):
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
     b, s, h, _ = q.shape
@@ -26,41 +37,74 @@ def check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block):
         raise ValueError(f"kv_count must be [B, H, S // q_tile] = [{b}, {h}, {tiles}]; got {kv_count.shape}")
     if not (jnp.issubdtype(kv_index.dtype, jnp.integer) and jnp.issubdtype(kv_count.dtype, jnp.integer)):
         raise ValueError(f"kv_index and kv_count must be integers; got {kv_index.dtype}, {kv_count.dtype}")
+    if kv_valid is not None:
+        if kv_valid.shape != (b, s // kv_block):
+            raise ValueError(f"kv_valid must be [B, S // kv_block] = [{b}, {s // kv_block}]; got {kv_valid.shape}")
+        if not jnp.issubdtype(kv_valid.dtype, jnp.integer):
+            raise ValueError(f"kv_valid must be integers (valid keys per KV block); got {kv_valid.dtype}")
 
 
-def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, impl="auto"):
+def masked_softmax_attend(logits, values):
+    """softmax(logits) @ values [..., q, D] (fp32) and the natural-log lse [..., q] of logits [..., q, n]
+    (fp32, -inf where masked); values [..., n, D] in its own dtype. A row with every logit masked gives
+    o = 0, lse = -inf and zero gradients (no NaN: exp only sees finite differences or -inf)."""
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    e = jnp.exp(logits - m)
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    some = l > 0.0
+    l_safe = jnp.where(some, l, 1.0)
+    p = e / l_safe
+    o = jnp.einsum("...qn,...nd->...qd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    lse = jnp.where(some, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+    return o, lse
+
+
+def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
+                               return_lse=False, impl="auto"):
     """Plain JAX, one query tile at a time (lax.map), so memory is O(S * K * kv_block), never [S, S]."""
     del impl
-    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
+    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
     b, s, h, d = q.shape
     n_sel = kv_index.shape[-1]
     scale = d ** -0.5 if sm_scale is None else sm_scale
     k_blocks = k.reshape(b, s // kv_block, kv_block, h, d).transpose(0, 3, 1, 2, 4)  # [B, H, nb, kvb, D]
     v_blocks = v.reshape(b, s // kv_block, kv_block, h, d).transpose(0, 3, 1, 2, 4)
     q_tiles = q.reshape(b, s // q_tile, q_tile, h, d).transpose(1, 0, 3, 2, 4)  # [T, B, H, qt, D]
+    if kv_valid is not None:
+        kv_valid = jnp.broadcast_to(jnp.clip(kv_valid.astype(jnp.int32), 0, kv_block)[:, None], (b, h, s // kv_block))
 
     def one_tile(args):
         q_t, idx, count = args  # [B, H, qt, D], [B, H, K], [B, H]
-        valid = jnp.arange(n_sel)[None, None] < count[..., None]  # [B, H, K]
-        idx = jnp.where(valid, idx, 0)
+        live = jnp.arange(n_sel)[None, None] < count[..., None]  # [B, H, K]
+        idx = jnp.where(live, idx, 0)
         ks = jnp.take_along_axis(k_blocks, idx[..., None, None], axis=2)  # [B, H, K, kvb, D]
         vs = jnp.take_along_axis(v_blocks, idx[..., None, None], axis=2)
+        keep = jnp.broadcast_to(live[..., None], (*live.shape, kv_block))  # [B, H, K, kvb]
+        if kv_valid is not None:
+            n_valid = jnp.take_along_axis(kv_valid, idx, axis=-1)  # [B, H, K]
+            keep = keep & (jnp.arange(kv_block) < n_valid[..., None])
         logits = jnp.einsum("bhqd,bhkjd->bhqkj", q_t, ks, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(valid[:, :, None, :, None], logits, -jnp.inf)
-        p = jax.nn.softmax(logits.reshape(*logits.shape[:3], -1), axis=-1).reshape(logits.shape)
-        return jnp.einsum("bhqkj,bhkjd->bhqd", p.astype(v.dtype), vs, preferred_element_type=jnp.float32)
+        logits = jnp.where(keep[:, :, None], logits, -jnp.inf).reshape(*logits.shape[:3], n_sel * kv_block)
+        return masked_softmax_attend(logits, vs.reshape(b, h, n_sel * kv_block, d))
 
-    out = jax.lax.map(one_tile, (q_tiles, kv_index.transpose(2, 0, 1, 3), kv_count.transpose(2, 0, 1)))
-    return out.transpose(1, 0, 3, 2, 4).reshape(b, s, h, d).astype(q.dtype)
+    out, lse = jax.lax.map(one_tile, (q_tiles, kv_index.transpose(2, 0, 1, 3), kv_count.transpose(2, 0, 1)))
+    out = out.transpose(1, 0, 3, 2, 4).reshape(b, s, h, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    return out, lse.transpose(1, 2, 0, 3).reshape(b, h, s)
 
 
-def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, impl="auto"):
+def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
+                     return_lse=False, impl="auto"):
     """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto":
     Pallas on a GPU when the geometry is supported (power-of-two q_tile in 16..128 and kv_block; one dtype
-    for q, k, v), else XLA. The Pallas path assumes the live ids of a tile are distinct (as selections are)."""
+    for q, k, v), else XLA. The Pallas path assumes the live ids of a tile are distinct (as selections are).
+
+    Returns o [B, S, H, D] in q.dtype, or (o, lse [B, H, S] fp32) with return_lse (see the module)."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
-    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
+    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
     from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415 (keeps import light)
     from pallas_kernels.tuning import for_device  # noqa: PLC0415
 
@@ -70,13 +114,14 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
         impl = "pallas" if on_gpu and same_dtype and triton_path.supported(q_tile, kv_block) is None else "xla"
     if impl == "xla":
         return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                          sm_scale=sm_scale)
+                                          sm_scale=sm_scale, kv_valid=kv_valid, return_lse=return_lse)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    if on_gpu:
+    if on_gpu and kv_valid is None and not return_lse:  # the Mosaic GPU forward has neither
         from pallas_kernels import sparse_attention_mgpu  # noqa: PLC0415
 
         if sparse_attention_mgpu.verified(q, q_tile, kv_block):  # opt-in: sparse_attention_mgpu.verify()
             return sparse_attention_mgpu.sparse_attention_mgpu(q, k, v, kv_index, kv_count, q_tile=q_tile,
                                                                kv_block=kv_block, sm_scale=scale)
     return triton_path.sparse_attention_pallas(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                               sm_scale=scale, tuning=for_device()[0], interpret=not on_gpu)
+                                               sm_scale=scale, tuning=for_device()[0], interpret=not on_gpu,
+                                               kv_valid=kv_valid, return_lse=return_lse)

@@ -6,11 +6,20 @@ reads past the end; kv_count [B, H, T].
 
   forward  grid (T, B, H): for kv_count[tile] selected blocks, `rows_per_step` KV rows per step, online
            softmax in base 2 (logits pre-multiplied by log2 e, so exp2 is one instruction); saves
-           lse = m + log2(l) per row for the backward.
-  dQ       grid (T, B, H): the same walk; recomputes p from lse, dq += (p * (do.v - delta)) k.
+           lse = m + log2(l) per row for the backward (+inf for a row with no valid key, so that
+           the backward's exp2(s - lse) is 0 there; the public lse is natural log, -inf there).
+  dQ       grid (T, B, H): the same walk; recomputes p from lse, dq += (p * (do.v - delta)) k, with
+           delta = rowsum(o * do) - dlse (a cotangent of the lse output enters here).
   dK/dV    grid (S // rows, B, H): each program owns `rows` key rows and walks the query tiles that
            selected them (sparse_index.dkdv_worklist: a transposed index built by a sort, no atomics);
            at token level a bit mask per pair zeroes the rows the tile did not select.
+
+Padded keys (kv_valid): a per-row flag key_valid [B, S] (row r of block j is valid iff r % kv_block <
+kv_valid[j]) is loaded beside the K rows of each step, and the scores of invalid rows are replaced by
+the mask value in the same select as the live-entry mask: no extra pass. The forward's running max
+starts at M_FLOOR (finite, above MASK_VALUE), so a step, or a whole row, of masked scores adds exactly
+0 and a row without a valid key ends with l = 0: o = 0. dK/dV of invalid rows are zeroed when stored
+(an invalid row's dk, dv depend only on its own column of p).
 
 A loop step either covers `rows_per_step` consecutive rows of one block (kv_block a multiple of it:
 plain contiguous loads) or gathers rows_per_step // kv_block selected blocks through a row-index vector
@@ -36,7 +45,9 @@ from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, s
 from pallas_kernels.tuning import SparseAttentionTuning
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 MASK_VALUE = -1e30  # finite: exp2(MASK_VALUE - m) is 0 without inf - inf
+M_FLOOR = -1e29  # start of the running max: exp2(MASK_VALUE - M_FLOOR) == 0, and below any real logit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,19 +111,23 @@ def _params(warps, stages):
 # KV walk shared by the forward and dQ kernels
 
 
-def _kv_step(step, count, idx_ref, k_ref, v_ref, plan: Plan):
-    """K, V rows [rows_per_step, Dp] of loop step `step` and the mask of live rows (None: all live)."""
+def _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan: Plan):
+    """K, V rows [rows_per_step, Dp] of loop step `step` and the mask of live rows (None: all live).
+    A row is live if its entry is < count and (with valid_ref, the key_valid row flags) a valid key."""
     rows, kvb = plan.step_rows, plan.kv_block
     if plan.contiguous:
         first = step * rows
         block = idx_ref[lax.div(first, kvb)]
         start = pl.multiple_of(block * kvb + lax.rem(first, kvb), rows)
         sl = pl.ds(start, rows)
-        return k_ref[sl, :], v_ref[sl, :], None
+        live = None if valid_ref is None else valid_ref[sl] != 0
+        return k_ref[sl, :], v_ref[sl, :], live
     flat = step * rows + lax.broadcasted_iota(jnp.int32, (rows,), 0)  # position in the selected-row stream
     entry = lax.div(flat, kvb)
     live = entry < count
     row = idx_ref[entry] * kvb + lax.rem(flat, kvb)  # gathered row ids (entries past count were sanitized to 0)
+    if valid_ref is not None:
+        live = live & (valid_ref[row] != 0)
     return k_ref[row, :], v_ref[row, :], live
 
 
@@ -120,7 +135,13 @@ def _num_steps(count, plan: Plan):
     return lax.div(count * plan.kv_block + plan.step_rows - 1, plan.step_rows)
 
 
-def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
+def _split_valid(refs, masked: bool):
+    """(key_valid ref or None, the other refs): key_valid is the last input when the call is masked."""
+    return (refs[0], refs[1:]) if masked else (None, refs)
+
+
+def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, *refs, plan: Plan, masked: bool):
+    valid_ref, (o_ref, lse_ref) = _split_valid(refs, masked)
     count = count_ref[pl.program_id(0)]
     q = q_ref[...]
     qt, dp = q.shape
@@ -128,7 +149,7 @@ def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan
 
     def body(step, carry):
         acc, m_prev, l_prev = carry
-        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, plan)
+        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan)
         s = plgpu.dot(q, k, trans_b=True) * qk_scale
         if live is not None:
             s = jnp.where(live[None, :], s, MASK_VALUE)
@@ -139,22 +160,25 @@ def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_next, l_next
 
-    init = (jnp.zeros((qt, dp), jnp.float32), jnp.full((qt,), -jnp.inf, jnp.float32),
+    init = (jnp.zeros((qt, dp), jnp.float32), jnp.full((qt,), M_FLOOR, jnp.float32),
             jnp.zeros((qt,), jnp.float32))
     acc, m, l = lax.fori_loop(0, _num_steps(count, plan), body, init)
-    l = jnp.where(l == 0.0, 1.0, l)  # only for kv_count == 0, which the API excludes: o = 0, not NaN
+    empty = l == 0.0  # no valid key (all masked, or kv_count == 0): o = 0, lse = +inf (backward's p = 0)
+    l = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log2(l)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l))
 
 
-def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: Plan):
+def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: Plan,
+               masked: bool):
+    valid_ref, (dq_ref,) = _split_valid(refs, masked)
     count = count_ref[pl.program_id(0)]
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     qk_scale = plan.sm_scale * LOG2E
 
     def body(step, dq):
-        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, plan)
+        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan)
         p = jnp.exp2(plgpu.dot(q, k, trans_b=True) * qk_scale - lse[:, None])
         if live is not None:
             p = jnp.where(live[None, :], p, 0.0)
@@ -165,12 +189,13 @@ def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
     dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int):
+def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int, masked: bool):
     if plan.masked_dkdv:
-        masks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        masks_ref, *refs = refs
     else:
         masks_ref = None
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+    valid_ref, (dk_ref, dv_ref) = _split_valid(refs, masked)
     block = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     rows = k.shape[0]
@@ -199,12 +224,15 @@ def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int):
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(starts_ref[block], starts_ref[block + 1], body, (zeros, zeros))
+    if valid_ref is not None:  # invalid key rows: their own column of p was never masked; drop it here
+        keep = (valid_ref[...] != 0)[:, None]
+        dk, dv = jnp.where(keep, dk, 0.0), jnp.where(keep, dv, 0.0)
     dk_ref[...] = (dk * plan.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
-# pallas_call wrappers (inputs already padded and sanitized)
+# pallas_call wrappers (inputs already padded and sanitized). key_valid: None, or int32 [B, S] row flags.
 
 
 def _tile_specs(plan: Plan, s: int, dp: int, n_sel: int, tiles: int):
@@ -217,38 +245,62 @@ def _tile_specs(plan: Plan, s: int, dp: int, n_sel: int, tiles: int):
     return count, index, q_tile, whole, row_stat
 
 
-def _forward(q, k, v, index, count, plan: Plan):
+def _with_valid(in_specs, args, key_valid, spec):
+    """Append key_valid (and its BlockSpec) to a call's inputs when the call masks padded keys."""
+    if key_valid is None:
+        return in_specs, args
+    return [*in_specs, spec], [*args, key_valid]
+
+
+def _forward(q, k, v, index, count, plan: Plan, key_valid=None):
+    """(o, lse) with lse [B, H, S] in base 2 (+inf where a row has no valid key)."""
     b, s, h, dp = q.shape
     tiles, n_sel = index.shape[2], index.shape[3]
     count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(plan, s, dp, n_sel, tiles)
+    in_specs, args = _with_valid([count_s, index_s, tile_s, whole_s, whole_s], [count, index, q, k, v], key_valid,
+                                 pl.BlockSpec((None, s), lambda t, b, h: (b, 0)))
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, plan=plan),
+        functools.partial(_fwd_kernel, plan=plan, masked=key_valid is not None),
         grid=(tiles, b, h),
-        in_specs=[count_s, index_s, tile_s, whole_s, whole_s],
+        in_specs=in_specs,
         out_specs=[tile_s, stat_s],
         out_shape=[result_type(q.shape, q.dtype, q), result_type((b, h, s), jnp.float32, q)],
         compiler_params=_params(plan.tuning.fwd_warps, plan.tuning.fwd_stages),
         interpret=plan.interpret,
         name="sparse_attention_fwd",
-    )(count, index, q, k, v)
+    )(*args)
+
+
+def _row_term(o, do, dlse=None):
+    """delta = rowsum(o * do) - dlse [B, H, S] fp32: one fused XLA reduction (memory-bound, as fast as a
+    kernel). d lse_i / d s_ij = p_ij, so an lse cotangent is a shift of the softmax backward's row term."""
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
 def _backward(q, k, v, index, count, o, lse, do, plan: Plan):
+    """dq, dk, dv of the output alone (no lse cotangent, no padded keys); lse in base 2 as _forward's."""
+    return _backward_from_delta(q, k, v, index, count, lse, do, _row_term(o, do), plan)
+
+
+def _backward_from_delta(q, k, v, index, count, lse, do, delta, plan: Plan, key_valid=None):
     b, s, h, dp = q.shape
     tiles, n_sel = index.shape[2], index.shape[3]
-    # Preprocess: delta = rowsum(o * do), one fused XLA reduction (memory-bound, as fast as a kernel).
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    masked = key_valid is not None
     count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(plan, s, dp, n_sel, tiles)
+    in_specs, args = _with_valid([count_s, index_s, tile_s, whole_s, whole_s, tile_s, stat_s, stat_s],
+                                 [count, index, q, k, v, do, lse, delta], key_valid,
+                                 pl.BlockSpec((None, s), lambda t, b, h: (b, 0)))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan),
+        functools.partial(_dq_kernel, plan=plan, masked=masked),
         grid=(tiles, b, h),
-        in_specs=[count_s, index_s, tile_s, whole_s, whole_s, tile_s, stat_s, stat_s],
+        in_specs=in_specs,
         out_specs=tile_s,
         out_shape=result_type(q.shape, q.dtype, q),
         compiler_params=_params(plan.tuning.dq_warps, plan.tuning.dq_stages),
         interpret=plan.interpret,
         name="sparse_attention_dq",
-    )(count, index, q, k, v, do, lse, delta)
+    )(*args)
 
     rows = plan.dkdv_rows
     order, starts, masks, pairs_per_tile = dkdv_worklist(index, count, kv_block=plan.kv_block, rows=rows, seq_len=s)
@@ -263,16 +315,18 @@ def _backward(q, k, v, index, count, o, lse, do, plan: Plan):
     if masks is not None:
         in_specs.append(pl.BlockSpec((None, None, n_pairs, masks.shape[-1]), lambda j, b, h: (b, h, 0, 0)))
         args.append(masks)
+    in_specs, args = _with_valid(in_specs + [whole, own, own, whole, stat, stat], args + [q, k, v, do, lse, delta],
+                                 key_valid, pl.BlockSpec((None, rows), lambda j, b, h: (b, j)))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, plan=plan, pairs_per_tile=pairs_per_tile),
+        functools.partial(_dkdv_kernel, plan=plan, pairs_per_tile=pairs_per_tile, masked=masked),
         grid=(row_blocks, b, h),
-        in_specs=in_specs + [whole, own, own, whole, stat, stat],
+        in_specs=in_specs,
         out_specs=[own, own],
         out_shape=[result_type(k.shape, k.dtype, q), result_type(v.shape, v.dtype, q)],
         compiler_params=_params(plan.tuning.dkdv_warps, plan.tuning.dkdv_stages),
         interpret=plan.interpret,
         name="sparse_attention_dkdv",
-    )(*args, q, k, v, do, lse, delta)
+    )(*args)
     return dq, dk, dv
 
 
@@ -315,30 +369,68 @@ def partitioned_over_batch_and_heads(call, operands: tuple[str, ...], results: t
     return op
 
 
-_forward_sharded = partitioned_over_batch_and_heads(
-    _forward, ("bshd", "bshd", "bshd", "bhtk", "bht"), ("bshd", "bhs"))
+_QKV, _SEL, _ROWS, _KEYS = ("bshd",) * 3, ("bhtk", "bht"), "bhs", "bs"  # key_valid [B, S] is batch-sharded
+
+_forward_sharded = partitioned_over_batch_and_heads(_forward, _QKV + _SEL, ("bshd", _ROWS))
 _backward_sharded = partitioned_over_batch_and_heads(
-    _backward, ("bshd", "bshd", "bshd", "bhtk", "bht", "bshd", "bhs", "bshd"), ("bshd", "bshd", "bshd"))
+    _backward, _QKV + _SEL + ("bshd", _ROWS, "bshd"), ("bshd",) * 3)  # (o, lse, do): the Mosaic GPU path's
+
+
+def _forward_masked(q, k, v, index, count, key_valid, plan: Plan):
+    return _forward(q, k, v, index, count, plan, key_valid)
+
+
+def _backward_masked(q, k, v, index, count, lse, do, delta, key_valid, plan: Plan):
+    return _backward_from_delta(q, k, v, index, count, lse, do, delta, plan, key_valid)
+
+
+_forward_masked_sharded = partitioned_over_batch_and_heads(_forward_masked, _QKV + _SEL + (_KEYS,), ("bshd", _ROWS))
+_backward_delta_sharded = partitioned_over_batch_and_heads(
+    _backward_from_delta, _QKV + _SEL + (_ROWS, "bshd", _ROWS), ("bshd",) * 3)
+_backward_delta_masked_sharded = partitioned_over_batch_and_heads(
+    _backward_masked, _QKV + _SEL + (_ROWS, "bshd", _ROWS, _KEYS), ("bshd",) * 3)
+
+
+def _run_forward(q, k, v, index, count, key_valid, plan: Plan):
+    if key_valid is None:
+        return _forward_sharded(q, k, v, index, count, plan)
+    return _forward_masked_sharded(q, k, v, index, count, key_valid, plan)
+
+
+def _run_backward(q, k, v, index, count, key_valid, lse, do, delta, plan: Plan):
+    if key_valid is None:
+        return _backward_delta_sharded(q, k, v, index, count, lse, do, delta, plan)
+    return _backward_delta_masked_sharded(q, k, v, index, count, lse, do, delta, key_valid, plan)
 
 
 # ----------------------------------------------------------------------------------------------------
-# custom_vjp over padded, sanitized inputs
+# custom_vjp over padded, sanitized inputs. with_lse (static): the result is (o, lse natural log) and the
+# backward takes the lse cotangent; else o alone, exactly the computation of a call without lse.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attend(q, k, v, index, count, plan: Plan):
-    return _forward_sharded(q, k, v, index, count, plan)[0]
+def natural_lse(lse2):
+    """The kernels' base-2 lse (+inf: no valid key) as the public natural-log lse (-inf: no valid key)."""
+    return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
 
 
-def _attend_fwd(q, k, v, index, count, plan: Plan):
-    o, lse = _forward_sharded(q, k, v, index, count, plan)
-    return o, (q, k, v, index, count, o, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attend(q, k, v, index, count, key_valid, plan: Plan, with_lse: bool):
+    o, lse2 = _run_forward(q, k, v, index, count, key_valid, plan)
+    return (o, natural_lse(lse2)) if with_lse else o
 
 
-def _attend_bwd(plan: Plan, res, do):
-    q, k, v, index, count, o, lse = res
-    dq, dk, dv = _backward_sharded(q, k, v, index, count, o, lse, do, plan)
-    return dq, dk, dv, None, None
+def _attend_fwd(q, k, v, index, count, key_valid, plan: Plan, with_lse: bool):
+    o, lse2 = _run_forward(q, k, v, index, count, key_valid, plan)
+    out = (o, natural_lse(lse2)) if with_lse else o
+    return out, (q, k, v, index, count, key_valid, o, lse2)
+
+
+def _attend_bwd(plan: Plan, with_lse: bool, res, cotangent):
+    q, k, v, index, count, key_valid, o, lse2 = res
+    do, dlse = cotangent if with_lse else (cotangent, None)
+    delta = _row_term(o, do, dlse)
+    dq, dk, dv = _run_backward(q, k, v, index, count, key_valid, lse2, do, delta, plan)
+    return dq, dk, dv, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -354,8 +446,17 @@ def prepare_index(kv_index, kv_count, plan: Plan, seq_len: int):
     return index, count
 
 
-def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, tuning, interpret):
-    """Inputs as the public sparse_attention (already checked); returns o [B, S, H, D] in q.dtype."""
+def key_row_flags(kv_valid, kv_block: int):
+    """int32 [B, S]: 1 where a key row is valid (its offset in its block < the block's kv_valid), else 0."""
+    b, nb = kv_valid.shape
+    valid = jnp.clip(kv_valid.astype(jnp.int32), 0, kv_block)
+    return (jnp.arange(kv_block, dtype=jnp.int32) < valid[..., None]).astype(jnp.int32).reshape(b, nb * kv_block)
+
+
+def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, tuning, interpret,
+                            kv_valid=None, return_lse=False):
+    """Inputs as the public sparse_attention (already checked); returns o [B, S, H, D] in q.dtype, or
+    (o, lse [B, H, S] fp32 natural log) with return_lse."""
     reason = supported(q_tile, kv_block)
     if reason:
         raise ValueError(reason)
@@ -366,8 +467,11 @@ def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm
     plan = Plan(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=d, sm_scale=float(sm_scale),
                 tuning=tuning, interpret=interpret)
     index, count = prepare_index(kv_index, kv_count, plan, q.shape[1])
+    key_valid = None if kv_valid is None else key_row_flags(kv_valid, kv_block)
     if dp != d:
         pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    o = _attend(q, k, v, index, count, plan)
-    return o[..., :d] if dp != d else o
+    out = _attend(q, k, v, index, count, key_valid, plan, bool(return_lse))
+    o, lse = out if return_lse else (out, None)
+    o = o[..., :d] if dp != d else o
+    return (o, lse) if return_lse else o

@@ -210,35 +210,48 @@ def test_lowrank_topk_selects_everything_and_small_steps():
 
 def test_sharded_over_batch_and_heads():
     """With q, k, v split over B and H on an 8-device mesh, every device runs the kernels on its own
-    (batch, head) shard: no all-gather, results sharded the same way, equal to the unsharded reference;
-    also inside shard_map (what context parallelism does)."""
+    (batch, head) shard: no all-gather, results sharded the same way, equal to the unsharded reference
+    (with padded keys, kv_valid split over B, and lse through the backward); also inside shard_map (what
+    context parallelism does)."""
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "heads"))
     b, s, h, d, q_tile, kv_block = 2, 128, 4, 32, 32, 16
     q, k, v = qkv(jax.random.key(31), b, s, h, d)
     index, count = random_selection(jax.random.key(32), b, h, s // q_tile, s // kv_block, 3)
+    kv_valid = jax.random.randint(jax.random.key(33), (b, s // kv_block), 0, kv_block + 1, dtype=jnp.int32)
     rows, lists = NamedSharding(mesh, P("data", None, "heads")), NamedSharding(mesh, P("data", "heads"))
+    per_batch = NamedSharding(mesh, P("data", None))
     args = [jax.device_put(x, rows) for x in (q, k, v)] + [jax.device_put(x, lists) for x in (index, count)]
-    loss = jax.value_and_grad(loss_fn("pallas", *args[3:], q_tile=q_tile, kv_block=kv_block), argnums=(0, 1, 2),
-                              has_aux=True)
-    compiled = jax.jit(loss).lower(*args[:3]).compile()
+    valid_sharded = jax.device_put(kv_valid, per_batch)
+
+    def loss(impl, valid):
+        def fn(q, k, v):
+            o, lse = sparse_attention(q, k, v, *args[3:], q_tile=q_tile, kv_block=kv_block, kv_valid=valid,
+                                      return_lse=True, impl=impl)
+            return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)), (o, lse)
+        return jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True)
+
+    compiled = jax.jit(loss("pallas", valid_sharded)).lower(*args[:3]).compile()
     assert "all-gather" not in compiled.as_text()
-    (_, out), grads = compiled(*args[:3])
-    ref, ref_grads = value_and_grads("xla", index, count, q, k, v, q_tile=q_tile, kv_block=kv_block)
+    (_, (out, lse)), grads = compiled(*args[:3])
+    (_, (ref, ref_lse)), ref_grads = jax.jit(loss("xla", kv_valid))(q, k, v)
     assert out.sharding.is_equivalent_to(rows, 4) and grads[1].sharding.is_equivalent_to(rows, 4)
     assert_close(out, ref, 1e-5, "forward")
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert_close(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], 1e-5, "lse")
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(g, rg, 1e-5, name)
 
     local = jax.shard_map(lambda *a: sparse_attention(*a, q_tile=q_tile, kv_block=kv_block, impl="pallas"),
                           mesh=mesh, in_specs=(rows.spec,) * 3 + (lists.spec,) * 2, out_specs=rows.spec,
                           check_vma=False)
-    assert_close(jax.jit(local)(*args), ref, 1e-5, "forward in shard_map")
+    assert_close(jax.jit(local)(*args), sparse_attention_reference(q, k, v, index, count, q_tile=q_tile,
+                                                                   kv_block=kv_block), 1e-5, "forward in shard_map")
 
     q_lr, k_lr = (jax.device_put(x[..., :16], rows) for x in (q, k))
-    picked = jax.jit(lambda a, c: lowrank_topk(a, c, 3, q_tile=q_tile, kv_block=kv_block, impl="pallas"))
-    assert "all-gather" not in picked.lower(q_lr, k_lr).compile().as_text()
-    np.testing.assert_array_equal(picked(q_lr, k_lr), lowrank_topk_reference(q[..., :16], k[..., :16], 3,
-                                                                             q_tile=q_tile, kv_block=kv_block))
+    picked = jax.jit(lambda a, c, n: lowrank_topk(a, c, 3, q_tile=q_tile, kv_block=kv_block, kv_valid=n, impl="pallas"))
+    assert "all-gather" not in picked.lower(q_lr, k_lr, valid_sharded).compile().as_text()
+    np.testing.assert_array_equal(picked(q_lr, k_lr, valid_sharded), lowrank_topk_reference(
+        q[..., :16], k[..., :16], 3, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -271,10 +284,16 @@ def test_clear_errors_on_bad_inputs():
 
 def test_kernels_lower_to_triton_for_gpu():
     """The Pallas -> Triton lowering (what runs on the GPU) accepts every kernel, checked by lowering for CUDA
-    (the per-shard bodies: under custom_partitioning the kernels are lowered when XLA partitions)."""
+    (the per-shard bodies: under custom_partitioning the kernels are lowered when XLA partitions); also the
+    variants that mask padded keys (kv_valid) and the backward from a row term that carries an lse cotangent."""
     s, d = 512, 128
     x = jax.ShapeDtypeStruct((1, s, 2, d), jnp.bfloat16)
     stat = jax.ShapeDtypeStruct((1, 2, s), jnp.float32)
+    flags = jax.ShapeDtypeStruct((1, s), jnp.int32)
+
+    def triton_calls(traced):
+        return traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
+
     for kv_block, n_sel in [(1, 65), (16, 7), (64, 3)]:
         plan = triton_attn.Plan(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
                                 tuning=SparseAttentionTuning(), interpret=False)
@@ -282,13 +301,19 @@ def test_kernels_lower_to_triton_for_gpu():
         cnt = jax.ShapeDtypeStruct((1, 2, 8), jnp.int32)
         fwd = jax.jit(functools.partial(triton_attn._forward, plan=plan)).trace(x, x, x, idx, cnt)
         bwd = jax.jit(functools.partial(triton_attn._backward, plan=plan)).trace(x, x, x, idx, cnt, x, stat, x)
-        assert fwd.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
-        assert bwd.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 2  # dQ, dK/dV
+        assert triton_calls(fwd) == 1 and triton_calls(bwd) == 2  # dQ, dK/dV
+        masked_fwd = jax.jit(lambda *a, plan=plan: triton_attn._forward(*a[:5], plan, a[5]))
+        masked_bwd = jax.jit(lambda *a, plan=plan: triton_attn._backward_from_delta(*a[:8], plan, a[8]))
+        assert triton_calls(masked_fwd.trace(x, x, x, idx, cnt, flags)) == 1
+        assert triton_calls(masked_bwd.trace(x, x, x, idx, cnt, stat, x, stat, flags)) == 2
     lr = jax.ShapeDtypeStruct((1, 512, 2, 16), jnp.bfloat16)
     for kv_block, reduce in [(1, "mean"), (16, "max")]:
         static = (16, 64, kv_block, reduce, TopkTuning(), False)
         select = jax.jit(lambda a, b, static=static: lowrank_topk_triton._select(a, b, static))
         assert "__gpu$xla.gpu.triton" in select.trace(lr, lr).lower(lowering_platforms=("cuda",)).as_text()
+        valid = jax.ShapeDtypeStruct((1, 512 // kv_block), jnp.int32)
+        select = jax.jit(lambda a, b, n, static=static: lowrank_topk_triton._select(a, b, static, n))
+        assert "__gpu$xla.gpu.triton" in select.trace(lr, lr, valid).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_mosaic_gpu_forward_in_gpu_interpret_mode():
