@@ -84,29 +84,37 @@ def select_kv(q_lr, k_lr, top_k: int, keep=None, *, q_tile: int, kv_block: int, 
 
     keep: optional per-head keep ratios [H] or [B, H] (runtime); None keeps all top_k blocks per head.
     kv_valid: optional int32 [B, S // kv_block], valid keys per block (padded layouts; see the module)."""
-    b, s, h, _ = q_lr.shape
-    tiles, nb = s // q_tile, s // kv_block
     q_lr, k_lr = jax.lax.stop_gradient(q_lr), jax.lax.stop_gradient(k_lr)
     kv_index = lowrank_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
                             kv_valid=kv_valid, impl="auto")
+    scores = lambda: candidate_scores(q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block,  # noqa: E731
+                                      block_reduce=block_reduce, kv_valid=kv_valid)
+    return apply_counts(kv_index, top_k, keep, k_lr.shape[1] // kv_block, kv_valid, scores)
+
+
+def apply_counts(kv_index, top_k: int, keep, n_blocks: int, kv_valid, scores):
+    """The per-head counts of top_k candidate ids (ascending, [B, H, T, top_k]) and the ids reordered so
+    that each row's first count ids are the ones to attend: what `select_kv` returns. Shared with the
+    context-parallel selection, which finds its candidates another way. scores() -> [B, H, T, top_k]
+    candidate scores (called only when the keep ratios need a ranking)."""
+    b, h, tiles, _ = kv_index.shape
     n_ok = None if kv_valid is None else jnp.sum(kv_valid > 0, axis=-1).astype(jnp.int32)  # [B] usable blocks
     if keep is None:
         if n_ok is None:
             return kv_index, jnp.full((b, h, tiles), top_k, jnp.int32)
-        usable = jnp.take_along_axis(jnp.broadcast_to((kv_valid > 0)[:, None, None], (b, h, tiles, nb)), kv_index, -1)
+        usable = jnp.take_along_axis(jnp.broadcast_to((kv_valid > 0)[:, None, None], (b, h, tiles, n_blocks)),
+                                     kv_index, -1)
         # Only when some batch entry has fewer usable blocks than top_k can an empty block be among the ids.
         kv_index = jax.lax.cond(jnp.min(n_ok) < top_k, lambda: _to_front(kv_index, usable), lambda: kv_index)
         return kv_index, jnp.broadcast_to(jnp.minimum(n_ok, top_k)[:, None, None], (b, h, tiles))
-    per_head = head_counts(keep, nb if n_ok is None else n_ok, top_k)
+    per_head = head_counts(keep, n_blocks if n_ok is None else n_ok, top_k)
     per_head = jnp.broadcast_to(per_head if per_head.ndim == 2 else per_head[None], (b, h))
     if n_ok is not None:
         per_head = jnp.minimum(per_head, n_ok[:, None])
     counts = jnp.broadcast_to(per_head[..., None], (b, h, tiles))
     if top_k == 1:
         return kv_index, counts
-    scores = candidate_scores(q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
-                              kv_valid=kv_valid)
-    return keep_best(kv_index, scores, counts), counts
+    return keep_best(kv_index, scores(), counts), counts
 
 
 def window_extent(n: int, fraction: float) -> int:

@@ -24,9 +24,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsv_jax.dsv.selection import head_counts
+from dsv_jax.dsv.selection import apply_counts
 from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
+from pallas_kernels.lowrank_topk import reduce_block, row_flags, tile_proxies
 
 
 def _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block):
@@ -231,30 +232,34 @@ def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacit
     return out, stats
 
 
-def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean", keep=None):
+def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean", keep=None, kv_valid=None,
+                    row0=0):
     """Selection of this device's query tiles against the whole sequence's low-rank keys.
 
-    q_lr [B, S_local, H, r], k_lr_all [B, S, H, r] -> kv_index [B, H, T_local, K], kv_count [B, H, T_local]:
-    the same blocks `dsv_jax.dsv.selection.select_kv` picks for these tiles (mean-of-tile proxy, block
-    score reduced over the block, top-k ids ascending). top_k: an int, or one int per head (K = max;
-    head h keeps its top_k[h] best, so kv_count carries heterogeneous per-head sparsity). keep: per-head
-    keep ratios [H] or [B, H] (runtime, as select_kv takes them; with an int top_k only)."""
+    q_lr [B, S_local, H, r] (the sequence's rows row0 .. row0 + S_local), k_lr_all [B, S, H, r] ->
+    kv_index [B, H, T_local, K], kv_count [B, H, T_local]: what `dsv_jax.dsv.selection.select_kv` picks
+    for these tiles (same proxies, block scores, padding rule and counts), with the block scores of the
+    local tiles materialised ([B, H, T_local, S / kv_block]: small once the queries are split).
+    top_k: an int, or one int per head (K = max; head h keeps its top_k[h] best, so kv_count carries
+    heterogeneous per-head sparsity). keep: per-head keep ratios [H] or [B, H] (runtime, as select_kv
+    takes them; with an int top_k only). kv_valid: int32 [B, S // kv_block] of the whole sequence."""
     b, s_loc, h, r = q_lr.shape
-    s = k_lr_all.shape[1]
-    nb = s // kv_block
-    proxy = jnp.mean(q_lr.astype(jnp.float32).reshape(b, s_loc // q_tile, q_tile, h, r), axis=2)
+    nb = k_lr_all.shape[1] // kv_block
+    q_rows = None
+    if kv_valid is not None:
+        q_rows = jax.lax.dynamic_slice_in_dim(row_flags(kv_valid, kv_block), row0, s_loc, axis=1)
+    proxy = tile_proxies(q_lr, q_tile, q_rows)  # [B, T_local, H, r]
     scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr_all.astype(jnp.float32))
-    scores = scores.reshape(b, h, s_loc // q_tile, nb, kv_block)
-    scores = jnp.mean(scores, -1) if block_reduce == "mean" else jnp.max(scores, -1)
-    per_head = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (h,))
-    k_max = int(max(top_k)) if isinstance(top_k, (tuple, list)) else int(top_k)
-    if keep is not None:
-        per_head = head_counts(keep, nb, k_max)
-        per_head = per_head if per_head.ndim == 2 else per_head[None]
-    per_head = jnp.broadcast_to(per_head, (b, h)) if per_head.ndim == 2 else jnp.broadcast_to(per_head[None], (b, h))
-    _, idx = jax.lax.top_k(scores, k_max)  # best first
-    live = jnp.arange(k_max) < per_head[:, :, None, None]
-    idx = jnp.sort(jnp.where(live, idx, jnp.iinfo(jnp.int32).max), axis=-1)  # kept ids ascending, then the rest
-    idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, 0, idx).astype(jnp.int32)
-    count = jnp.broadcast_to(per_head[:, :, None], idx.shape[:3])
-    return idx, count
+    scores = reduce_block(scores.reshape(b, h, s_loc // q_tile, nb, kv_block), block_reduce,
+                          None if kv_valid is None else kv_valid.astype(jnp.int32)[:, None, None, :])
+    if isinstance(top_k, (tuple, list)):  # one count per head (no keep ratios, no padding)
+        k_max = int(max(top_k))
+        per_head = jnp.asarray(top_k, jnp.int32)
+        _, idx = jax.lax.top_k(scores, k_max)  # best first
+        live = jnp.arange(k_max) < per_head[None, :, None, None]
+        idx = jnp.sort(jnp.where(live, idx, jnp.iinfo(jnp.int32).max), axis=-1)  # kept ids ascending, then the rest
+        idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, 0, idx).astype(jnp.int32)
+        return idx, jnp.broadcast_to(per_head[None, :, None], idx.shape[:3])
+    _, idx = jax.lax.top_k(scores, int(top_k))
+    idx = jnp.sort(idx, axis=-1).astype(jnp.int32)
+    return apply_counts(idx, int(top_k), keep, nb, kv_valid, lambda: jnp.take_along_axis(scores, idx, axis=-1))
