@@ -33,7 +33,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.experimental.pallas import triton as plgpu
+try:  # the Triton lowering is deprecated: without it the XLA reference runs (see pallas_kernels.lowering)
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:
+    plgpu = None
+
+from pallas_kernels.lowering import log_fallback, triton_missing
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -537,7 +542,13 @@ def check_gated_inputs(residual, branch, gate, scale, shift):
 def _use_pallas(impl: str) -> bool:
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
-    return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+    want = impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+    missing = triton_missing() if want else None
+    if missing and impl == "pallas":
+        raise RuntimeError(f"adaln impl='pallas' needs the Pallas Triton lowering: {missing}")
+    if missing:
+        log_fallback("adaln", "XLA reference", missing)
+    return want and not missing
 
 
 def adaln_modulate(x, scale, shift, *, eps=1e-6, impl="auto"):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.lowering import log_fallback, triton_missing
+
 
 def check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_valid=None):
     if q_lr.ndim != 4 or k_lr.shape != q_lr.shape:
@@ -105,7 +107,12 @@ def lowrank_topk(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mea
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
     check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_valid)
     on_gpu = jax.default_backend() == "gpu"
-    if impl == "xla" or (impl == "auto" and not on_gpu):
+    missing = triton_missing() if impl != "xla" else None
+    if missing and impl == "pallas":
+        raise ValueError(f"lowrank_topk(impl='pallas') needs the Pallas Triton lowering: {missing}")
+    if missing and on_gpu:
+        log_fallback("lowrank_topk", "XLA reference", missing)
+    if impl == "xla" or (impl == "auto" and not on_gpu) or missing:
         return lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
                                       kv_valid=kv_valid)
     from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas  # noqa: PLC0415

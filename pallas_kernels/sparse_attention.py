@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.lowering import log_fallback, triton_missing
+
 
 def check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid=None):
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
@@ -95,33 +97,69 @@ def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_blo
     return out, lse.transpose(1, 2, 0, 3).reshape(b, h, s)
 
 
-def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
-                     return_lse=False, impl="auto"):
-    """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto":
-    Pallas on a GPU when the geometry is supported (power-of-two q_tile in 16..128 and kv_block; one dtype
-    for q, k, v), else XLA. The Pallas path assumes the live ids of a tile are distinct (as selections are).
+def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", device=None) -> tuple[str, list[str]]:
+    """Which implementation `sparse_attention` runs, and why each faster one was passed over.
 
-    Returns o [B, S, H, D] in q.dtype, or (o, lse [B, H, S] fp32) with return_lse (see the module)."""
+    -> ("mgpu" | "triton" | "xla", reasons). On a GPU, "auto" and "pallas" take the Hopper kernels
+    (Pallas Mosaic GPU) where the device is sm90 and the geometry fits, else the portable Pallas
+    kernels (Triton lowering) while jax has them; "auto" then falls back to the XLA reference, "pallas"
+    stops with the reasons. Off a GPU "pallas" runs the Triton kernels in interpret mode (tests)."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
-    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
-    from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415 (keeps import light)
-    from pallas_kernels.tuning import for_device  # noqa: PLC0415
-
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "auto":
-        same_dtype = q.dtype == k.dtype == v.dtype
-        impl = "pallas" if on_gpu and same_dtype and triton_path.supported(q_tile, kv_block) is None else "xla"
     if impl == "xla":
+        return "xla", []
+    device = device or jax.devices()[0]
+    reasons = []
+    if device.platform == "gpu":
+        from pallas_kernels import sparse_attention_mgpu as mgpu  # noqa: PLC0415 (GPU-only path)
+
+        reason = mgpu.available(device) or mgpu.supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
+        if reason is None:
+            return "mgpu", reasons
+        reasons.append(f"Mosaic GPU kernels: {reason}")
+    elif impl == "auto":
+        return "xla", [f"device {device.device_kind!r} is not a GPU"]
+    reason = triton_missing()
+    if reason is None:
+        from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415
+
+        reason = triton_path.supported(q_tile, kv_block)
+        if reason is None and not q.dtype == k.dtype == v.dtype:
+            reason = f"one dtype for q, k, v needed; got {q.dtype}, {k.dtype}, {v.dtype}"
+    if reason is None:
+        return "triton", reasons
+    reasons.append(f"Triton kernels: {reason}")
+    if impl == "pallas":
+        raise ValueError("sparse_attention(impl='pallas') has no Pallas path here: " + "; ".join(reasons))
+    return "xla", reasons
+
+
+def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
+                     return_lse=False, impl="auto"):
+    """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto": the
+    fastest path this device and geometry have (`kernel_path`: Mosaic GPU on sm90, the Triton lowering
+    on other GPUs, else the reference, with the reason logged once). The Pallas paths assume the live
+    ids of a tile are distinct (as selections are).
+
+    Returns o [B, S, H, D] in q.dtype, or (o, lse [B, H, S] fp32) with return_lse (see the module)."""
+    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
+    path, reasons = kernel_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl)
+    if reasons and jax.default_backend() == "gpu":
+        log_fallback("sparse_attention", f"{path} path", "; ".join(reasons))
+    if path == "xla":
         return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                           sm_scale=sm_scale, kv_valid=kv_valid, return_lse=return_lse)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    if on_gpu and kv_valid is None and not return_lse:  # the Mosaic GPU forward has neither
+    if path == "mgpu":
         from pallas_kernels import sparse_attention_mgpu  # noqa: PLC0415
 
-        if sparse_attention_mgpu.verified(q, q_tile, kv_block):  # opt-in: sparse_attention_mgpu.verify()
-            return sparse_attention_mgpu.sparse_attention_mgpu(q, k, v, kv_index, kv_count, q_tile=q_tile,
-                                                               kv_block=kv_block, sm_scale=scale)
+        return sparse_attention_mgpu.sparse_attention_mgpu(q, k, v, kv_index, kv_count, q_tile=q_tile,
+                                                           kv_block=kv_block, sm_scale=scale, kv_valid=kv_valid,
+                                                           return_lse=return_lse)
+    from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415
+    from pallas_kernels.tuning import for_device  # noqa: PLC0415
+
     return triton_path.sparse_attention_pallas(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                               sm_scale=scale, tuning=for_device()[0], interpret=not on_gpu,
-                                               kv_valid=kv_valid, return_lse=return_lse)
+                                               sm_scale=scale, tuning=for_device()[0],
+                                               interpret=jax.default_backend() != "gpu", kv_valid=kv_valid,
+                                               return_lse=return_lse)

@@ -315,39 +315,3 @@ def test_kernels_lower_to_triton_for_gpu():
         select = jax.jit(lambda a, b, n, static=static: lowrank_topk_triton._select(a, b, static, n))
         assert "__gpu$xla.gpu.triton" in select.trace(lr, lr, valid).lower(lowering_platforms=("cuda",)).as_text()
 
-
-def test_mosaic_gpu_forward_in_gpu_interpret_mode():
-    """The experimental Mosaic GPU forward's pipeline (TMA ring, barriers, per-tile block walk, online
-    softmax, lse) simulated on the CPU, against the Triton-lowered forward. The interpreter has no
-    transposed or register wgmma operands, so there the two products are plain dots (see the module)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    from pallas_kernels import sparse_attention_mgpu
-
-    b, s, h, d, kv_block = 1, 256, 1, 64, 64
-    q, k, v = qkv(jax.random.key(21), b, s, h, d, jnp.bfloat16)
-    index, count = random_selection(jax.random.key(22), b, h, s // 64, s // kv_block, 3)
-    o, lse = sparse_attention_mgpu.forward_with_lse(q, k, v, index, count, kv_block=kv_block, stages=2,
-                                                    interpret=InterpretGPUParams())
-    plan = triton_attn.Plan(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=d ** -0.5,
-                            tuning=SparseAttentionTuning(), interpret=True)
-    ref_o, ref_lse = triton_attn._forward(q, k, v, *triton_attn.prepare_index(index, count, plan, s), plan)
-    assert_close(o, ref_o, 1e-2, "o")
-    assert_close(lse, ref_lse, 1e-5, "lse")
-
-
-def test_mosaic_gpu_forward_lowers_for_gpu_and_stays_off_until_verified():
-    from pallas_kernels import sparse_attention_mgpu
-
-    result = sparse_attention_mgpu.verify(head_dim=64, seq_len=256)  # no GPU here: fails, does not raise
-    assert result["ok"] is False and result["error"]
-    assert not sparse_attention_mgpu.verified(jnp.zeros((1, 256, 1, 64), jnp.bfloat16), 64, 64)
-
-    q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
-    idx, cnt = jax.ShapeDtypeStruct((1, 2, 16, 5), jnp.int32), jax.ShapeDtypeStruct((1, 2, 16), jnp.int32)
-    fwd = jax.jit(lambda *a: sparse_attention_mgpu.forward_with_lse(*a, kv_block=64))
-    assert "mosaic_gpu" in fwd.trace(q, q, q, idx, cnt).lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="needs a multiple of 64"):
-        sparse_attention_mgpu.sparse_attention_mgpu(jnp.zeros((1, 128, 1, 64), jnp.bfloat16), *(jnp.zeros(
-            (1, 128, 1, 64), jnp.bfloat16),) * 2, jnp.zeros((1, 1, 2, 1), jnp.int32), jnp.ones((1, 1, 2), jnp.int32),
-            kv_block=16)

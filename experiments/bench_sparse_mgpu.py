@@ -1,0 +1,419 @@
+"""Check and time the Mosaic GPU (Hopper) block-sparse attention against the Triton path and cuDNN.
+
+    python -m experiments.bench_sparse_mgpu [--seqs 32768 65536] [--sparsities 0.9 0.95] [--budget-s 540]
+
+Per sequence length S (B=1, H=16, D=128, bf16, q_tile 64, kv_block 64, uniformly random 64-token blocks,
+every tile keeping round((1 - sparsity) * S / 64) of them):
+  1. correctness of the Mosaic GPU path at that size: o, dq, dk, dv against the plain-JAX reference
+     (run per head on float32 inputs, so it fits), relative Frobenius error;
+  2. median time of fwd and fwd+bwd (jax.vjp) of the Mosaic GPU path, the Triton path and cuDNN full
+     attention, in the same run; kept-work TFLOP/s (fwd 4 B H S kept D, fwd+bwd 3.5x that) and the
+     ratio to cuDNN's rate.
+Every measurement runs in a child process with a time limit (a barrier deadlock costs that limit, not
+the run). Writes experiments/results/bench_sparse_mgpu.json (and $OUT/ when set); prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+TAG = "BENCH_RESULT "
+HEADS, HEAD_DIM, Q_TILE, KV_BLOCK = 16, 128, 64, 64
+
+
+def _jax():
+    import jax  # noqa: PLC0415 (the parent process never touches the GPU)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    return jax, jnp
+
+
+def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=Q_TILE, kv_block=KV_BLOCK, seed=0):
+    """q, k, v, cotangent (bf16 normal) and a uniformly random selection (ascending ids, full counts)."""
+    jax, jnp = _jax()
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q, k, v, w = (jax.random.normal(k_, (1, seq, heads, head_dim), jnp.bfloat16) for k_ in ks[:4])
+    tiles, blocks = seq // q_tile, seq // kv_block
+    keep = max(1, round((1.0 - sparsity) * blocks))
+    scores = jax.random.uniform(ks[4], (1, heads, tiles, blocks))
+    index = jnp.sort(jax.lax.top_k(scores, keep)[1], axis=-1).astype(jnp.int32)
+    count = jnp.full((1, heads, tiles), keep, jnp.int32)
+    return q, k, v, w, index, count
+
+
+def timed(fn, *args, reps=7, min_ms=200.0):
+    """Median / min / max ms per call: each repetition queues n calls back to back and blocks once, n
+    chosen so that a repetition lasts about min_ms (the device stays busy; host overhead is amortised)."""
+    jax, _ = _jax()
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max((time.perf_counter() - t0) * 1e3, 1e-3)
+    n = max(1, min(200, int(min_ms / one)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / n)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "calls": n * reps}
+
+
+def attention_fns(impl, index, count, **options):
+    """(fwd(q, k, v), fwd_bwd(q, k, v, w)) of one implementation, jitted."""
+    jax, jnp = _jax()
+    if impl == "cudnn":
+        attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")  # noqa: E731
+    elif impl == "triton":
+        from pallas_kernels.sparse_attention_triton import sparse_attention_pallas  # noqa: PLC0415
+        from pallas_kernels.tuning import for_device  # noqa: PLC0415
+
+        def attend(q, k, v):
+            return sparse_attention_pallas(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK,
+                                           sm_scale=q.shape[-1] ** -0.5, tuning=for_device()[0], interpret=False)
+    else:
+        from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu  # noqa: PLC0415
+
+        def attend(q, k, v):
+            return sparse_attention_mgpu(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK, tuning=options)
+
+    def fwd_bwd(q, k, v, w):
+        o, vjp = jax.vjp(attend, q, k, v)
+        return vjp(w.astype(o.dtype))
+
+    return jax.jit(attend), jax.jit(fwd_bwd)
+
+
+def check(seq, sparsity, options):
+    """Relative errors of o, dq, dk, dv of the Mosaic GPU path against the reference, at this size."""
+    jax, jnp = _jax()
+    import numpy as np  # noqa: PLC0415
+
+    from pallas_kernels.sparse_attention import sparse_attention_reference  # noqa: PLC0415
+
+    q, k, v, w, index, count = inputs(seq, sparsity, seed=1)
+    fwd, fwd_bwd = attention_fns("mgpu", index, count, **options)
+    o = np.asarray(fwd(q, k, v), np.float64)
+    grads = [np.asarray(g, np.float64) for g in fwd_bwd(q, k, v, w)]
+
+    @jax.jit
+    def reference(q, k, v, w, index, count):  # one head: [1, S, 1, D]
+        f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=Q_TILE,  # noqa: E731
+                                                       kv_block=KV_BLOCK).astype(jnp.float32)
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o, *vjp(w))
+
+    num = np.zeros(4)
+    den = np.zeros(4)
+    for h in range(q.shape[2]):
+        part = lambda x: x[:, :, h:h + 1].astype(jnp.float32)  # noqa: E731
+        ref = reference(part(q), part(k), part(v), part(w), index[:, h:h + 1], count[:, h:h + 1])
+        for i, (got, want) in enumerate(zip([o, *grads], ref)):
+            want = np.asarray(want, np.float64)
+            num[i] += np.sum((got[:, :, h:h + 1] - want) ** 2)
+            den[i] += np.sum(want ** 2)
+    errors = dict(zip(["o", "dq", "dk", "dv"], (np.sqrt(num / np.maximum(den, 1e-30))).tolist()))
+    finite = all(np.isfinite(x).all() for x in [o, *grads])
+    return {"errors": errors, "finite": bool(finite),
+            "correct": bool(finite and errors["o"] < 1e-2 and max(errors.values()) < 2e-2)}
+
+
+def dense_masked_reference(q, k, v, index, count, kv_valid, *, q_tile, kv_block, sm_scale):
+    """(o, lse) of block-sparse attention with per-block valid keys, as one dense masked softmax in
+    float32 (small shapes only: [B, H, S, S]). Rows with no valid key: o = 0, lse = -inf."""
+    jax, jnp = _jax()
+    b, s, h, d = q.shape
+    blocks = s // kv_block
+    live = jnp.arange(index.shape[-1]) < count[..., None]
+    picked = jax.nn.one_hot(jnp.where(live, index, blocks), blocks + 1, dtype=jnp.bool_)[..., :blocks]
+    mask = jnp.repeat(jnp.repeat(jnp.any(picked, axis=-2), q_tile, axis=2), kv_block, axis=3)  # [B, H, S, S]
+    if kv_valid is not None:
+        key_ok = (jnp.arange(s) % kv_block)[None] < jnp.repeat(kv_valid, kv_block, axis=1)  # [B, S]
+        mask = mask & key_ok[:, None, None, :]
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    logits = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", f32(q), f32(k)) * sm_scale, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(logits - m)
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    empty = l == 0.0
+    o = jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(empty, 1.0, l), f32(v))
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))[..., 0]
+    return o, lse
+
+
+SMALL_CASES = [  # (q_tile, kv_block, D, masked): both list modes of every kernel, both head dims
+    (64, 64, 128, False), (64, 64, 64, True), (128, 128, 128, True), (128, 64, 64, False), (64, 192, 128, True)]
+
+
+def small_check():
+    """The compiled kernels at S=1536, H=2 against dense_masked_reference: random counts including empty
+    tiles, random kv_valid including empty blocks, lse with its cotangent. Errors per case."""
+    jax, jnp = _jax()
+    import numpy as np  # noqa: PLC0415
+
+    from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu  # noqa: PLC0415
+
+    b, s, h = 1, 1536, 2
+    rows = []
+    for case, (q_tile, kv_block, d, masked) in enumerate(SMALL_CASES):
+        row = {"q_tile": q_tile, "kv_block": kv_block, "head_dim": d, "masked": masked}
+        try:
+            ks = jax.random.split(jax.random.key(100 + case), 8)
+            q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
+            tiles, blocks = s // q_tile, s // kv_block
+            n_sel = max(1, blocks // 3)
+            index = jnp.sort(jax.lax.top_k(jax.random.uniform(ks[3], (b, h, tiles, blocks)), n_sel)[1], axis=-1)
+            count = jax.random.randint(ks[4], (b, h, tiles), 0, n_sel + 1).at[:, :, 0].set(0)
+            kv_valid = (jax.random.randint(ks[5], (b, blocks), 0, kv_block + 1).at[:, 1].set(0)
+                        if masked else None)
+            wo = jax.random.normal(ks[6], (b, s, h, d))
+            wl = jax.random.normal(ks[7], (b, h, s))
+            scale = d ** -0.5
+
+            def loss(fn):
+                def f(q, k, v):
+                    o, lse = fn(q, k, v)
+                    lse_term = jnp.where(jnp.isfinite(lse), lse * wl, 0.0)
+                    return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(lse_term), (o, lse)
+                return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+            kernel = loss(lambda q, k, v: sparse_attention_mgpu(q, k, v, index, count, q_tile=q_tile,
+                                                                kv_block=kv_block, kv_valid=kv_valid,
+                                                                return_lse=True))
+            ref = loss(lambda q, k, v: dense_masked_reference(q, k, v, index, count, kv_valid, q_tile=q_tile,
+                                                              kv_block=kv_block, sm_scale=scale))
+            (_, got), got_g = kernel(q, k, v)
+            (_, want), want_g = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
+            for name, a, w in zip(["o", "lse", "dq", "dk", "dv"], [*got, *got_g], [*want, *want_g]):
+                a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+                fin = np.isfinite(w)
+                same = (np.isfinite(a) == fin).all()
+                a, w = np.where(fin, a, 0.0), np.where(fin, w, 0.0)
+                row[name] = (float(np.linalg.norm(a - w) / max(np.linalg.norm(w), 1e-30)) if same
+                             else "nonfinite mismatch")
+            row["ok"] = all(isinstance(row[n], float) and row[n] < (1e-4 if n == "lse" else 2e-2)
+                            for n in ["o", "lse", "dq", "dk", "dv"])
+        except Exception as e:  # noqa: BLE001
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {e}"[:1500] + "".join(traceback.format_exception(e))[-1500:]
+        rows.append(row)
+    return rows
+
+
+def forward_vs_triton(q, k, v, index, count):
+    """Forward of the Mosaic GPU path against the Triton path on given inputs (q_tile, kv_block 64):
+    relative error of o, then both timed (for experiments/bench_sparse_attention.py)."""
+    from experiments import harness  # noqa: PLC0415
+
+    mgpu, _ = attention_fns("mgpu", index, count)
+    triton, _ = attention_fns("triton", index, count)
+    err = harness.rel_error(mgpu(q, k, v), triton(q, k, v))
+    out = {"ok": bool(err < 1e-2), "o_rel_err_vs_triton": err}
+    if out["ok"]:
+        flops = 4.0 * q.shape[0] * q.shape[2] * q.shape[1] * float(count.mean()) * KV_BLOCK * q.shape[3]
+        for name, fn in [("mgpu", mgpu), ("triton", triton)]:
+            out[f"{name}_fwd_ms"] = timed(fn, q, k, v)["median_ms"]
+            out[f"{name}_fwd_tflops"] = flops / out[f"{name}_fwd_ms"] / 1e9
+    return out
+
+
+def parts(q, k, v, w, index, count, options):
+    """Median ms of the Mosaic GPU path's pieces: forward kernel, transposed index (dkdv_worklist),
+    dQ kernel, dK/dV kernel, and their kept-work TFLOP/s as executed (dQ recomputes S and dP: 3 products;
+    dK/dV 4 products; the forward 2)."""
+    import dataclasses  # noqa: PLC0415
+
+    jax, jnp = _jax()
+    from pallas_kernels import sparse_attention_mgpu as mgpu  # noqa: PLC0415
+    from pallas_kernels import sparse_attention_mgpu_bwd as bwd  # noqa: PLC0415
+    from pallas_kernels import sparse_attention_mgpu_fwd as fwd  # noqa: PLC0415
+    from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index  # noqa: PLC0415
+
+    seq = q.shape[1]
+    cfg = dataclasses.replace(mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5), **options)
+    index, count = sanitize_index(index, count, seq // KV_BLOCK)
+    forward = jax.jit(lambda q, k, v: fwd.forward(q, k, v, index, count, None, cfg))
+    o, lse2 = forward(q, k, v)
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), w.astype(jnp.float32))
+
+    @jax.jit
+    def worklist(index, count):
+        order, starts, _, per_tile = dkdv_worklist(index, count, kv_block=KV_BLOCK, rows=cfg.dkdv_rows, seq_len=seq)
+        return order // per_tile, starts
+
+    tiles, starts = worklist(index, count)
+    dq = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dq(q, k, v, w, lse2, delta, index, count, None, cfg))
+    dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, None, cfg))
+    unit = 2.0 * q.shape[0] * HEADS * seq * float(count[0, 0, 0]) * KV_BLOCK * HEAD_DIM  # one product
+    out = {}
+    for name, fn, args, products in [("fwd", forward, (q, k, v), 2), ("worklist", worklist, (index, count), 0),
+                                     ("dq", dq, (q, k, v, w, lse2, delta), 3),
+                                     ("dkdv", dkdv, (q, k, v, w, lse2, delta), 4)]:
+        t = timed(fn, *args, reps=5, min_ms=100.0)
+        out[name + "_kernel_ms"] = t["median_ms"]
+        if products:
+            out[name + "_executed_tflops"] = products * unit / t["median_ms"] / 1e9
+    return out
+
+
+def measure(job):
+    """Child process: one job, returns a dict (never raises)."""
+    jax, _ = _jax()
+    out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    try:
+        if job["impl"] == "small_check":
+            out["cases"] = small_check()
+            return out
+        seq, impl = job["seq"], job["impl"]
+        options = job.get("options", {})
+        if job.get("check"):
+            t0 = time.perf_counter()
+            out["check"] = check(seq, job["sparsity"], options)
+            out["check_s"] = time.perf_counter() - t0
+        q, k, v, w, index, count = inputs(seq, job.get("sparsity", 0.0))
+        kept = seq if impl == "cudnn" else float(count[0, 0, 0]) * KV_BLOCK
+        fwd, fwd_bwd = attention_fns(impl, index, count, **options)
+        if job.get("parts"):
+            out["parts"] = parts(q, k, v, w, index, count, options)
+        t0 = time.perf_counter()
+        out["fwd"] = timed(fwd, q, k, v)
+        out["fwd_bwd"] = timed(fwd_bwd, q, k, v, w)
+        out["time_s"] = time.perf_counter() - t0
+        flops = 4.0 * q.shape[0] * HEADS * seq * kept * HEAD_DIM
+        out["kept_keys"] = kept
+        out["fwd_tflops"] = flops / out["fwd"]["median_ms"] / 1e9
+        out["fwd_bwd_tflops"] = 3.5 * flops / out["fwd_bwd"]["median_ms"] / 1e9
+    except Exception as e:  # noqa: BLE001 (the answer is the error)
+        out["error"] = (f"{type(e).__name__}: {e}"[:1500] + "\n" + "".join(traceback.format_exception(e))[-2500:])
+    return out
+
+
+def run_child(job, timeout_s):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "experiments.bench_sparse_mgpu", "--job", json.dumps(job)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"job": job, "error": f"no answer within {timeout_s:.0f} s (deadlock, hang or slow compile)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(TAG)]
+    if not lines:
+        return {"job": job, "error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}"}
+    result = json.loads(lines[-1][len(TAG):])
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def plan(seqs, sparsities, variants, small_check=True, check_all=True):
+    jobs = [{"seq": 1536, "impl": "small_check"}] if small_check else []
+    for seq in seqs:
+        jobs.append({"seq": seq, "impl": "cudnn"})
+        for sparsity in sparsities:
+            for i, options in enumerate(variants):
+                jobs.append({"seq": seq, "sparsity": sparsity, "impl": "mgpu", "options": options,
+                             "check": i == 0 and (check_all or sparsity == sparsities[0]), "parts": i == 0})
+            jobs.append({"seq": seq, "sparsity": sparsity, "impl": "triton"})
+    return jobs
+
+
+def summarise(results):
+    dense = {r["job"]["seq"]: r for r in results if r["job"]["impl"] == "cudnn" and "fwd_bwd" in r}
+    rows = []
+    for r in results:
+        job = r["job"]
+        if job["impl"] == "small_check":
+            continue
+        row = {"seq": job["seq"], "sparsity": job.get("sparsity", 0.0), "impl": job["impl"],
+               "options": json.dumps(job.get("options", {}))}
+        if "error" in r:
+            row["error"] = r["error"].splitlines()[0][:120]
+        if "check" in r:
+            row["correct"] = r["check"]["correct"]
+            row["max_err"] = max(r["check"]["errors"].values())
+        for name, value in r.get("parts", {}).items():
+            row[name] = value
+        if "fwd_bwd" in r:
+            row["fwd_ms"] = r["fwd"]["median_ms"]
+            row["fwd_spread"] = f"{r['fwd']['min_ms']:.3g}-{r['fwd']['max_ms']:.3g}"
+            row["fwd_bwd_ms"] = r["fwd_bwd"]["median_ms"]
+            row["fb_spread"] = f"{r['fwd_bwd']['min_ms']:.3g}-{r['fwd_bwd']['max_ms']:.3g}"
+            row["fwd_tflops"], row["fwd_bwd_tflops"] = r["fwd_tflops"], r["fwd_bwd_tflops"]
+            base = dense.get(job["seq"])
+            if base is not None:
+                row["fwd_vs_cudnn_rate"] = r["fwd_tflops"] / base["fwd_tflops"]
+                row["fwd_bwd_vs_cudnn_rate"] = r["fwd_bwd_tflops"] / base["fwd_bwd_tflops"]
+                row["fwd_bwd_speedup"] = base["fwd_bwd"]["median_ms"] / r["fwd_bwd"]["median_ms"]
+        rows.append(row)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95])
+    parser.add_argument("--variants", default='[{}]', help="JSON list of option dicts for the Mosaic GPU path "
+                        "(e.g. fwd_stages / bwd_stages); the first is also checked")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this")
+    parser.add_argument("--job-timeout-s", type=float, default=180.0)
+    parser.add_argument("--no-small-check", action="store_true", help="skip the small-shape check of all geometries")
+    parser.add_argument("--check-first-sparsity-only", action="store_true",
+                        help="check against the reference at the first sparsity of each size only")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        print(TAG + json.dumps(measure(json.loads(args.job)), default=float), flush=True)
+        return
+
+    start = time.perf_counter()
+    results, skipped = [], []
+    for job in plan(args.seqs, args.sparsities, json.loads(args.variants), not args.no_small_check,
+                    not args.check_first_sparsity_only):
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 30:
+            skipped.append(job)
+            continue
+        results.append(run_child(job, min(args.job_timeout_s, left)))
+        r = results[-1]
+        print(f"[{time.perf_counter() - start:5.0f} s] {json.dumps(job)}: "
+              f"{r.get('error', '').splitlines()[0][:200] if 'error' in r else 'ok'}", flush=True)
+
+    from experiments import harness  # noqa: PLC0415 (imports jax: only now, after the children ran)
+
+    rows = summarise(results)
+    path = harness.write_results("bench_sparse_mgpu", {
+        "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "q_tile": Q_TILE,
+                   "kv_block": KV_BLOCK, "selection": "uniform random blocks, full counts", "seqs": args.seqs,
+                   "sparsities": args.sparsities, "variants": json.loads(args.variants),
+                   "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x", "timing": "median of 7 repetitions, each "
+                   "n back-to-back calls blocked once (~200 ms)"},
+        "results": results, "summary": rows, "skipped": skipped, "wall_s": time.perf_counter() - start})
+    for r in results:
+        if "error" in r:
+            print(f"\nERROR {json.dumps(r['job'])}:\n{r['error'][-1200:]}")
+        for case in r.get("cases", []):
+            print("small check:", {k_: (f"{v_:.2e}" if isinstance(v_, float) else v_) for k_, v_ in case.items()
+                                   if k_ != "error"}, case.get("error", "")[:600])
+    print(f"\nwrote {path}")
+    harness.print_table(rows, ["seq", "sparsity", "impl", "options", "correct", "max_err", "fwd_ms", "fwd_spread",
+                               "fwd_bwd_ms", "fb_spread", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_cudnn_rate",
+                               "fwd_bwd_vs_cudnn_rate", "fwd_bwd_speedup"])
+    part_rows = [r for r in rows if "dq_kernel_ms" in r]
+    if part_rows:
+        print("\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs):")
+        harness.print_table(part_rows, ["seq", "sparsity", "options", "fwd_kernel_ms", "worklist_kernel_ms", "dq_kernel_ms",
+                                        "dkdv_kernel_ms",
+                                        "fwd_executed_tflops", "dq_executed_tflops", "dkdv_executed_tflops"])
+
+
+if __name__ == "__main__":
+    main()

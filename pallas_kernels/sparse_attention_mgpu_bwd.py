@@ -1,0 +1,277 @@
+"""Backward of block-sparse attention on Hopper in Pallas Mosaic GPU: a dQ kernel and a dK/dV kernel.
+
+Both recompute P = exp2(S * sm_scale * log2 e - lse2) from the forward's lse2 and use
+delta = rowsum(o * do) - dlse (plain JAX, before the kernels); dS = P * (dP - delta).
+
+dQ: CTA (head, pair of 64-row query tiles, batch) as the forward: two consumers hold Q and dO in
+  SMEM, the producer streams the selected K and V slices. Per step S = Q K^T and dP = dO V^T (one
+  wait), dQ += dS K.
+dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in SMEM) and walks the
+  query tiles that selected them: the transposed index (sparse_index.dkdv_worklist, a sort, no
+  atomics), one list per consumer for 64-token blocks, one shared list when a block spans both.
+  The producer streams Q, lse2 (group a) and dO, delta (group b) of those tiles. Per step
+  S^T = K Q^T, P^T, then dV += P^T dO with dP^T = V dO^T (one wait), dK += dS^T Q.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mgpu_common import (CONSUMERS, LOG2E, ROWS, AttentionConfig, Group, Ops, compiler_params,
+                                        import_plgpu, kernel_call, produce, swizzled)
+from pallas_kernels.sparse_index import result_type
+
+_PAIR = CONSUMERS * ROWS
+
+
+def _barriers(plgpu, lists, stages, ready_arrivals):
+    ring = lists * stages
+    return (plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=ring),
+            plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring))
+
+
+def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
+    """dq [B, S, H, D]. lse2 [B, H, S] with +inf where a row has no valid key (its P is then 0)."""
+    plgpu = import_plgpu()
+    ops = Ops(plgpu, cfg.interpret)
+    b, s, h, d = q.shape
+    dtype = q.dtype
+    lists, stages = cfg.fwd_lists, cfg.bwd_stages
+    per_block = cfg.kv_block // ROWS
+    qk_scale = cfg.sm_scale * LOG2E
+    masked = cfg.masked
+
+    def split(step):
+        if per_block == 1:
+            return step, 0
+        return lax.div(step, per_block), lax.rem(step, per_block) * ROWS
+
+    def body(refs, scratch):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, index_ref, count_ref, valid_ref, dq_ref = refs
+        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), barriers = scratch
+        rows_ready, k_ready, k_free, v_ready, v_free = barriers
+        hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
+        counts = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
+
+        @pl.when(wg < CONSUMERS)
+        def _consume():
+            ops.set_registers(232, "increase")
+            list_id = wg if lists == 2 else 0
+            tile = tile_of(list_id)
+            n = count_ref[bi, hi, tile] * per_block
+            base = list_id * stages
+            rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
+            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+            ready = rows_ready.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, ready)
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], my_do, ready)
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[wg], ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[wg], ready)
+            plgpu.barrier_wait(ready)
+            lse = ops.load(lse_smem.at[wg], ops.row_layout())
+            delta = ops.load(delta_smem.at[wg], ops.row_layout())
+
+            def valid_keys(step):
+                entry, offset = split(jnp.clip(step, 0, jnp.maximum(n - 1, 0)))
+                return valid_ref[bi, hi, tile, entry] - offset
+
+            @pl.when(n > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[base])
+
+            def step_fn(step, carry):
+                acc, n_valid = carry
+                slot = base + lax.rem(step, stages)
+                plgpu.barrier_wait(v_ready.at[slot])
+                logits, dp = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True),
+                                      ((ROWS, ROWS), my_do, v_smem.at[slot], True)])
+                plgpu.barrier_arrive(v_free.at[slot])
+                p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
+                if masked:
+                    p = jnp.where(ops.iota(p.shape, 1) < n_valid, p, 0.0)
+                    n_valid = valid_keys(step + 1)
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+
+                def wait_next_k():
+                    nxt = step + 1
+
+                    @pl.when(nxt < n)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[base + lax.rem(nxt, stages)])
+
+                (acc,) = ops.mma([(acc, ds.astype(dtype), k_smem.at[slot], False)], after=wait_next_k)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return acc, n_valid
+
+            init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), valid_keys(0) if masked else jnp.int32(0))
+            acc, _ = lax.fori_loop(0, n, step_fn, init)
+            my_q[...] = (acc * cfg.sm_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _produce():
+            ops.set_registers(40, "decrease")
+
+            def source(list_id, step):
+                entry, offset = split(step)
+                block = index_ref[bi, hi, tile_of(list_id), entry]
+                return pl.ds(block * cfg.kv_block + offset, ROWS)
+
+            def copier(src_ref, dst_smem):
+                def copies(list_id, step, slot, barrier):
+                    plgpu.copy_gmem_to_smem(src_ref.at[bi, source(list_id, step), hi],
+                                            dst_smem.at[list_id * stages + slot], barrier)
+                return copies
+
+            produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
+                            Group(copier(v_ref, v_smem), v_ready, v_free)], counts, stages)
+
+    def entry(*refs):
+        if not masked:
+            refs = refs[:8] + (None,) + refs[8:]
+        ring = lists * stages
+        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)  # noqa: E731
+        pl.run_scoped(
+            lambda *scratch: body(refs, scratch),
+            (wide(CONSUMERS), wide(CONSUMERS), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), wide(ring), wide(ring)),
+            (plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS), *_barriers(plgpu, lists, stages, 1),
+             *_barriers(plgpu, lists, stages, 1)),
+            collective_axes="wg",
+        )
+
+    call = kernel_call(
+        plgpu, entry, result_type(q.shape, dtype, q),
+        **cfg.grid(h, s // _PAIR, b),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
+    )
+    args = (q, k, v, do, lse2, delta, index, count) + ((valid,) if masked else ())
+    return call(*args)
+
+
+def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConfig):
+    """(dk, dv) [B, S, H, D].
+
+    tiles [B, H, N]: query tiles of the transposed index in row-block order; row block j (of
+    cfg.dkdv_rows key rows) is tiles[starts[j]:starts[j + 1]], starts [B, H, S // dkdv_rows + 1].
+    rows_valid [B, S // 64] valid keys of each 64 key rows (cfg.masked) or None.
+    """
+    plgpu = import_plgpu()
+    ops = Ops(plgpu, cfg.interpret)
+    b, s, h, d = q.shape
+    dtype = q.dtype
+    lists, stages = cfg.dkdv_lists, cfg.bwd_stages
+    per_tile = cfg.q_tile // ROWS  # steps per query tile of the list
+    qk_scale = cfg.sm_scale * LOG2E
+    masked = cfg.masked
+
+    def split(step):
+        if per_tile == 1:
+            return step, 0
+        return lax.div(step, per_tile), lax.rem(step, per_tile) * ROWS
+
+    def body(refs, scratch):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, valid_ref, dk_ref, dv_ref = refs
+        (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring), barriers = scratch
+        kv_ready, a_ready, a_free, b_ready, b_free = barriers
+        hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        block_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
+        firsts = [starts_ref[bi, hi, block_of(i)] for i in range(lists)]
+        counts = [(starts_ref[bi, hi, block_of(i) + 1] - firsts[i]) * per_tile for i in range(lists)]
+
+        @pl.when(wg < CONSUMERS)
+        def _consume():
+            ops.set_registers(232, "increase")
+            list_id = wg if lists == 2 else 0
+            block = block_of(list_id)
+            n = (starts_ref[bi, hi, block + 1] - starts_ref[bi, hi, block]) * per_tile
+            base = list_id * stages
+            rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
+            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], my_k, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
+
+            def step_fn(step, carry):
+                dk_acc, dv_acc = carry
+                slot = base + lax.rem(step, stages)
+                plgpu.barrier_wait(a_ready.at[slot])
+                (logits_t,) = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True)])
+                lse = ops.load(lse_ring.at[slot], ops.col_layout())
+                p_t = jnp.exp2(logits_t * qk_scale - lax.broadcast_in_dim(lse, logits_t.shape, [1]))
+                plgpu.barrier_wait(b_ready.at[slot])
+                dv_acc, dp_t = ops.mma([(dv_acc, p_t.astype(dtype), do_ring.at[slot], False),
+                                        ((ROWS, ROWS), my_v, do_ring.at[slot], True)])
+                delta = ops.load(delta_ring.at[slot], ops.col_layout())
+                plgpu.barrier_arrive(b_free.at[slot])
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                (dk_acc,) = ops.mma([(dk_acc, ds_t.astype(dtype), q_ring.at[slot], False)])
+                plgpu.barrier_arrive(a_free.at[slot])
+                return dk_acc, dv_acc
+
+            zeros = ops.full((ROWS, d), 0.0, ops.wgmma_layout)
+            dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
+            dk_acc = dk_acc * cfg.sm_scale
+            if masked:  # masked keys get no gradient (their rows of P were not part of the softmax)
+                keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, ci * CONSUMERS + wg]
+                dk_acc, dv_acc = jnp.where(keep, dk_acc, 0.0), jnp.where(keep, dv_acc, 0.0)
+            my_k[...] = dk_acc.astype(dtype)
+            my_v[...] = dv_acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, hi])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, hi])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _produce():
+            ops.set_registers(40, "decrease")
+
+            def source(list_id, step):
+                entry, offset = split(step)
+                tile = tiles_ref[bi, hi, firsts[list_id] + entry]
+                return pl.ds(tile * cfg.q_tile + offset, ROWS)
+
+            def copy_a(list_id, step, slot, barrier):
+                src = source(list_id, step)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, src, hi], q_ring.at[list_id * stages + slot], barrier)
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, src], lse_ring.at[list_id * stages + slot], barrier)
+
+            def copy_b(list_id, step, slot, barrier):
+                src = source(list_id, step)
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, src, hi], do_ring.at[list_id * stages + slot], barrier)
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot],
+                                        barrier)
+
+            produce(plgpu, [Group(copy_a, a_ready, a_free), Group(copy_b, b_ready, b_free)], counts, stages)
+
+    def entry(*refs):
+        if not masked:
+            refs = refs[:8] + (None,) + refs[8:]
+        ring = lists * stages
+        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)  # noqa: E731
+        pl.run_scoped(
+            lambda *scratch: body(refs, scratch),
+            (wide(CONSUMERS), wide(CONSUMERS), wide(ring), wide(ring), plgpu.SMEM((ring, ROWS), jnp.float32),
+             plgpu.SMEM((ring, ROWS), jnp.float32)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS), *_barriers(plgpu, lists, stages, 2),
+             *_barriers(plgpu, lists, stages, 2)),
+            collective_axes="wg",
+        )
+
+    call = kernel_call(
+        plgpu, entry, [result_type(k.shape, dtype, q), result_type(v.shape, dtype, q)],
+        **cfg.grid(h, s // _PAIR, b),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
+    )
+    args = (q, k, v, do, lse2, delta, tiles, starts) + ((rows_valid,) if masked else ())
+    return call(*args)
+

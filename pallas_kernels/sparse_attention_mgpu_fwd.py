@@ -1,0 +1,178 @@
+"""Forward of block-sparse attention on Hopper in Pallas Mosaic GPU (wgmma, TMA, warp specialisation).
+
+CTA (head, pair of 64-row query tiles, batch), three warpgroups:
+  consumers 0 and 1: 64 query rows each, Q resident in SMEM. Per step: S = Q K^T by wgmma, online
+    softmax in base 2 in registers, O += P V by wgmma with P from registers. A schedule barrier
+    staggers the two (one's softmax runs while the other's products hold the tensor cores).
+  producer: streams the 64-row K and V slices of the selected blocks, kv_index[tile, step] for
+    kv_count[tile] blocks, into a ring of SMEM stages (mgpu_common.produce).
+With q_tile = 128 both consumers walk the tile's one list and share the ring; with q_tile = 64 each
+walks its own tile's list through its own ring.
+
+Outputs o [B, S, H, D] and lse2 [B, H, S] = log2 of the softmax denominator of the logits scaled by
+sm_scale * log2(e) (-inf for a row that selected no valid key; its o is 0).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mgpu_common import (CONSUMERS, LOG2E, ROWS, AttentionConfig, Group, Ops, compiler_params,
+                                        import_plgpu, kernel_call, produce, schedule_round, swizzled)
+from pallas_kernels.sparse_index import result_type
+
+
+def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
+    """index [B, H, T, K] sanitized, count [B, H, T]; valid [B, H, T, K] valid keys of each selected
+    block (cfg.masked) or None. Returns (o, lse2)."""
+    plgpu = import_plgpu()
+    ops = Ops(plgpu, cfg.interpret)
+    b, s, h, d = q.shape
+    dtype = q.dtype
+    lists, stages = cfg.fwd_lists, cfg.fwd_stages
+    per_block = cfg.kv_block // ROWS  # steps per selected block
+    qk_scale = cfg.sm_scale * LOG2E
+    masked = cfg.masked
+
+    def split(step):  # (entry of the list, row offset inside the block)
+        if per_block == 1:
+            return step, 0
+        return lax.div(step, per_block), lax.rem(step, per_block) * ROWS
+
+    def body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch):
+        (q_smem, k_smem, v_smem, lse_smem), (q_ready, k_ready, v_ready, k_free, v_free, sched) = scratch
+        hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
+        counts = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
+
+        @pl.when(wg < CONSUMERS)
+        def _consume():
+            ops.set_registers(232, "increase")
+            list_id = wg if lists == 2 else 0
+            tile = tile_of(list_id)
+            n = count_ref[bi, hi, tile] * per_block
+            longest = counts[0] if lists == 1 else jnp.maximum(counts[0], counts[1])
+            base = list_id * stages
+            rows = pl.ds(ci * (CONSUMERS * ROWS) + wg * ROWS, ROWS)
+            my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            def valid_keys(step):  # valid keys of this step's 64 rows (may be <= 0 or >= 64)
+                entry, offset = split(jnp.clip(step, 0, jnp.maximum(n - 1, 0)))
+                return valid_ref[bi, hi, tile, entry] - offset
+
+            @pl.when(n > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[base])
+
+            pl.when(wg == 1)(lambda: schedule_round(plgpu, sched))
+
+            def step_fn(step, carry):
+                acc, m_i, l_i, n_valid = carry
+                slot = base + lax.rem(step, stages)
+                (logits,) = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True)],
+                                    after=lambda: schedule_round(plgpu, sched))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    logits = jnp.where(ops.iota(logits.shape, 1) < n_valid, logits, -jnp.inf)
+                    n_valid = valid_keys(step + 1)
+                m_new = jnp.maximum(m_i, logits.max(axis=1) * qk_scale)
+                # A row whose keys so far are all masked keeps m = -inf; exponents then use 0.
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(m_use, logits.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(sched)  # softmax done: the other consumer may issue
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(sched)  # the tensor cores are ours again
+
+                def wait_next_k():
+                    nxt = step + 1
+
+                    @pl.when(nxt < n)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[base + lax.rem(nxt, stages)])
+
+                (acc,) = ops.mma([(acc, p16, v_smem.at[slot], False)], after=wait_next_k)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i, n_valid
+
+            init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
+                    ops.full((ROWS,), 0.0, ops.row_layout()), valid_keys(0) if masked else jnp.int32(0))
+            acc, m_i, l_i, _ = lax.fori_loop(0, n, step_fn, init)
+            if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
+
+                @pl.loop(n, longest)
+                def _pad(_):
+                    schedule_round(plgpu, sched)
+                    schedule_round(plgpu, sched)
+
+            pl.when(wg == 0)(lambda: schedule_round(plgpu, sched))
+
+            empty = l_i == 0.0
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+            my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+            my_lse[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * LOG2E)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, hi])
+            plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, hi, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _produce():
+            ops.set_registers(40, "decrease")
+
+            def source(list_id, step):
+                entry, offset = split(step)
+                block = index_ref[bi, hi, tile_of(list_id), entry]
+                return pl.ds(block * cfg.kv_block + offset, ROWS)
+
+            def copier(src_ref, dst_smem):
+                def copies(list_id, step, slot, barrier):
+                    plgpu.copy_gmem_to_smem(src_ref.at[bi, source(list_id, step), hi],
+                                            dst_smem.at[list_id * stages + slot], barrier)
+                return copies
+
+            produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
+                            Group(copier(v_ref, v_smem), v_ready, v_free)], counts, stages)
+
+    def entry(*refs):
+        if masked:
+            q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref = refs
+        else:
+            (q_ref, k_ref, v_ref, index_ref, count_ref, o_ref, lse_ref), valid_ref = refs, None
+        ring = lists * stages
+        pl.run_scoped(
+            lambda *scratch: body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch),
+            (swizzled(plgpu, (CONSUMERS, ROWS, d), dtype), swizzled(plgpu, (ring, ROWS, d), dtype),
+             swizzled(plgpu, (ring, ROWS, d), dtype), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
+            (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=ring),
+             plgpu.Barrier(num_barriers=ring),
+             plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
+             plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
+             plgpu.Barrier(num_arrivals=CONSUMERS)),
+            collective_axes="wg",
+        )
+
+    call = kernel_call(
+        plgpu, entry, [result_type(q.shape, dtype, q), result_type((b, h, s), jnp.float32, q)],
+        **cfg.grid(h, s // (CONSUMERS * ROWS), b),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
+    )
+    args = (q, k, v, index, count) + ((valid,) if masked else ())
+    return call(*args)
+
+
+def smem_bytes(cfg: AttentionConfig, itemsize: int = 2) -> int:
+    """SMEM the forward allocates (a check against the 227 KiB a CTA may have)."""
+    tile = ROWS * cfg.head_dim * itemsize
+    return CONSUMERS * tile + 2 * cfg.fwd_lists * cfg.fwd_stages * tile + CONSUMERS * ROWS * 4
+

@@ -1,0 +1,129 @@
+"""Mosaic GPU (Hopper) block-sparse attention: forward and all gradients in jax's GPU interpreter against a
+dense masked reference, and the compiled (wgmma) form lowered for CUDA.
+
+The interpreter runs the real barriers, TMA copies, rings and control flow of the three warpgroups, with
+plain dots for the products (it has no transposed or register wgmma operands); the lowering tests cover
+the wgmma form. The interpreter is slow (seconds per kernel launch), hence one CTA per kernel and a one-stage forward
+ring, so that two steps already refill a stage (the producer waits for its release).
+"""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.bench_sparse_mgpu import dense_masked_reference
+from pallas_kernels import sparse_attention_mgpu as mgpu
+from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
+
+
+def selection(key, b, h, tiles, blocks, n_sel, counts):
+    """Ascending distinct ids, the given counts per tile, garbage (out of range too) past the count."""
+    k1, k2 = jax.random.split(key)
+    ids = jnp.sort(jax.lax.top_k(jax.random.uniform(k1, (b, h, tiles, blocks)), n_sel)[1], axis=-1)
+    count = jnp.broadcast_to(jnp.asarray(counts, jnp.int32), (b, h, tiles))
+    garbage = jax.random.randint(k2, ids.shape, -3 * blocks, 3 * blocks, dtype=jnp.int32)
+    return jnp.where(jnp.arange(n_sel) < count[..., None], ids, garbage).astype(jnp.int32), count
+
+
+def outputs_and_grads(fn, q, k, v, wo, wl):
+    """(o, lse, dq, dk, dv) of loss = sum(o * wo) + sum(lse * wl) over rows with finite lse."""
+    def loss(q, k, v):
+        o, lse = fn(q, k, v)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * wl, 0.0)), (o, lse)
+
+    (_, (o, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return (o, lse, *grads)
+
+
+def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning):
+    b, h = 1, 1
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
+    tiles, blocks = s // q_tile, s // kv_block
+    index, count = selection(ks[3], b, h, tiles, blocks, min(blocks, max(counts)), counts)
+    wo, wl = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
+    got = outputs_and_grads(lambda q, k, v: sparse_attention_mgpu(
+        q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid, return_lse=True,
+        tuning=tuning, interpret=True), q, k, v, wo, wl)
+    want = outputs_and_grads(lambda q, k, v: dense_masked_reference(
+        q, k, v, index, count, kv_valid, q_tile=q_tile, kv_block=kv_block, sm_scale=d ** -0.5),
+        *(x.astype(jnp.float32) for x in (q, k, v)), wo, wl)
+    for name, a, w in zip(["o", "lse", "dq", "dk", "dv"], got, want):
+        a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+        finite = np.isfinite(w)
+        assert (np.isfinite(a) == finite).all(), f"{name}: non-finite entries differ from the reference"
+        a, w = np.where(finite, a, 0.0), np.where(finite, w, 0.0)
+        err = np.linalg.norm(a - w) / np.linalg.norm(w)
+        assert err < (1e-5 if name == "lse" else 1.5e-2), f"{name}: relative error {err:.2e}"
+    return got
+
+
+def test_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter():
+    """q_tile 64: the two consumers walk different lists (one empty: no keys, o = 0, lse = -inf, zero
+    grads, the schedule barrier kept in step; the other two blocks); kv_block 64: dK/dV walks one list
+    per 64 key rows. kv_valid masks keys, and one block has none valid."""
+    kv_valid = jnp.array([[0, 37]], jnp.int32)
+    o, lse, dq, dk, dv = check_against_dense(64, 64, 64, 128, [0, 2], kv_valid, seed=3,
+                                             tuning={"fwd_stages": 1})
+    assert np.all(np.asarray(o[:, :64]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :64])))
+    assert np.all(np.asarray(dq[:, :64]) == 0)
+    assert np.all(np.asarray(dk[:, :64]) == 0) and np.all(np.asarray(dv[:, 64 + 37:]) == 0)
+    assert np.any(np.asarray(dq[:, 64:]) != 0) and np.any(np.asarray(dk[:, 64:64 + 37]) != 0)
+
+
+def test_shared_lists_in_gpu_interpreter():
+    """q_tile 128 and kv_block 128: both consumers share one list and one ring (a stage is freed by
+    both), a block and a tile take two 64-row steps each, D = 128."""
+    check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1})
+
+
+@pytest.mark.parametrize("q_tile,kv_block,d,masked", [(64, 64, 128, False), (128, 192, 64, True)])
+def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked):
+    s, h = 768, 2
+    x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 3), jnp.int32)
+    cnt = jax.ShapeDtypeStruct((1, h, s // q_tile), jnp.int32)
+    valid = jax.ShapeDtypeStruct((1, s // kv_block), jnp.int32)
+
+    def loss(q, k, v, i, c, kv):
+        o, lse = sparse_attention_mgpu(q, k, v, i, c, q_tile=q_tile, kv_block=kv_block,
+                                       kv_valid=kv if masked else None, return_lse=True)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt, valid).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dQ, dK/dV
+
+
+def test_unsupported_geometry_and_bad_kv_valid_are_named():
+    q = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+    assert mgpu.supported(q, q, q, q_tile=64, kv_block=64) is None
+    assert "q_tile=32" in mgpu.supported(q, q, q, q_tile=32, kv_block=64)
+    assert "kv_block=16" in mgpu.supported(q, q, q, q_tile=64, kv_block=16)
+    assert "head dim 96" in mgpu.supported(*(jnp.zeros((1, 256, 1, 96), jnp.bfloat16),) * 3, q_tile=64, kv_block=64)
+    assert "float32" in mgpu.supported(q.astype(jnp.float32), q, q, q_tile=64, kv_block=64)
+    assert "sequence length 192" in mgpu.supported(q[:, :192], q[:, :192], q[:, :192], q_tile=64, kv_block=64)
+    idx, cnt = jnp.zeros((1, 1, 4, 1), jnp.int32), jnp.ones((1, 1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="kv_block=16"):
+        sparse_attention_mgpu(q, q, q, jnp.zeros((1, 1, 4, 1), jnp.int32), cnt, q_tile=64, kv_block=16)
+    with pytest.raises(ValueError, match=r"kv_valid must be integer \[B, S // kv_block\] = \[1, 4\]"):
+        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, kv_valid=jnp.zeros((1, 3), jnp.int32))
+    with pytest.raises(ValueError, match="bwd_stages=1 >= 2"):
+        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"bwd_stages": 1})
+    with pytest.raises(ValueError, match="unknown tuning keys"):
+        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"stages": 2})
+    assert "not a GPU" in mgpu.available()  # the tests run on the CPU
+
+
+def test_imports_without_the_triton_lowering():
+    """The Mosaic GPU path must survive jax dropping Pallas' Triton lowering: block that module, import."""
+    code = ("import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+            "import pallas_kernels.sparse_attention_mgpu as m, pallas_kernels.sparse_attention_mgpu_fwd, "
+            "pallas_kernels.sparse_attention_mgpu_bwd\n"
+            "assert 'pallas_kernels.sparse_attention_triton' not in sys.modules\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
