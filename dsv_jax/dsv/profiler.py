@@ -31,7 +31,7 @@ RECALL_FRACTIONS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 
 
 def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coords: np.ndarray,
                  selection=None, q_tile: int = 1, kv_block: int = 1, lowrank=None, block_reduce: str = "mean",
-                 analysis: bool = False, exact=None):
+                 analysis: bool = False, exact=None, kv_valid=None):
     """Statistics of true logits z [B, H, Q, S] (invalid keys -inf) of queries at `positions`.
 
     Returns {"sparsity": [H], "recall": [H], "recall_curve": [H, len(RECALL_FRACTIONS)]} (recall NaN
@@ -40,7 +40,8 @@ def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coord
     "oracle_curve" [H, 2, len(RECALL_FRACTIONS)] (the best recall of token and of kv_block selections)
     and, given the true projections `exact` = (q, k), "exact_proxy_curve" [H, len(RECALL_FRACTIONS)]: the
     recall curve of the predictor's selection rule (tile proxy, block scores) run on q, k themselves, which
-    separates what sharing a selection per tile costs from what the low rank costs."""
+    separates what sharing a selection per tile costs from what the low rank costs. kv_valid: int32
+    [B, S // kv_block] on padded layouts (block scores over valid keys, as the selection scores them)."""
     b, h, nq, s = z.shape
     p = jax.nn.softmax(jax.lax.stop_gradient(z).astype(jnp.float32), axis=-1)
     desc = -jnp.sort(-p, axis=-1)
@@ -51,7 +52,7 @@ def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coord
     out = {"sparsity": jnp.percentile(flat, percentile, axis=-1)}
     out["recall"] = (selection_recall(p, positions, selection, q_tile, kv_block) if selection is not None
                      else jnp.full((h,), jnp.nan, jnp.float32))
-    out["recall_curve"] = (recall_curve(p, positions, *lowrank, q_tile, kv_block, block_reduce)
+    out["recall_curve"] = (recall_curve(p, positions, *lowrank, q_tile, kv_block, block_reduce, kv_valid)
                            if lowrank is not None else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan, jnp.float32))
     if analysis:
         out["sparsity_mean"] = jnp.mean(flat, axis=-1)
@@ -68,7 +69,7 @@ def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coord
         # upper bounds of the recall curve: single tokens, and whole blocks of this plan's granularity
         tokens = _held_at_fractions(desc)  # the rows are already sorted: the token-level oracle
         out["oracle_curve"] = jnp.stack([tokens, oracle_curve(p, kv_block)], axis=1)  # [H, 2, F]
-        out["exact_proxy_curve"] = (recall_curve(p, positions, *exact, q_tile, kv_block, block_reduce)
+        out["exact_proxy_curve"] = (recall_curve(p, positions, *exact, q_tile, kv_block, block_reduce, kv_valid)
                                     if exact is not None else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan))
     return out
 
@@ -90,12 +91,12 @@ def selection_recall(p, positions, selection, q_tile: int, kv_block: int):
     return jnp.mean(jnp.sum(jnp.where(valid, picked, 0.0), -1), axis=(0, 2))
 
 
-def recall_curve(p, positions, q_lr, k_lr, q_tile: int, kv_block: int, block_reduce: str = "mean"):
+def recall_curve(p, positions, q_lr, k_lr, q_tile: int, kv_block: int, block_reduce: str = "mean", kv_valid=None):
     """Mean attention mass [H, len(RECALL_FRACTIONS)] of sampled queries inside the ceil(f * blocks)
     KV blocks that the predictor scores highest for their query tile (as `lowrank_topk` ranks them)."""
     tiles = jnp.asarray(np.asarray(positions) // q_tile)
     scores = block_scores(jax.lax.stop_gradient(q_lr), jax.lax.stop_gradient(k_lr), q_tile=q_tile,
-                          kv_block=kv_block, block_reduce=block_reduce, tiles=tiles)  # [B, H, Q, nb]
+                          kv_block=kv_block, block_reduce=block_reduce, tiles=tiles, kv_valid=kv_valid)  # [B, H, Q, nb]
     order = jnp.argsort(-scores, axis=-1)
     return _held_at_fractions(jnp.take_along_axis(_block_mass(p, kv_block), order, axis=-1))
 
