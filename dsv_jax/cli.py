@@ -1,8 +1,8 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
-    dsv-jax train --config NAME [--workdir DIR] [--steps N] [key=value ...]
+    dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [key=value ...]
     dsv-jax sample --workdir DIR --out FILE.gif [--prompt TEXT ...] [--steps N]
-    dsv-jax presets
+    dsv-jax presets [--show NAME]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 """
@@ -14,14 +14,14 @@ import logging
 import os
 import sys
 
-from dsv_jax.config import PRESETS, ConfigError, get_config
+from dsv_jax.config import PRESETS, ConfigError, config_yaml, get_config, load_config
 
 
 def _train(args) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    cfg = get_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
     workdir = args.workdir or os.path.join("runs", cfg.name)
     from dsv_jax.train.trainer import train
 
@@ -45,6 +45,9 @@ def _sample(args) -> int:
 
 
 def _presets(args) -> int:
+    if args.show:
+        print(config_yaml(get_config(args.show)), end="")
+        return 0
     for name in sorted(PRESETS):
         m = get_config(name).model
         print(f"{name:12s} {m.arch:6s} depth={m.depth:3d} heads={m.heads:3d}x{m.head_dim:<4d} hidden={m.hidden}")
@@ -63,7 +66,7 @@ def _prepare_data(args) -> int:
 
 
 def _fit_cost(args) -> int:
-    cfg = get_config(args.config, list(args.overrides))
+    cfg = load_config(args.config, list(args.overrides))
     shapes = shares = None
     if args.data:
         from dsv_jax.data.manifest import Manifest
@@ -90,6 +93,10 @@ def _fit_cost(args) -> int:
     return 0
 
 
+CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config file whose 'name:' is the preset "
+               "it extends (a run's config.json re-runs it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv-jax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume) a model")
-    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--workdir", help="checkpoints, metrics and samples go here (default runs/<config>)")
     p.add_argument("--steps", type=int, help="total training steps (same as train.steps=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -116,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_sample)
 
     p = sub.add_parser("presets", help="list the config presets")
+    p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")
     p.set_defaults(fn=_presets)
 
     p = sub.add_parser("prepare-data", help="videos/images + captions -> ArrayRecord shards for data.path")
@@ -136,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_prepare_data)
 
     p = sub.add_parser("fit-cost", help="time train steps over (B, S), fit t = a + b*B*S^p, write the budgets")
-    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--out", help="JSON to write (default runs/<config>-cost.json)")
     p.add_argument("--data", help="take the shapes from a prepared dataset's manifest")
     p.add_argument("--shapes", help="latent shapes TxHxW,... (default: the config's data.buckets)")
