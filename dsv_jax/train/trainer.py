@@ -30,6 +30,7 @@ from dsv_jax.dsv.plan import static_plans
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.metrics import MetricsWriter
+from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
 from dsv_jax.train.step import EVAL_T, TrainState, abstract_model, init_state, make_eval_step, make_train_step
 
@@ -170,6 +171,7 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
         self.attention = static_plans(cfg)  # a backend name, or window plans; DSV plans come from the controller
         self.controller = DSVController(cfg) if cfg.attention == "dsv" else None
+        self.step_flops = StepFlops(cfg, self.mesh)
         if self.mesh.shape["context"] > 1:  # the sequence of a sample spans the context axis
             if not isinstance(self.attention, str):
                 raise ConfigError(f"attention={cfg.attention!r} with parallel.context={self.mesh.shape['context']}: "
@@ -267,7 +269,7 @@ class Trainer:
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
-            pending, window_t0, window_tokens = [], time.perf_counter(), 0
+            pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
             try:
                 with StopRequest() as stop:
                     while step < end and not stop.requested:
@@ -288,21 +290,22 @@ class Trainer:
                             host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
                             self._dsv_events(writer, step, self.controller.observe(step - 1, shape, host))
                         window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
+                        window_flops = window_flops + self.step_flops(shape, b_global, plans, inputs)
                         pending.append((step, shape, b_global, metrics, extra))
                         if step % cfg.train.log_every == 0 or step == end:
                             jax.block_until_ready(metrics)
                             elapsed = time.perf_counter() - window_t0
-                            for rec in self._records(pending, elapsed, window_tokens):
+                            for rec in self._records(pending, elapsed, window_tokens, window_flops):
                                 writer.write(rec["step"], rec)
                                 records.append(rec)
                             bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
-                            pending, window_t0, window_tokens = [], time.perf_counter(), 0
+                            pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
                         bar.update(1)
                         if step % cfg.train.ckpt_every == 0 and step < end:
                             self.save(prefetch.state)
                         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                             writer.write(step, self.evaluate())
-                    for rec in self._records(pending, time.perf_counter() - window_t0, window_tokens):
+                    for rec in self._records(pending, time.perf_counter() - window_t0, window_tokens, window_flops):
                         writer.write(rec["step"], rec)
                         records.append(rec)
                     self.save(prefetch.state)
@@ -321,11 +324,12 @@ class Trainer:
             log.info(line)
             writer.write(step, {"dsv/event": line, "dsv/stage": self.controller.stage})
 
-    def _records(self, pending, elapsed, tokens):
+    def _records(self, pending, elapsed, tokens, flops=0.0):
         if not pending:
             return []
         host = jax.device_get([p[3] for p in pending])
         per_step = elapsed / len(pending)
+        mfu = self.step_flops.metrics(flops, elapsed) if np.ndim(flops) else {}  # over the window, as tokens/s
         out = []
         for (step, shape, b, _, extra), m in zip(pending, host):
             rec = {}
@@ -334,7 +338,7 @@ class Trainer:
                     rec.update(flatten_metric(k, v))
             rec.update(extra)
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
-                       tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
+                       tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])), **mfu)
             if hasattr(self.attention, "step_metrics"):
                 rec.update(self.attention.step_metrics())
             if not m["finite"]:
