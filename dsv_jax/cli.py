@@ -60,7 +60,7 @@ def _prepare_data(args) -> int:
     report = prepare(args.input, args.output, args.buckets, codec=args.codec, captions=args.captions,
                      text_encoder=args.text_encoder, workers=args.workers, shard_size=args.shard_size,
                      frame_stride=args.frame_stride, strict=args.strict, overwrite=args.overwrite,
-                     progress=not args.no_progress)
+                     eval_fraction=args.eval_fraction, progress=not args.no_progress)
     print(report.summary())
     return 0
 
@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frame-stride", type=int, default=1, help="take every N-th frame of a video")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output")
+    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this share of the files (by a hash of their names) for evaluation")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=_prepare_data)
 

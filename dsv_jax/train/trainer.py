@@ -354,11 +354,14 @@ class Trainer:
                                self.controller.state_dict() if self.controller is not None else None)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall."""
+        """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall: `eval_loss`,
+        or `train_records_loss` where the data has no held-out split (a prepared dataset without
+        --eval-fraction: the loss is then measured on training records)."""
         cfg = self.cfg
         eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
                               process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
         out, all_losses = {}, []
+        name = "eval_loss" if getattr(eval_feed, "heldout", True) else "train_records_loss"
         for shape in eval_feed.shapes:
             plans, inputs = self.attention_for(shape, train=False)
             if plans not in self._eval_fns:
@@ -368,11 +371,13 @@ class Trainer:
             losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
                                     jax.random.key(i), *extra)) for i in range(cfg.train.eval_batches)]
             mean = np.mean(losses, axis=0)
-            out[f"eval_loss/{'x'.join(map(str, shape))}"] = float(mean.mean())
+            out[f"{name}/{'x'.join(map(str, shape))}"] = float(mean.mean())
             all_losses.append(mean)
+        if not all_losses:  # a held-out split whose samples fall only in buckets not trained on
+            return out
         per_t = np.mean(all_losses, axis=0)
-        out.update({f"eval_loss/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
-        out["eval_loss"] = float(per_t.mean())
+        out.update({f"{name}/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
+        out[name] = float(per_t.mean())
         return out
 
     def close(self) -> None:
