@@ -1,7 +1,8 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
     dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [key=value ...]
-    dsv-jax sample --workdir DIR --out FILE.gif [--prompt TEXT ...] [--steps N]
+    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--text-encoder pkg.module:fn]
+    dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP]
     dsv-jax presets [--show NAME]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
@@ -38,9 +39,18 @@ def _sample(args) -> int:
     shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
     if shape is not None and len(shape) != 3:
         raise ConfigError(f"--shape {args.shape!r} must be T,H,W")
-    paths = sample_from_workdir(args.workdir, args.out, prompts=args.prompt or None, steps=args.steps,
-                                guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint)
+    paths = sample_from_workdir(args.model, args.out, prompts=args.prompt or None, steps=args.steps,
+                                guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint,
+                                text_encoder=args.text_encoder)
     print("wrote " + ", ".join(paths))
+    return 0
+
+
+def _export(args) -> int:
+    from dsv_jax.export import export
+
+    out = export(args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite)
+    print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
     return 0
 
 
@@ -111,16 +121,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.depth=8")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("sample", help="generate videos from a trained workdir")
-    p.add_argument("--workdir", required=True)
+    p = sub.add_parser("sample", help="generate videos from an exported model or a training workdir")
+    p.add_argument("--model", "--workdir", dest="model", required=True, metavar="DIR",
+                   help="an exported model (dsv-jax export) or a training workdir")
     p.add_argument("--out", required=True, help="output .gif or .mp4")
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
-    p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--checkpoint", type=int, help="checkpoint step of a training workdir (default: latest)")
+    p.add_argument("--text-encoder", help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained "
+                                          "on precomputed text embeddings")
     p.set_defaults(fn=_sample)
+
+    p = sub.add_parser("export", help="write a trained model's parameters, config and DSV plans for inference")
+    p.add_argument("--workdir", required=True, help="the training workdir")
+    p.add_argument("--out", required=True, help="folder to write (load it with dsv_jax.load_model(DIR))")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
+    p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    p.set_defaults(fn=_export)
 
     p = sub.add_parser("presets", help="list the config presets")
     p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")

@@ -419,13 +419,32 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
         records = trainer.run(stop_at=stop_at)
         done = int(trainer.state.step) >= cfg.train.steps
         if (cfg.train.sample_at_end if sample is None else sample) and done and trainer.is_main:
-            from dsv_jax.sample import sample_from_state
-
-            path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
-            controller = trainer.controller.state_dict() if trainer.controller is not None else None
-            sample_from_state(cfg, trainer.graphdef, trainer.state.params, path, steps=cfg.train.sample_steps,
-                              guidance=cfg.train.guidance, controller_state=controller)
-            log.info("wrote %s", path)
+            sample_at_end(trainer)
     finally:
         trainer.close()
     return records
+
+
+def sample_at_end(trainer: Trainer) -> str | None:
+    """The end-of-run sample GIF of a finished run, or None: a run that trained successfully never
+    fails here; a model that cannot sample (text.encoder=precomputed: no encoder for the prompts)
+    or a failing sampler is one warning."""
+    cfg = trainer.cfg
+    if cfg.text.encoder != "builtin":
+        log.warning("no end-of-run sample: the model takes precomputed text embeddings; sample it with "
+                    "`dsv-jax sample --model %s --text-encoder pkg.module:make`", trainer.workdir)
+        return None
+    from dsv_jax.sample import sample_from_state
+
+    path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
+    controller = trainer.controller.state_dict() if trainer.controller is not None else None
+    try:
+        sample_from_state(cfg, trainer.graphdef, trainer.state.params, path, steps=cfg.train.sample_steps,
+                          guidance=cfg.train.guidance, controller_state=controller)
+    except Exception as e:  # the checkpoint is saved: sampling again later is always possible
+        log.warning("no end-of-run sample (%s: %s); the checkpoint is saved, sample it with `dsv-jax sample`",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.debug("end-of-run sampling failed", exc_info=True)
+        return None
+    log.info("wrote %s", path)
+    return path
