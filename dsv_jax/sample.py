@@ -1,4 +1,4 @@
-"""Euler sampler of the rectified flow, and video files (GIF; MP4 where a video writer is installed).
+"""Euler sampler of the rectified flow, and video files (GIF; MP4 through PyAV's FFmpeg).
 
 The flow runs from noise at t = 1 to data at t = 0: x <- x + (t_next - t) * v(x, t). With guidance g,
 v = v(empty caption) + g * (v(caption) - v(empty caption)).
@@ -114,8 +114,8 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
             except Exception as e:  # PyAV raises its own error types for a missing encoder
                 errors.append(f"{codec}: {e}")
         else:
-            raise RuntimeError(f"cannot write {path}: no working video writer ({'; '.join(errors)}); "
-                               "pip install 'dsv-jax[video]'")
+            raise RuntimeError(f"cannot write {path}: PyAV's FFmpeg has no working H.264 or MPEG-4 encoder "
+                               f"({'; '.join(errors)}); write a .gif instead")
     else:
         raise ValueError(f"unsupported video extension {ext!r} (use .gif or .mp4)")
     return path
