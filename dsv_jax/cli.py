@@ -58,10 +58,39 @@ def _presets(args) -> int:
     if args.show:
         print(config_yaml(get_config(args.show)), end="")
         return 0
-    for name in sorted(PRESETS):
-        m = get_config(name).model
-        print(f"{name:12s} {m.arch:6s} depth={m.depth:3d} heads={m.heads:3d}x{m.head_dim:<4d} hidden={m.hidden}")
+    rows = preset_table()
+    widths = [max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]]
+    for line in [list(rows[0])] + [list(r.values()) for r in rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
     return 0
+
+
+def _count(n: float) -> str:
+    """1593008 -> '1.59M' (three significant digits)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
+def preset_table(names=None) -> list[dict[str, str]]:
+    """One row per preset: architecture, sizes, parameters (counted on the model, without allocating) and
+    tokens; `dsv-jax presets` prints it and README's table shows it."""
+    from dsv_jax.model.flops import layout_of, parameter_count
+
+    rows = []
+    for name in names or sorted(PRESETS):
+        cfg = get_config(name)
+        m = cfg.model
+        params = parameter_count(cfg)
+        tokens = [layout_of(cfg, s).n_real for s in cfg.data.buckets]
+        rows.append({"preset": name, "arch": "MMDiT" if m.arch == "mmdit" else "DiT",
+                     "blocks x heads x dim": f"{m.depth} x {m.heads} x {m.head_dim}", "hidden": str(m.hidden),
+                     "parameters": _count(params),
+                     "DSV predictors": "+" + _count(parameter_count(get_config(name, ["attention=dsv"])) - params),
+                     "video tokens / sample": f"{min(tokens):,}-{max(tokens):,}",
+                     "tokens / batch": f"{cfg.data.tokens_per_batch:,}", "text tokens": str(cfg.text.max_len)})
+    return rows
 
 
 def _prepare_data(args) -> int:
@@ -143,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     p.set_defaults(fn=_export)
 
-    p = sub.add_parser("presets", help="list the config presets")
+    p = sub.add_parser("presets", help="list the config presets with their parameter counts")
     p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")
     p.set_defaults(fn=_presets)
 

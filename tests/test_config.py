@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import jax
 import pytest
@@ -127,3 +128,21 @@ def test_missing_file_and_unknown_preset():
         load_config("nope/run.yaml")
     with pytest.raises(ConfigError, match="unknown preset 'huge'.*or a config file"):
         load_config("huge")
+
+
+def test_readme_preset_table_is_what_the_model_code_counts():
+    from dsv_jax.cli import preset_table
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    lines = [line for line in open(readme, encoding="utf-8") if line.startswith("| preset |") or
+             line.startswith("| `")]
+    header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
+    shown = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(header) and cells[0].strip("`") in PRESETS:
+            shown[cells[0].strip("`")] = dict(zip(header, cells))
+    names = [n for n in PRESETS if not n.endswith("-dit")]
+    assert sorted(shown) == sorted(names)
+    for row in preset_table(names):
+        assert shown[row["preset"]] == {**row, "preset": f"`{row['preset']}`"}
