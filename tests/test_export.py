@@ -116,3 +116,23 @@ train: {{steps: 2, log_every: 1, eval_batches: 1, warmup_steps: 1, sample_at_end
 def test_export_and_sample_errors_are_clear(args, needle):
     r = run_cli(*args, timeout=120)
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
+
+
+def test_a_failing_end_of_run_sample_is_one_warning(tmp_path, monkeypatch, caplog):
+    import types
+
+    import dsv_jax.sample
+    from dsv_jax.train.trainer import sample_at_end
+    from tests.conftest import small_config
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no space left on device\nmore detail")
+
+    monkeypatch.setattr(dsv_jax.sample, "sample_from_state", broken)
+    trainer = types.SimpleNamespace(cfg=small_config(), workdir=str(tmp_path), state=types.SimpleNamespace(step=3, params=None),
+                                    graphdef=None, controller=None)
+    with caplog.at_level("WARNING"):
+        assert sample_at_end(trainer) is None
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no end-of-run sample (RuntimeError: no space left on device)" in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage()
