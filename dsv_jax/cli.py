@@ -1,9 +1,10 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
-    dsv-jax train --config NAME [--workdir DIR] [--steps N] [key=value ...]
+    dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [key=value ...]
         [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
-    dsv-jax sample --workdir DIR --out FILE.gif [--prompt TEXT ...] [--steps N]
-    dsv-jax presets
+    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--text-encoder pkg.module:fn]
+    dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP]
+    dsv-jax presets [--show NAME]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 """
@@ -15,7 +16,7 @@ import logging
 import os
 import sys
 
-from dsv_jax.config import PRESETS, ConfigError, get_config
+from dsv_jax.config import PRESETS, ConfigError, config_yaml, get_config, load_config
 
 
 def _train(args) -> int:
@@ -25,7 +26,7 @@ def _train(args) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    cfg = get_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
     workdir = args.workdir or os.path.join("runs", cfg.name)
     from dsv_jax.train.trainer import train
 
@@ -42,17 +43,58 @@ def _sample(args) -> int:
     shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
     if shape is not None and len(shape) != 3:
         raise ConfigError(f"--shape {args.shape!r} must be T,H,W")
-    paths = sample_from_workdir(args.workdir, args.out, prompts=args.prompt or None, steps=args.steps,
-                                guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint)
+    paths = sample_from_workdir(args.model, args.out, prompts=args.prompt or None, steps=args.steps,
+                                guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint,
+                                text_encoder=args.text_encoder)
     print("wrote " + ", ".join(paths))
     return 0
 
 
-def _presets(args) -> int:
-    for name in sorted(PRESETS):
-        m = get_config(name).model
-        print(f"{name:12s} {m.arch:6s} depth={m.depth:3d} heads={m.heads:3d}x{m.head_dim:<4d} hidden={m.hidden}")
+def _export(args) -> int:
+    from dsv_jax.export import export
+
+    out = export(args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite)
+    print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
     return 0
+
+
+def _presets(args) -> int:
+    if args.show:
+        print(config_yaml(get_config(args.show)), end="")
+        return 0
+    rows = preset_table()
+    widths = [max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]]
+    for line in [list(rows[0])] + [list(r.values()) for r in rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+    return 0
+
+
+def _count(n: float) -> str:
+    """1593008 -> '1.59M' (three significant digits)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
+def preset_table(names=None) -> list[dict[str, str]]:
+    """One row per preset: architecture, sizes, parameters (counted on the model, without allocating) and
+    tokens; `dsv-jax presets` prints it and README's table shows it."""
+    from dsv_jax.model.flops import layout_of, parameter_count
+
+    rows = []
+    for name in names or sorted(PRESETS):
+        cfg = get_config(name)
+        m = cfg.model
+        params = parameter_count(cfg)
+        tokens = [layout_of(cfg, s).n_real for s in cfg.data.buckets]
+        rows.append({"preset": name, "arch": "MMDiT" if m.arch == "mmdit" else "DiT",
+                     "blocks x heads x dim": f"{m.depth} x {m.heads} x {m.head_dim}", "hidden": str(m.hidden),
+                     "parameters": _count(params),
+                     "DSV predictors": "+" + _count(parameter_count(get_config(name, ["attention=dsv"])) - params),
+                     "video tokens / sample": f"{min(tokens):,}-{max(tokens):,}",
+                     "tokens / batch": f"{cfg.data.tokens_per_batch:,}", "text tokens": str(cfg.text.max_len)})
+    return rows
 
 
 def _prepare_data(args) -> int:
@@ -61,13 +103,13 @@ def _prepare_data(args) -> int:
     report = prepare(args.input, args.output, args.buckets, codec=args.codec, captions=args.captions,
                      text_encoder=args.text_encoder, workers=args.workers, shard_size=args.shard_size,
                      frame_stride=args.frame_stride, strict=args.strict, overwrite=args.overwrite,
-                     progress=not args.no_progress)
+                     eval_fraction=args.eval_fraction, progress=not args.no_progress)
     print(report.summary())
     return 0
 
 
 def _fit_cost(args) -> int:
-    cfg = get_config(args.config, list(args.overrides))
+    cfg = load_config(args.config, list(args.overrides))
     shapes = shares = None
     if args.data:
         from dsv_jax.data.manifest import Manifest
@@ -94,6 +136,10 @@ def _fit_cost(args) -> int:
     return 0
 
 
+CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config file whose 'name:' is the preset "
+               "it extends (a run's config.json re-runs it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv-jax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume) a model")
-    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--workdir", help="checkpoints, metrics and samples go here (default runs/<config>)")
     p.add_argument("--steps", type=int, help="total training steps (same as train.steps=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -111,18 +157,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.depth=8")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("sample", help="generate videos from a trained workdir")
-    p.add_argument("--workdir", required=True)
+    p = sub.add_parser("sample", help="generate videos from an exported model or a training workdir")
+    p.add_argument("--model", "--workdir", dest="model", required=True, metavar="DIR",
+                   help="an exported model (dsv-jax export) or a training workdir")
     p.add_argument("--out", required=True, help="output .gif or .mp4")
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
-    p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--checkpoint", type=int, help="checkpoint step of a training workdir (default: latest)")
+    p.add_argument("--text-encoder", help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained "
+                                          "on precomputed text embeddings")
     p.set_defaults(fn=_sample)
 
-    p = sub.add_parser("presets", help="list the config presets")
+    p = sub.add_parser("export", help="write a trained model's parameters, config and DSV plans for inference")
+    p.add_argument("--workdir", required=True, help="the training workdir")
+    p.add_argument("--out", required=True, help="folder to write (load it with dsv_jax.load_model(DIR))")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
+    p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    p.set_defaults(fn=_export)
+
+    p = sub.add_parser("presets", help="list the config presets with their parameter counts")
+    p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")
     p.set_defaults(fn=_presets)
 
     p = sub.add_parser("prepare-data", help="videos/images + captions -> ArrayRecord shards for data.path")
@@ -139,11 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frame-stride", type=int, default=1, help="take every N-th frame of a video")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output")
+    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this share of the files (by a hash of their names) for evaluation")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=_prepare_data)
 
     p = sub.add_parser("fit-cost", help="time train steps over (B, S), fit t = a + b*B*S^p, write the budgets")
-    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--out", help="JSON to write (default runs/<config>-cost.json)")
     p.add_argument("--data", help="take the shapes from a prepared dataset's manifest")
     p.add_argument("--shapes", help="latent shapes TxHxW,... (default: the config's data.buckets)")

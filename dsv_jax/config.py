@@ -6,17 +6,26 @@ against the dataclass field and rejects unknown keys. `__post_init__` checks the
 that types alone cannot express.
 
     cfg = get_config("2.7b-mmdit", ["train.steps=1000", "attention=dsv"])
+    cfg = load_config("runs/x/config.json", ["train.steps=2000"])   # a preset name, or a YAML / JSON file
+
+A config file (`load_config`) names the preset it extends in its top-level `name:` (as the config's
+own `name` field does; `tiny` when absent); its other fields are merged over that preset, then the
+overrides over the result. A run's `config.json` is such a file, so it re-launches the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -362,9 +371,25 @@ def _valid_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+def _deep_tuple(value: Any) -> Any:
+    return tuple(_deep_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _frozen(obj: Any) -> Any:
+    """Nested sequences as tuples (OmegaConf gives lists inside tuple fields such as data.buckets), so that
+    configs from presets, overrides and files compare equal and hash."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        new = _frozen(value) if dataclasses.is_dataclass(value) else _deep_tuple(value)
+        if type(new) is not type(value) or new != value:
+            changes[f.name] = new
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
 def _to_config(node: Any) -> Config:
     try:
-        return OmegaConf.to_object(node)
+        return _frozen(OmegaConf.to_object(node))
     except ConfigError:
         raise
     except OmegaConfBaseException as e:
@@ -375,7 +400,10 @@ def get_config(name: str, overrides: Sequence[str] = ()) -> Config:
     """The preset `name` with `key=value` overrides applied, type-checked."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
-    base = OmegaConf.structured(PRESETS[name]())
+    return _apply_overrides(OmegaConf.structured(PRESETS[name]()), overrides)
+
+
+def _apply_overrides(base: Any, overrides: Sequence[str]) -> Config:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -388,6 +416,70 @@ def get_config(name: str, overrides: Sequence[str] = ()) -> Config:
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}\nvalid keys: {', '.join(_valid_keys(base))}") from None
     return _to_config(merged)
+
+
+CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
+    """A preset by name, or a YAML / JSON config file (see the module docstring), with `key=value`
+    overrides applied last; every value type-checked, every error naming the file and key."""
+    if name_or_path in PRESETS:
+        return get_config(name_or_path, overrides)
+    looks_like_file = name_or_path.lower().endswith(CONFIG_FILE_SUFFIXES) or os.sep in name_or_path
+    if not looks_like_file:
+        raise ConfigError(f"unknown preset {name_or_path!r}; presets: {sorted(PRESETS)}, or a config file "
+                          f"({' '.join(CONFIG_FILE_SUFFIXES)})")
+    fields = _read_config_file(name_or_path)
+    name = fields.pop("name", None)
+    if name is None:
+        log.info("%s has no 'name:': extending the tiny preset", name_or_path)
+        name = "tiny"
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigError(f"{name_or_path}: name={name!r} must name the preset the file extends; presets: "
+                          f"{sorted(PRESETS)}")
+    base = OmegaConf.structured(PRESETS[name]())
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.create(fields))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{name_or_path}: {f'{key}: ' if key else ''}{str(e).splitlines()[0]}\nvalid keys: "
+                          f"{', '.join(_valid_keys(base))}") from None
+    try:
+        _to_config(merged)  # the file alone must make a valid config: its errors name the file
+    except ConfigError as e:
+        raise ConfigError(f"{name_or_path}: {e}") from None
+    return _apply_overrides(merged, overrides)
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    """The fields of a YAML or JSON config file as a plain dict."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist" if not os.path.exists(path)
+                          else f"config file {path!r} is not a file")
+    import yaml  # omegaconf's own dependency
+
+    is_json = path.lower().endswith(".json")
+    try:
+        if is_json:  # json: YAML 1.1 would read 1e-05 as a string
+            with open(path, encoding="utf-8") as f:
+                fields = json.load(f)
+        else:
+            fields = OmegaConf.to_container(OmegaConf.load(path))
+    except (json.JSONDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"config file {path!r} is not valid {'JSON' if is_json else 'YAML'}: "
+                          f"{' '.join(str(e).split())}") from None
+    if fields is None:
+        fields = {}
+    if not isinstance(fields, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of config sections, got a "
+                          f"{type(fields).__name__}")
+    return fields
+
+
+def config_yaml(cfg: Config) -> str:
+    """A config as YAML, loadable by `load_config` (what `dsv-jax presets --show NAME` prints)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 # Fields that change how a model runs but not its parameters: a checkpoint restores across them.

@@ -1,4 +1,4 @@
-"""Euler sampler of the rectified flow, and video files (GIF; MP4 where a video writer is installed).
+"""Euler sampler of the rectified flow, and video files (GIF; MP4 through PyAV's FFmpeg).
 
 The flow runs from noise at t = 1 to data at t = 0: x <- x + (t_next - t) * v(x, t). With guidance g,
 v = v(empty caption) + g * (v(caption) - v(empty caption)).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from dsv_jax.config import Config
-from dsv_jax.data.codec import decode_latents
+from dsv_jax.data.codec import decode_latents, load_callable
 from dsv_jax.data.text import tokenize_batch
 
 log = logging.getLogger(__name__)
@@ -30,20 +30,50 @@ def default_shape(cfg: Config) -> tuple[int, int, int]:
     return max((tuple(s) for s in cfg.data.buckets), key=lambda s: (s[0], s[1] * s[2]))
 
 
+def load_text_encoder(cfg: Config, spec: str | None, hint: str | None = None) -> Callable | None:
+    """The text encoder that sampling needs: None for the built-in one, else the `pkg.module:make` hook
+    (as prepare-data's --text-encoder) made once. `hint`: the hook the run's dataset was prepared with."""
+    if cfg.text.encoder == "builtin":
+        if spec:
+            log.warning("--text-encoder %s is not used: this model has the built-in text encoder", spec)
+        return None
+    if not spec:
+        raise ValueError("this model was trained on precomputed text embeddings (text.encoder=precomputed): pass "
+                         f"--text-encoder pkg.module:make{f' (its dataset was prepared with {hint})' if hint else ''}")
+    return load_callable(spec, "text encoder")()
+
+
+def prompt_batch(cfg: Config, prompts: Sequence[str], text_encoder: Callable | None = None) -> dict[str, np.ndarray]:
+    """The text inputs of guided sampling: the prompts, then as many empty captions (the unconditional
+    half, as caption dropout made it in training)."""
+    n = len(prompts)
+    if cfg.text.encoder == "builtin":
+        ids, mask = tokenize_batch(list(prompts) + [""] * n, cfg.text.max_len, cfg.text.hash_buckets)
+        return {"text_ids": ids, "text_mask": mask}
+    if text_encoder is None:
+        raise ValueError("sampling a text.encoder=precomputed model needs its text encoder (--text-encoder)")
+    emb, mask = (np.asarray(a) for a in text_encoder(list(prompts)))
+    want = (n, cfg.text.max_len, cfg.model.text_dim)
+    if emb.shape != want or mask.shape != want[:2]:
+        raise ValueError(f"the text encoder returned embeddings {emb.shape} and mask {mask.shape} for {n} prompts; "
+                         f"the model takes [{n}, text.max_len={want[1]}, model.text_dim={want[2]}] and [{n}, {want[1]}]")
+    dropped = np.arange(want[1]) == 0  # a dropped caption: zero embeddings, one valid token
+    return {"text_emb": np.concatenate([emb.astype(np.float32), np.zeros(want, np.float32)]),
+            "text_mask": np.concatenate([mask.astype(bool), np.broadcast_to(dropped, (n, want[1]))])}
+
+
 def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple[int, int, int], *,
              steps: int = 30, guidance: float = 3.0, seed: int = 0, attention="auto",
-             attention_inputs=None) -> np.ndarray:
-    """Latents [len(prompts), T, H, W, C] for `prompts` (built-in text encoder)."""
-    if cfg.text.encoder != "builtin":
-        raise ValueError("sampling from prompts needs the built-in text encoder (text.encoder=builtin)")
-    ids, mask = tokenize_batch(list(prompts) + [""] * len(prompts), cfg.text.max_len, cfg.text.hash_buckets)
+             attention_inputs=None, text_encoder: Callable | None = None) -> np.ndarray:
+    """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`)."""
+    batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
     n = len(prompts)
     t_grid = jnp.linspace(1.0, 0.0, steps + 1)
 
     @jax.jit
-    def run(params, ids, mask, key, attention_inputs):
+    def run(params, batch, key, attention_inputs):
         model = nnx.merge(graphdef, params)
-        text, text_mask = model.encode_text({"text_ids": ids, "text_mask": mask})
+        text, text_mask = model.encode_text(batch)
         x = jax.random.normal(key, (n, *shape, cfg.model.in_channels))
 
         def velocity(x, t):
@@ -58,7 +88,7 @@ def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple
 
         return jax.lax.fori_loop(0, steps, body, x)
 
-    return np.asarray(run(params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), attention_inputs))
+    return np.asarray(run(params, batch, jax.random.key(seed), attention_inputs))
 
 
 def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
@@ -84,8 +114,8 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
             except Exception as e:  # PyAV raises its own error types for a missing encoder
                 errors.append(f"{codec}: {e}")
         else:
-            raise RuntimeError(f"cannot write {path}: no working video writer ({'; '.join(errors)}); "
-                               "pip install 'dsv-jax[video]'")
+            raise RuntimeError(f"cannot write {path}: PyAV's FFmpeg has no working H.264 or MPEG-4 encoder "
+                               f"({'; '.join(errors)}); write a .gif instead")
     else:
         raise ValueError(f"unsupported video extension {ext!r} (use .gif or .mp4)")
     return path
@@ -93,7 +123,8 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
 
 def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequence[str] = DEFAULT_PROMPTS,
                       shape=None, steps: int = 30, guidance: float = 3.0, seed: int = 0,
-                      also_mp4: bool = False, controller_state: dict | None = None) -> list[str]:
+                      also_mp4: bool = False, controller_state: dict | None = None,
+                      text_encoder: Callable | None = None) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (and an MP4 beside a GIF
     when `also_mp4` and a video writer is installed). Returns the paths written. A DSV run samples with
     the sparse plans of its controller state (stage 2 decisions), a window run with its windows."""
@@ -103,7 +134,7 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
     policy = make_policy(cfg, controller_state)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
-                       attention=attention, attention_inputs=inputs)
+                       attention=attention, attention_inputs=inputs, text_encoder=text_encoder)
     frames = decode_latents(latents, cfg.data.codec)
     written = [save_video(frames, path)]
     if also_mp4 and path.lower().endswith(".gif"):
@@ -115,11 +146,15 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
 
 
 def sample_from_workdir(workdir: str, out: str, *, prompts: Sequence[str] | None = None, steps: int = 30,
-                        guidance: float | None = None, seed: int = 0, shape=None, step: int | None = None) -> list[str]:
-    """Load the latest (or `step`) checkpoint of a training workdir and write a video of `prompts`."""
-    from dsv_jax.train.checkpoint import load_trained
+                        guidance: float | None = None, seed: int = 0, shape=None, step: int | None = None,
+                        text_encoder: str | None = None) -> list[str]:
+    """Load an exported model (`dsv-jax export`) or the latest (or `step`) checkpoint of a training
+    workdir and write a video of `prompts`; `text_encoder` (pkg.module:make) encodes them for a model
+    trained on precomputed text embeddings."""
+    from dsv_jax.export import load_for_sampling
 
-    cfg, graphdef, params, controller, _ = load_trained(workdir, step)
+    cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step)
+    encoder = load_text_encoder(cfg, text_encoder, hint)
     return sample_from_state(cfg, graphdef, params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                             also_mp4=True, controller_state=controller)
+                             also_mp4=True, controller_state=controller, text_encoder=encoder)

@@ -54,7 +54,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import traceback  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -72,6 +71,7 @@ from dsv_jax.dsv.controller import DSVController, shape_key  # noqa: E402
 from dsv_jax.dsv.plan import AttentionPlan  # noqa: E402
 from dsv_jax.dsv.predictor import LowRankPredictor, predictor_loss, sample_positions, true_logits  # noqa: E402
 from dsv_jax.dsv.selection import head_counts, select_kv, window_selection  # noqa: E402
+from dsv_jax.model.flops import train_step_flops  # noqa: E402
 from dsv_jax.model.tokens import grid_shape, token_layout  # noqa: E402
 from dsv_jax.parallel.mesh import make_mesh, state_shardings  # noqa: E402
 from dsv_jax.train.compiles import CompileCounter  # noqa: E402
@@ -119,13 +119,12 @@ PRIORITY = {
 GOALS = {"dsv_vs_full_64k": 3.5, "dsv_vs_window_64k": 1.5, "fused_adaln_16k": 1.05, "compiles_after_warmup": 0}
 CHECK_TOL = {"loss": 2e-2, "output": 5e-2}  # bf16 through 32 blocks
 FLOPS_FORMULA = (
-    "B=1, S video tokens, L blocks, C hidden, F MLP width, H heads x D, L_t text tokens, P patch dim. "
-    "linear = 2 B L (S (6 C^2 + 2 C F) + L_t 2 C^2) + 2 B S 2 P C  [q,k,v,out + cross q,out; MLP; cross k,v on "
-    "text; patch embed + final proj]; attention = 4 B L S^2 C [q k^T, p v]; cross = 4 B L S L_t C. "
-    "model (dense-equivalent) = 3 (linear + attention + cross). work done = 4 (linear + cross) [fwd, remat fwd, "
-    "2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; kept = mean selected KV blocks / all] "
-    "+ DSV: 4 predictor + 2 selection, predictor = 2 B L (S C 2 H r + Q S H (r + D)) [W_Q^lr, W_K^lr; "
-    "predicted and true logits of Q sampled queries], selection = 2 B L H (S / q_tile)(S / kv_block) r. "
+    "dsv_jax.model.flops (its docstring has the whole count), B=1: matmuls of the forward at 2 FLOPs per "
+    "multiply-add: linear layers (blocks, embed, head, conditioning, text), video attention 4 B L S^2 C x kept, "
+    "cross attention 4 B L S L_t C, DSV predictor 2 B L (S C 2 H r + Q S H (r + D)) and selection "
+    "2 B L H (S / q_tile)(S / kv_block) r. model (dense-equivalent) = 3 x the dense forward without DSV. "
+    "work done = 4 (linear + cross) [fwd, remat fwd, 2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; "
+    "kept = mean selected KV blocks / all] + DSV: 4 predictor + 2 selection. "
     "MFU = FLOPs / step time / 989.4 TFLOP/s (H200 dense bf16 peak).")
 
 
@@ -140,26 +139,11 @@ def error_text(e: BaseException) -> str:
 
 # -- FLOPs ----------------------------------------------------------------------------------------------
 
-def step_flops(cfg, layout, kept: float = 1.0, dsv: bool = False) -> dict[str, float]:
-    """FLOPs of one train step on one sample of `layout` (see FLOPS_FORMULA)."""
-    m, s, lt = cfg.model, layout.seq_len, cfg.text.max_len
-    c, depth, h, d = m.hidden, m.depth, m.heads, m.head_dim
-    f = int(round(c * m.mlp_ratio))
-    linear = 2 * depth * (s * (6 * c * c + 2 * c * f) + lt * 2 * c * c) + 2 * s * 2 * m.patch_dim * c
-    attn = 4 * depth * s * s * c
-    cross = 4 * depth * s * lt * c
-    out = {"linear_fwd": linear, "attention_fwd": attn, "cross_fwd": cross,
-           "model": 3 * (linear + attn + cross), "attention_work": 4.5 * kept * attn}
-    work = 4 * (linear + cross) + out["attention_work"]
-    if dsv:
-        r = cfg.dsv.rank
-        q = len(sample_positions(s, cfg.dsv.query_stride, cfg.dsv.max_queries))
-        kv_block = cfg.dsv.kv_block or layout.tile_size
-        out["predictor_fwd"] = 2 * depth * (s * c * 2 * h * r + q * s * h * (r + d))
-        out["selection_fwd"] = 2 * depth * h * (s // layout.tile_size) * (s // kv_block) * r
-        work += 4 * out["predictor_fwd"] + 2 * out["selection_fwd"]
-    out["work"] = work
-    return out
+def step_flops(cfg, shape, kept: float = 1.0, dsv: bool = False) -> dict[str, float]:
+    """FLOPs of one train step on one sample of latent `shape` (the library's count, see FLOPS_FORMULA)."""
+    f = train_step_flops(cfg, shape, 1, kept=kept, predictor=dsv, selection=dsv)
+    remat = 1.0 if cfg.model.remat else 0.0
+    return {"model": f["dense_equiv"], "work": f["work"], "attention_work": (3.5 + remat) * f["forward_video_attention"]}
 
 
 # -- the variants' attention --------------------------------------------------------------------------
@@ -295,7 +279,7 @@ class Bench:
     # -- estimates (budget guard) -----------------------------------------------------------------------
     def est_step(self, e, raw: bool = False) -> float:
         s = self.attention_setup(e["length"], e["attention"])
-        f = step_flops(self.cfg, self.layout(e["length"]), s["kept"], s["mode"] == "dsv")
+        f = step_flops(self.cfg, self.setup["lengths"][e["length"]], s["kept"], s["mode"] == "dsv")
         dense, cudnn, sparse = self.setup["rates"]
         t = (f["work"] - f["attention_work"]) / dense + f["attention_work"] / (cudnn if s["mode"] == "full" else sparse)
         return t if raw else t * (statistics.median(self.calibration) if self.calibration else 1.0)
@@ -672,8 +656,7 @@ class Bench:
     def derive(self, e) -> None:
         """Throughput, MFU, attention share and split of a measured variant (from its components)."""
         st = self.attention_setup(e["length"], e["attention"])
-        layout = self.layout(e["length"])
-        f = step_flops(self.cfg, layout, st["kept"], st["mode"] == "dsv")
+        f = step_flops(self.cfg, self.setup["lengths"][e["length"]], st["kept"], st["mode"] == "dsv")
         step = e["step_ms"]["median"] / 1e3
         e["flops"] = {"model": f["model"], "work": f["work"]}
         e["tokens_per_s"] = e["tokens"] / step

@@ -70,7 +70,19 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     (["train", "--config", "huge"], "unknown preset 'huge'"),
     (["train", "--config", "tiny", "model.nope=1"], "valid keys"),
     (["sample", "--workdir", "/nonexistent/run", "--out", "x.gif"], "no checkpoint"),
+    (["train", "--config", "nowhere/run.yaml"], "config file 'nowhere/run.yaml' does not exist"),
 ])
 def test_errors_are_clear(args, needle):
     r = run_cli(*args, timeout=120)
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
+
+
+def test_presets_show_prints_a_loadable_yaml(tmp_path):
+    from dsv_jax.config import get_config, load_config
+
+    r = run_cli("presets", "--show", "2.7b-mmdit", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    path = tmp_path / "run.yaml"
+    path.write_text(r.stdout)
+    assert r.stdout.startswith("name: 2.7b-mmdit\n")
+    assert load_config(str(path)) == get_config("2.7b-mmdit")

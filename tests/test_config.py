@@ -1,8 +1,11 @@
+import dataclasses
+import os
+
 import jax
 import pytest
 from flax import nnx
 
-from dsv_jax.config import PRESETS, Config, ConfigError, architecture_diff, get_config
+from dsv_jax.config import PRESETS, Config, ConfigError, architecture_diff, config_yaml, get_config, load_config
 from dsv_jax.model import VideoDiT
 
 PAPER = {"0.8b": (0.8e9, 28, 12, 96), "2.7b": (2.7e9, 32, 16, 128), "30b": (30e9, 42, 24, 256)}
@@ -66,3 +69,80 @@ def test_roundtrip_and_architecture_diff():
     assert Config.from_dict(cfg.to_dict()) == cfg
     other = get_config("tiny", ["model.depth=5", "model.dtype=float32", "train.lr=1"])
     assert architecture_diff(cfg, other) == [("model.depth", 3, 5)]
+
+
+# -- config files (load_config) -----------------------------------------------------------------------
+
+def test_yaml_file_extends_its_named_preset_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: tiny-mmdit\nattention: window\nmodel:\n  depth: 3\n  patch: [1, 2, 2]\n"
+                    "train:\n  lr: 1e-4\n  steps: 7\n")
+    cfg = load_config(str(path), ["model.depth=5", "train.steps=9"])
+    preset = get_config("tiny-mmdit")
+    assert cfg.name == "tiny-mmdit" and cfg.model.arch == "mmdit" and cfg.model.adaln == "single"  # from the preset
+    assert cfg.attention == "window" and cfg.train.lr == 1e-4 and cfg.model.patch == (1, 2, 2)  # from the file
+    assert cfg.model.depth == 5 and cfg.train.steps == 9  # the overrides win over the file
+    assert cfg.model.hidden == preset.model.hidden and cfg.dsv == preset.dsv
+
+
+def test_file_without_name_extends_tiny_and_says_so(tmp_path, caplog):
+    path = tmp_path / "x.yml"
+    path.write_text("model:\n  depth: 2\n")
+    with caplog.at_level("INFO", logger="dsv_jax.config"):
+        cfg = load_config(str(path))
+    assert cfg == get_config("tiny", ["model.depth=2"])
+    assert "extending the tiny preset" in caplog.text and "x.yml" in caplog.text
+
+
+def test_a_runs_config_json_and_a_shown_preset_load_back_identically(tmp_path):
+    cfg = get_config("tiny-mmdit", ["model.depth=3", "train.lr=1e-05", "data.buckets=[[1,16,16],[4,16,24]]",
+                                    "data.bucket_weights=[1,2]", "attention=dsv", "dsv.ladder=[0.1,1.0]"])
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())  # what the trainer writes
+    assert load_config(str(path)) == cfg
+    assert load_config(str(path), ["train.steps=11"]) == dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, steps=11))
+    for name in ("tiny", "2.7b-mmdit"):
+        shown = tmp_path / f"{name}.yaml"
+        shown.write_text(config_yaml(get_config(name)))
+        assert load_config(str(shown)) == get_config(name)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model:\n  depthh: 3\n", r"(?s)bad\.yaml: model\.depthh: .*valid keys: .*model\.depth"),
+    ("model:\n  depth: abc\n", r"bad\.yaml: model\.depth: .*'abc'"),
+    ("model:\n  heads: 5\n", r"bad\.yaml.*divisible"),
+    ("name: huge\n", r"bad\.yaml: name='huge' must name the preset"),
+    ("model: [1\n  x: : y", r"bad\.yaml' is not valid YAML.*line"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+])
+def test_config_file_errors_name_the_file(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load_config(str(path))
+
+
+def test_missing_file_and_unknown_preset():
+    with pytest.raises(ConfigError, match="config file 'nope/run.yaml' does not exist"):
+        load_config("nope/run.yaml")
+    with pytest.raises(ConfigError, match="unknown preset 'huge'.*or a config file"):
+        load_config("huge")
+
+
+def test_readme_preset_table_is_what_the_model_code_counts():
+    from dsv_jax.cli import preset_table
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    lines = [line for line in open(readme, encoding="utf-8") if line.startswith("| preset |") or
+             line.startswith("| `")]
+    header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
+    shown = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(header) and cells[0].strip("`") in PRESETS:
+            shown[cells[0].strip("`")] = dict(zip(header, cells))
+    names = [n for n in PRESETS if not n.endswith("-dit")]
+    assert sorted(shown) == sorted(names)
+    for row in preset_table(names):
+        assert shown[row["preset"]] == {**row, "preset": f"`{row['preset']}`"}

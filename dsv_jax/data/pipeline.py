@@ -183,7 +183,11 @@ def _mark_flags_parsed() -> None:
 
 
 class GrainFeed:
-    """The feed of a prepared dataset: the same interface as SyntheticFeed (see data/feed.py)."""
+    """The feed of a prepared dataset: the same interface as SyntheticFeed (see data/feed.py).
+
+    split="eval" reads the dataset's held-out split (prepare-data --eval-fraction) where it has one
+    (`heldout` is then True); without one, the training records (fixed batches from the first records
+    of each bucket), which the trainer's metrics name as such."""
 
     def __init__(self, cfg: Config, *, batch_multiple: int = 1, process_index: int = 0, process_count: int = 1,
                  split: str = "train", with_ids: bool = False):
@@ -192,14 +196,22 @@ class GrainFeed:
         check_dataset(cfg, self.manifest)
         self.process_index, self.process_count = process_index, process_count
         self.rule = batch_rule(cfg.data, multiple=max(batch_multiple, process_count))
-        self.shapes = self.manifest.shapes
+        self.heldout = split == "eval" and self.manifest.has_eval
+        self.split = "eval" if self.heldout else "train"  # which records this feed reads
+        self.shapes = self.manifest.eval_shapes if self.heldout else self.manifest.shapes
         self._bucket_index = {tuple(b["shape"]): k for k, b in enumerate(self.manifest.buckets)}
-        self.record_buckets = self.manifest.record_buckets()
+        self.record_buckets = self.manifest.record_buckets(self.split)
         self.seed = (cfg.data.seed + (0 if split == "train" else 1_000_003)) % 2 ** 32
         self.workers = cfg.data.workers
-        self.reader = ReadSamples(self.manifest.shard_paths(), cfg.text.encoder, cfg.text.max_len,
+        self.reader = ReadSamples(self.manifest.shard_paths(self.split), cfg.text.encoder, cfg.text.max_len,
                                   cfg.text.hash_buckets, with_ids)
         self._it = None
+        if split == "eval" and not self.heldout:
+            log.warning("evaluating on training records: the dataset at %s has no held-out split (prepare it with "
+                        "--eval-fraction F); its losses are logged as train_records_loss", self.manifest.directory)
+        if self.heldout and len(self.shapes) < len(self.manifest.shapes):
+            log.info("the held-out split has no samples of bucket(s) %s: they are not evaluated",
+                     sorted(set(self.manifest.shapes) - set(self.shapes)))
         if split == "train":
             log.info("data: %d samples in %d buckets from %s; batching %s", self.manifest.records, len(self.shapes),
                      self.manifest.directory, self.rule.describe())
@@ -222,7 +234,8 @@ class GrainFeed:
     def dataset(self) -> grain.IterDataset:
         ds = grain.MapDataset.range(len(self.record_buckets)).shuffle(seed=self.seed).repeat()
         ds = ds.map(KeyByBucket(self.record_buckets)).to_iter_dataset()
-        ds = BucketBatcher(ds, self.batch_sizes(), [b["count"] for b in self.manifest.buckets])
+        ds = BucketBatcher(ds, self.batch_sizes(),
+                           [b["count" if self.split == "train" else "eval_count"] for b in self.manifest.buckets])
         ds = ds.map(HostRows(self.process_index, self.process_count)).map(self.reader)
         if self.workers > 0:
             _mark_flags_parsed()

@@ -14,6 +14,9 @@
 4. Encode in the main process with the codec (default: pixel patches, see data/codec.py; or your VAE,
    --codec pkg.module:fn) and, optionally, a text encoder (--text-encoder pkg.module:fn, returning
    fn(captions) -> (embeddings [N, L, D], mask [N, L])); write one ArrayRecord shard series per bucket.
+5. With --eval-fraction F, hold out whole files: the round(F x files) files whose path hashes lowest
+   (sha256, so the split depends on the names only: the same on every run and machine) go to a
+   separate held-out shard series (`eval_shards` in the manifest), never to training.
 
 A file that cannot be read is reported by name, counted, and skipped (--strict: stop at once). Shards
 are written under a temporary name and renamed when complete; a failed run removes what it wrote,
@@ -23,6 +26,7 @@ and manifest.json (written last, atomically) marks a complete dataset.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
 import math
@@ -250,8 +254,8 @@ def read_clip(task: ReadTask) -> ReadResult:
 class ShardWriter:
     """One bucket's shard series; each shard is written as NAME.partial and renamed when complete."""
 
-    def __init__(self, directory: str, bucket: int, shard_size: int):
-        self.directory, self.bucket, self.shard_size = directory, bucket, shard_size
+    def __init__(self, directory: str, bucket: int, shard_size: int, prefix: str = "b"):
+        self.directory, self.bucket, self.shard_size, self.prefix = directory, bucket, shard_size, prefix
         self.done: list[dict] = []
         self._writer, self._count, self._name = None, 0, None
 
@@ -259,7 +263,7 @@ class ShardWriter:
         from array_record.python.array_record_module import ArrayRecordWriter
 
         if self._writer is None:
-            self._name = f"b{self.bucket:02d}-{len(self.done):05d}.array_record"
+            self._name = f"{self.prefix}{self.bucket:02d}-{len(self.done):05d}.array_record"
             self._writer = ArrayRecordWriter(self._partial(), "group_size:1")
             self._count = 0
         self._writer.write(record)
@@ -304,10 +308,17 @@ class PrepareReport:
     skipped: list[dict] = field(default_factory=list)
     uncaptioned: int = 0
     seconds: float = 0.0
+    eval_per_bucket: dict[str, int] = field(default_factory=dict)  # the held-out split (--eval-fraction)
+
+    @property
+    def eval_records(self) -> int:
+        return sum(self.eval_per_bucket.values())
 
     def summary(self) -> str:
-        lines = [f"wrote {self.records} samples in {self.seconds:.1f} s to {os.path.dirname(self.manifest)}"]
-        lines += [f"  bucket {k}: {n}" for k, n in self.per_bucket.items()]
+        held = f" (+ {self.eval_records} held out for evaluation)" if self.eval_per_bucket else ""
+        lines = [f"wrote {self.records} samples{held} in {self.seconds:.1f} s to {os.path.dirname(self.manifest)}"]
+        lines += [f"  bucket {k}: {n}" + (f" (+ {self.eval_per_bucket[k]} held out)" if self.eval_per_bucket else "")
+                  for k, n in self.per_bucket.items()]
         if self.failed:
             lines.append(f"{len(self.failed)} file(s) could not be read:")
             lines += [f"  {f['file']}: {f['error']}" for f in self.failed]
@@ -321,7 +332,7 @@ class PrepareReport:
 
 def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2x2", captions: str | None = None,
             text_encoder: str | None = None, workers: int | None = None, shard_size: int = 1000,
-            frame_stride: int = 1, strict: bool = False, overwrite: bool = False,
+            frame_stride: int = 1, strict: bool = False, overwrite: bool = False, eval_fraction: float = 0.0,
             progress: bool = True) -> PrepareReport:
     """Prepare a dataset (see the module doc). Every argument is checked before any file is read."""
     t0 = time.perf_counter()
@@ -334,6 +345,8 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     table = load_captions(captions) if captions else {}
     if shard_size < 1 or frame_stride < 1:
         raise ValueError(f"--shard-size ({shard_size}) and --frame-stride ({frame_stride}) must be >= 1")
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
     if os.path.exists(os.path.join(output_dir, MANIFEST)) and not overwrite:
         raise FileExistsError(f"--output {output_dir!r} already holds a dataset ({MANIFEST}); "
                               "pass --overwrite to replace it")
@@ -341,6 +354,7 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     if not files:
         raise FileNotFoundError(f"no videos ({' '.join(VIDEO_EXTS)}) or images ({' '.join(IMAGE_EXTS)}) "
                                 f"under {input_dir!r}")
+    held_out = held_out_files(files, eval_fraction)
     # Shards are staged in a private folder and moved into place only when the whole run succeeded:
     # a failed run leaves the output (and any dataset already there) as it was.
     os.makedirs(output_dir, exist_ok=True)
@@ -349,8 +363,9 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     workers = min(len(tasks), workers if workers is not None else max(1, (os.cpu_count() or 2) - 1))
 
     writers = [ShardWriter(staging, k, shard_size) for k in range(len(shapes))]
+    eval_writers = [ShardWriter(staging, k, shard_size, prefix="e") for k in range(len(shapes))]
     failed, skipped, uncaptioned = [], [], 0
-    counts = [0] * len(shapes)
+    counts, eval_counts = [0] * len(shapes), [0] * len(shapes)
     text_spec: dict = {"kind": "caption"}
     pending: list[tuple[ReadResult, str]] = []
 
@@ -382,8 +397,9 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
             arrays = {"latent": latent}
             if emb is not None:
                 arrays.update(text_emb=emb[j].astype(np.float16), text_mask=mask[j])
-            writers[res.bucket].write(pack(arrays, {"caption": cap, "file": res.rel}))
-            counts[res.bucket] += 1
+            held = res.rel in held_out
+            (eval_writers if held else writers)[res.bucket].write(pack(arrays, {"caption": cap, "file": res.rel}))
+            (eval_counts if held else counts)[res.bucket] += 1
         pending.clear()
 
     from tqdm.auto import tqdm
@@ -417,12 +433,16 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
                 flush()
         flush()
         if sum(counts) == 0:
-            raise PrepareError(f"none of the {len(tasks)} file(s) under {input_dir!r} gave a sample "
-                               f"({len(failed)} unreadable, {len(skipped)} fitting no bucket)")
-        for w in writers:
+            what = f"{len(tasks) - len(held_out)} training file(s)" if held_out else f"{len(tasks)} file(s)"
+            raise PrepareError(f"none of the {what} under {input_dir!r} gave a sample ({len(failed)} unreadable, "
+                               f"{len(skipped)} fitting no bucket)")
+        if held_out and sum(eval_counts) == 0:
+            log.warning("none of the %d held-out file(s) gave a sample: the dataset has no held-out split",
+                        len(held_out))
+        for w in writers + eval_writers:
             w.finish()
     except BaseException:
-        for w in writers:
+        for w in writers + eval_writers:
             w.abort()
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -433,21 +453,36 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
 
     if overwrite:
         _remove_dataset(output_dir)
-    for w in writers:
+    for w in writers + eval_writers:
         for shard in w.done:
             os.replace(os.path.join(staging, shard["file"]), os.path.join(output_dir, shard["file"]))
     shutil.rmtree(staging, ignore_errors=True)
 
     manifest = Manifest(
         directory=os.path.abspath(output_dir), codec=the_codec.name, channels=the_codec.channels, text=text_spec,
-        buckets=[{"shape": list(s), "pixel_shape": list(p), "count": c}
-                 for s, p, c in zip(shapes, pixel_shapes, counts)],
+        buckets=[{"shape": list(s), "pixel_shape": list(p), "count": c, "eval_count": e}
+                 for s, p, c, e in zip(shapes, pixel_shapes, counts, eval_counts)],
         shards=[s for w in writers for s in w.done], failed=failed, skipped=skipped,
-        extra={"source": os.path.abspath(input_dir), "frame_stride": frame_stride, "uncaptioned": uncaptioned})
+        eval_shards=[s for w in eval_writers for s in w.done],
+        extra={"source": os.path.abspath(input_dir), "frame_stride": frame_stride, "uncaptioned": uncaptioned,
+               "eval_fraction": eval_fraction, "eval_files": len(held_out)})
     path = manifest.write()
-    return PrepareReport(manifest=path, records=sum(counts),
-                         per_bucket={"x".join(map(str, s)): c for s, c in zip(shapes, counts)},
-                         failed=failed, skipped=skipped, uncaptioned=uncaptioned, seconds=time.perf_counter() - t0)
+    names = ["x".join(map(str, s)) for s in shapes]
+    return PrepareReport(manifest=path, records=sum(counts), per_bucket=dict(zip(names, counts)),
+                         failed=failed, skipped=skipped, uncaptioned=uncaptioned, seconds=time.perf_counter() - t0,
+                         eval_per_bucket=dict(zip(names, eval_counts)) if held_out else {})
+
+
+def held_out_files(files: list[str], fraction: float) -> set[str]:
+    """The files of the held-out split: the round(fraction x files) (at least one, never all) whose
+    relative path hashes lowest. Depends only on the names, so it is the same on every run."""
+    if fraction <= 0:
+        return set()
+    if len(files) < 2:
+        raise ValueError(f"--eval-fraction {fraction} needs at least 2 files to split, found {len(files)}")
+    n = min(len(files) - 1, max(1, round(fraction * len(files))))
+    key = lambda rel: hashlib.sha256(rel.replace(os.sep, "/").encode()).hexdigest()  # noqa: E731
+    return set(sorted(files, key=key)[:n])
 
 
 def _remove_dataset(directory: str) -> None:

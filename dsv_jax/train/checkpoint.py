@@ -74,6 +74,19 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return out["state"], out["data"]
 
+    def restore_params(self, step: int, abstract_params) -> Any:
+        """Only the parameters of the train state saved at `step` (no optimizer moments), into
+        `abstract_params` (the model's nnx.State of ShapeDtypeStructs, with shardings or without: then
+        on the default device)."""
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        item = {"params": abstract_params}
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=getattr(a, "sharding", None) or device),
+                                    item)
+        with ocp.PyTreeCheckpointer() as reader:  # the state item alone, read partially
+            out = reader.restore(os.path.join(self.directory, str(step), "state"),
+                                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+        return out["params"]
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -90,7 +103,7 @@ def _all_finite(tree) -> bool:
 def load_trained(workdir: str, step: int | None = None):
     """(config, graphdef, params, DSV controller state or None, step) of a training workdir's latest (or
     `step`) checkpoint, restored on the default device: what sampling and analysis need."""
-    from dsv_jax.train.step import abstract_model, init_state
+    from dsv_jax.train.step import abstract_model
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
     try:
@@ -98,9 +111,9 @@ def load_trained(workdir: str, step: int | None = None):
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
         cfg = Config.from_dict(ckpt.saved_config(step))
-        graphdef, _ = abstract_model(cfg)
-        state, _ = ckpt.restore(step, jax.eval_shape(lambda: init_state(cfg)))
+        graphdef, abstract_params = abstract_model(cfg)
+        params = ckpt.restore_params(step, abstract_params)
         controller = ckpt.controller_state(step)
     finally:
         ckpt.close()
-    return cfg, graphdef, state.params, controller, step
+    return cfg, graphdef, params, controller, step

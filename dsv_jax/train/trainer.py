@@ -31,6 +31,7 @@ from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.metrics import MetricsWriter
+from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
 from dsv_jax.train.step import EVAL_T, TrainState, abstract_model, init_state, make_eval_step, make_train_step
 
@@ -176,6 +177,7 @@ class Trainer:
         if self.mesh.shape["context"] > 1:
             check_context(cfg, self.mesh, self.feed.shapes)
             self.policy = ContextPolicy(self.policy, cfg, self.mesh, self.feed.batch_size)
+        self.step_flops = StepFlops(cfg, self.mesh)
 
         latest = self.checkpointer.latest_step() if resume else None
         if latest is not None:
@@ -255,7 +257,7 @@ class Trainer:
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
-            pending, window_t0, window_tokens = [], time.perf_counter(), 0
+            pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
             try:
                 with StopRequest() as stop:
                     while step < end and not any_process(stop.requested):  # a stop on any host stops all
@@ -274,21 +276,22 @@ class Trainer:
                             host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
                             self._policy_events(writer, step, self.policy.observe(step - 1, shape, host))
                         window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
+                        window_flops = window_flops + self.step_flops(shape, b_global, plans, inputs)
                         pending.append((step, shape, b_global, metrics, extra))
                         if step % cfg.train.log_every == 0 or step == end:
                             jax.block_until_ready(metrics)
                             elapsed = time.perf_counter() - window_t0
-                            for rec in self._records(pending, elapsed, window_tokens):
+                            for rec in self._records(pending, elapsed, window_tokens, window_flops):
                                 writer.write(rec["step"], rec)
                                 records.append(rec)
                             bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
-                            pending, window_t0, window_tokens = [], time.perf_counter(), 0
+                            pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
                         bar.update(1)
                         if step % cfg.train.ckpt_every == 0 and step < end:
                             self.save(prefetch.state)
                         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                             writer.write(step, self.evaluate())
-                    for rec in self._records(pending, time.perf_counter() - window_t0, window_tokens):
+                    for rec in self._records(pending, time.perf_counter() - window_t0, window_tokens, window_flops):
                         writer.write(rec["step"], rec)
                         records.append(rec)
                     self.save(prefetch.state)
@@ -307,11 +310,12 @@ class Trainer:
             log.info(line)
             writer.write(step, {"dsv/event": line})
 
-    def _records(self, pending, elapsed, tokens):
+    def _records(self, pending, elapsed, tokens, flops=0.0):
         if not pending:
             return []
         host = jax.device_get([p[3] for p in pending])
         per_step = elapsed / len(pending)
+        mfu = self.step_flops.metrics(flops, elapsed) if np.ndim(flops) else {}  # over the window, as tokens/s
         out = []
         for (step, shape, b, _, extra), m in zip(pending, host):
             rec = {}
@@ -320,7 +324,7 @@ class Trainer:
                     rec.update(flatten_metric(k, v))
             rec.update(extra)
             rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
-                       tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])))
+                       tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])), **mfu)
             if not m["finite"]:
                 log.warning("step %d: non-finite loss or gradient, update skipped", step)
             if m.get("cp/fallback") is not None and np.any(m["cp/fallback"]):
@@ -337,11 +341,14 @@ class Trainer:
         self.checkpointer.save(step, self.state, data_state, self.cfg, self.policy.state_dict())
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall."""
+        """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall: `eval_loss`,
+        or `train_records_loss` where the data has no held-out split (a prepared dataset without
+        --eval-fraction: the loss is then measured on training records)."""
         cfg = self.cfg
         eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
                               process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
         out, all_losses = {}, []
+        name = "eval_loss" if getattr(eval_feed, "heldout", True) else "train_records_loss"
         for shape in eval_feed.shapes:
             plans, inputs = self.attention_for(shape, train=False)
             if plans not in self._eval_fns:
@@ -350,11 +357,13 @@ class Trainer:
             losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
                                     jax.random.key(i), inputs)) for i in range(cfg.train.eval_batches)]
             mean = np.mean(losses, axis=0)
-            out[f"eval_loss/{'x'.join(map(str, shape))}"] = float(mean.mean())
+            out[f"{name}/{'x'.join(map(str, shape))}"] = float(mean.mean())
             all_losses.append(mean)
+        if not all_losses:  # a held-out split whose samples fall only in buckets not trained on
+            return out
         per_t = np.mean(all_losses, axis=0)
-        out.update({f"eval_loss/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
-        out["eval_loss"] = float(per_t.mean())
+        out.update({f"{name}/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
+        out[name] = float(per_t.mean())
         return out
 
     def close(self) -> None:
@@ -396,15 +405,35 @@ def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None
         records = trainer.run(stop_at=stop_at)
         done = int(trainer.state.step) >= cfg.train.steps
         if (cfg.train.sample_at_end if sample is None else sample) and done:
-            from dsv_jax.sample import sample_from_state
-
-            # every process takes part in the copy; the main process then samples on its own device
-            params = host_copy(trainer.state.params)
-            if trainer.is_main:
-                path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
-                sample_from_state(cfg, trainer.graphdef, params, path, steps=cfg.train.sample_steps,
-                                  guidance=cfg.train.guidance, controller_state=trainer.policy.state_dict())
-                log.info("wrote %s", path)
+            sample_at_end(trainer)
     finally:
         trainer.close()
     return records
+
+
+def sample_at_end(trainer: Trainer) -> str | None:
+    """The end-of-run sample GIF of a finished run, or None: a run that trained successfully never
+    fails here; a model that cannot sample (text.encoder=precomputed: no encoder for the prompts)
+    or a failing sampler is one warning. Every process calls it (the parameters are gathered from all of
+    them); the main process samples on its own device and writes the file."""
+    cfg = trainer.cfg
+    if cfg.text.encoder != "builtin":
+        log.warning("no end-of-run sample: the model takes precomputed text embeddings; sample it with "
+                    "`dsv-jax sample --model %s --text-encoder pkg.module:make`", trainer.workdir)
+        return None
+    from dsv_jax.sample import sample_from_state
+
+    params = host_copy(trainer.state.params)  # a collective: every process takes part
+    if not trainer.is_main:
+        return None
+    path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
+    try:
+        sample_from_state(cfg, trainer.graphdef, params, path, steps=cfg.train.sample_steps,
+                          guidance=cfg.train.guidance, controller_state=trainer.policy.state_dict())
+    except Exception as e:  # the checkpoint is saved: sampling again later is always possible
+        log.warning("no end-of-run sample (%s: %s); the checkpoint is saved, sample it with `dsv-jax sample`",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.debug("end-of-run sampling failed", exc_info=True)
+        return None
+    log.info("wrote %s", path)
+    return path

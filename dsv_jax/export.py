@@ -1,0 +1,221 @@
+"""Export a trained model (parameters only) and load it back for inference.
+
+    dsv-jax export --workdir runs/tiny --out models/tiny [--dtype bf16|fp32] [--checkpoint STEP]
+
+    loaded = dsv_jax.load_model("models/tiny")
+    velocity = loaded(latents, timesteps, text, text_mask)     # with the run's trained attention plans
+    loaded.model, loaded.config, loaded.dsv_state, loaded.attention_for((8, 32, 48))
+
+An export directory holds
+
+    params/       the model's parameters (orbax, a plain nested dict of arrays; no optimizer state)
+    config.json   the run's resolved config (loadable by `--config`, too)
+    dsv.json      the DSV controller state (stage, per-shape sparsity and sparse decisions), DSV runs only
+    export.json   format, step, dtype, parameter count, source workdir, the dataset's text encoder hook,
+                  and per bucket the attention each block runs (dense, or sparse with its keep ceiling)
+
+It is written into a temporary folder beside --out and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FORMAT = "dsv-jax-export/1"
+EXPORT_JSON = "export.json"
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def is_export(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, EXPORT_JSON))
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"--out {out!r} is a file")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f"--out {out!r} is not empty; pass --overwrite to replace it")
+
+
+def text_encoder_hint(cfg) -> str | None:
+    """The text encoder hook (pkg.module:make) a precomputed-embedding dataset was prepared with, or None."""
+    if cfg.text.encoder != "precomputed" or not cfg.data.path:
+        return None
+    try:
+        with open(os.path.join(cfg.data.path, "manifest.json")) as f:
+            return json.load(f).get("text", {}).get("encoder")
+    except (OSError, ValueError, AttributeError):  # the dataset may be gone: the hint is optional
+        return None
+
+
+def plan_summary(cfg, controller_state: dict | None) -> dict[str, list[str]]:
+    """Per bucket shape, what each block's video attention runs at inference."""
+    from dsv_jax.dsv.plan import AttentionPlan
+    from dsv_jax.dsv.policy import make_policy
+
+    out = {}
+    for shape in cfg.data.buckets:
+        plans = make_policy(cfg, controller_state).plans(tuple(shape), train=False)
+        plans = list(plans) if isinstance(plans, (list, tuple)) else [plans] * cfg.model.depth
+        out["x".join(map(str, shape))] = [
+            (f"{p.mode} keep<={p.keep:g}" if p.mode == "dsv" else f"window {p.window:.3g}")
+            if isinstance(p, AttentionPlan) and p.sparse else "dense" for p in plans]
+    return out
+
+
+def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = None, overwrite: bool = False) -> str:
+    """Write the parameters (cast to `dtype`), config and DSV state of a training workdir's latest (or
+    `step`) checkpoint to `out`. Returns `out`."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from flax import nnx
+
+    from dsv_jax.model.flops import parameter_count
+    from dsv_jax.train.checkpoint import load_trained
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
+    _check_out(out, overwrite)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(f"--workdir {workdir!r} has no checkpoints/ (is it a training workdir?)")
+    cfg, _, params, controller, step = load_trained(workdir, step)
+    target = jnp.dtype(DTYPES[dtype])
+    pure = jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        nnx.to_pure_dict(params))
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(os.path.join(staging, "params"), pure)
+            ckpt.wait_until_finished()
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            f.write(cfg.to_json())
+        if controller is not None:
+            with open(os.path.join(staging, "dsv.json"), "w") as f:
+                json.dump(controller, f)
+        meta = {"format": FORMAT, "step": int(step), "dtype": DTYPES[dtype], "parameters": parameter_count(cfg),
+                "source": os.path.abspath(workdir), "text_encoder": text_encoder_hint(cfg),
+                "attention": plan_summary(cfg, controller)}
+        with open(os.path.join(staging, EXPORT_JSON), "w") as f:
+            json.dump(meta, f, indent=1)
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("exported step %d of %s (%d parameters, %s) to %s", step, workdir, meta["parameters"], DTYPES[dtype], out)
+    return out
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A trained model for inference: `model` is the Flax NNX TextToVideo (VideoDiT + the built-in text
+    encoder when the run had one). Calling the LoadedModel runs it with the run's trained attention
+    plans for the latents' shape (DSV stage-2 sparsity, window plans, or the dense backend)."""
+
+    model: Any
+    config: Any
+    step: int
+    dsv_state: dict | None = None
+    info: dict = dataclasses.field(default_factory=dict)  # export.json
+
+    def attention_for(self, shape) -> tuple[Any, Any]:
+        """(attention, attention_inputs) of inference on latent `shape` (T, H, W)."""
+        from dsv_jax.dsv.policy import make_policy
+
+        policy = make_policy(self.config, self.dsv_state)
+        return policy.plans(tuple(shape), train=False), policy.inputs(tuple(shape), train=False)
+
+    def __call__(self, latents, timesteps, text, text_mask):
+        attention, inputs = self.attention_for(latents.shape[1:4])
+        return self.model(latents, timesteps, text, text_mask, attention=attention, attention_inputs=inputs)
+
+    def encode_text(self, batch: dict) -> tuple[Any, Any]:
+        """(embeddings [B, L, D], mask [B, L]) of a batch: {"text_ids", "text_mask"} for the built-in
+        encoder (dsv_jax.data.text.tokenize_batch), {"text_emb", "text_mask"} for precomputed ones."""
+        return self.model.encode_text(batch)
+
+
+def _read_export(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a directory")
+    if not is_export(path):
+        raise FileNotFoundError(f"{path!r} holds no {EXPORT_JSON}: export a training workdir with "
+                                f"`dsv-jax export --workdir RUN --out {path}`")
+    with open(os.path.join(path, EXPORT_JSON)) as f:
+        info = json.load(f)
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{os.path.join(path, EXPORT_JSON)} has format {info.get('format')!r}, expected {FORMAT!r}")
+    return info
+
+
+def load_params(path: str, dtype: str | None = None):
+    """(config, graphdef, params nnx.State, DSV controller state or None, export.json) of an export,
+    the parameters on the default device in `dtype` (default: as exported)."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from dsv_jax.config import Config
+    from dsv_jax.train.step import abstract_model
+
+    info = _read_export(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = Config.from_dict(json.load(f))
+    controller = None
+    if os.path.exists(os.path.join(path, "dsv.json")):
+        with open(os.path.join(path, "dsv.json")) as f:
+            controller = json.load(f)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of bf16, fp32")
+    target = jnp.dtype(DTYPES[dtype or info["dtype"]])
+    graphdef, abstract = abstract_model(cfg)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    pure = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, target if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype, sharding=device),
+        nnx.to_pure_dict(abstract))
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(os.path.join(os.path.abspath(path), "params"), pure)
+    nnx.replace_by_pure_dict(abstract, restored)
+    return cfg, graphdef, abstract, controller, info
+
+
+def load_model(path: str, dtype: str | None = None) -> LoadedModel:
+    """An exported model (`dsv-jax export`), ready to call; `dtype` ("bf16" | "fp32") casts the
+    parameters (default: as exported). See `LoadedModel`."""
+    from flax import nnx
+
+    cfg, graphdef, params, controller, info = load_params(path, dtype)
+    return LoadedModel(model=nnx.merge(graphdef, params), config=cfg, step=int(info["step"]), dsv_state=controller,
+                       info=info)
+
+
+def load_for_sampling(path: str, step: int | None = None):
+    """(config, graphdef, params, DSV controller state, text encoder hint) of an export or a training
+    workdir (its latest or `step` checkpoint): what the sampler needs."""
+    if is_export(path):
+        if step is not None:
+            raise ValueError(f"--checkpoint {step}: {path!r} is an export (of one step); --checkpoint picks a "
+                             "checkpoint of a training workdir")
+        cfg, graphdef, params, controller, info = load_params(path)
+        return cfg, graphdef, params, controller, info.get("text_encoder")
+    from dsv_jax.train.checkpoint import load_trained
+
+    if not os.path.isdir(os.path.join(path, "checkpoints")):  # checked first: orbax would create the folder
+        raise FileNotFoundError(f"{path!r} is neither an exported model (no {EXPORT_JSON}) nor a training workdir "
+                                "(no checkpoints/)")
+    cfg, graphdef, params, controller, _ = load_trained(path, step)
+    return cfg, graphdef, params, controller, text_encoder_hint(cfg)

@@ -1,0 +1,35 @@
+"""MFU of the training loop: the FLOPs of each step (dsv_jax/model/flops.py) over a logging window.
+
+    meter = StepFlops(cfg, mesh)
+    window += meter(shape, global_batch, plans, inputs)     # per step: [dense-equivalent, work] FLOPs
+    record.update(meter.metrics(window, seconds))           # tflops_per_device, mfu/dense_equiv, mfu/work
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsv_jax.config import Config
+from dsv_jax.model.flops import kept_fractions, mfu_metrics, peak_flops, train_step_flops
+
+
+class StepFlops:
+    def __init__(self, cfg: Config, mesh):
+        self.cfg = cfg
+        self.devices = int(mesh.devices.size)
+        device = mesh.devices.flat[0]
+        self.peak = peak_flops(device.device_kind, device.platform)  # None: MFU is left out of the metrics
+        self._cache: dict = {}
+
+    def __call__(self, shape, batch: int, plans, inputs=None) -> np.ndarray:
+        """[dense-equivalent, work] FLOPs of one train step of `batch` samples (all devices together)."""
+        keep = None if inputs is None or "keep" not in inputs else np.asarray(inputs["keep"])
+        key = (tuple(shape), int(batch), plans, None if keep is None else keep.tobytes())
+        if key not in self._cache:
+            kept = kept_fractions(self.cfg, shape, plans, inputs)
+            f = train_step_flops(self.cfg, shape, batch, kept=kept)
+            self._cache[key] = np.array([f["dense_equiv"], f["work"]])
+        return self._cache[key]
+
+    def metrics(self, flops: np.ndarray, seconds: float) -> dict[str, float]:
+        return mfu_metrics(float(flops[0]), float(flops[1]), seconds, self.devices, self.peak)
