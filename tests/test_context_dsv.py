@@ -63,12 +63,12 @@ def test_cli_dsv_on_eight_context_devices_matches_one_device(tmp_path):
     assert info["cp/4x16x32/plan"].split()[0] in ("8x1", "4x2", "2x4", "1x8")
 
 
-def _stage2_state(cfg):
+def _stage2_state(cfg, latent):
     """A controller state with every block sparse at the rung 0.25 on the test bucket."""
     ctl = DSVController(cfg)
     ctl.stage, ctl.switch_step = 2, 0
     depth, heads = cfg.model.depth, cfg.model.heads
-    ctl.shapes["4x16x32"] = {"sparsity": np.full((depth, heads), 0.5).tolist(), "recall_curve": [None] * depth,
+    ctl.shapes["x".join(map(str, latent))] = {"sparsity": np.full((depth, heads), 0.5).tolist(), "recall_curve": [None] * depth,
                              "rungs": [0.25] * depth, "profiles": 1}
     return ctl.state_dict()
 
@@ -84,25 +84,34 @@ def _grads(cfg, mesh, plans, inputs, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("extra", [["parallel.hcp_degree=2"], ["parallel.context_strategy=ring"],
-                                   ["attention=window", "dsv.window=0.5"]], ids=["hybrid-2x4", "ring", "window"])
-def test_gradients_on_eight_context_devices_equal_one_device(extra):
+@pytest.mark.parametrize("extra, latent", [
+    (["parallel.hcp_degree=2"], (4, 16, 32)),
+    (["parallel.context_strategy=ring"], (4, 16, 32)),
+    (["attention=window", "dsv.window=0.5"], (4, 16, 32)),
+    (["model.arch=mmdit", "model.adaln=single"], (4, 16, 32)),  # sparse video part + text merged by lse
+    (["parallel.context_strategy=selective"], (3, 20, 28)),  # token grid 3 x 10 x 14: padded tiles
+], ids=["hybrid-2x4", "ring", "window", "mmdit", "padded-selective"])
+def test_gradients_on_eight_context_devices_equal_one_device(extra, latent):
     """One block (compile time); the CLI test above covers the planner's own choice over two blocks."""
-    cfg8 = small_config(*DSV, "parallel.context=8", "model.depth=1", *extra)
-    cfg1 = small_config(*DSV, "parallel.context=1", "model.depth=1", *extra)
+    shape = list(latent)
+    over = [*DSV, f"data.buckets=[{shape}]", "model.depth=1", *extra]
+    cfg8 = small_config(*over, "parallel.context=8")
+    cfg1 = small_config(*over, "parallel.context=1")
     rng = np.random.default_rng(0)
-    batch = {"latents": jnp.asarray(rng.standard_normal((2, 4, 16, 32, 3)), jnp.float32),
-             "text_ids": jnp.asarray(rng.integers(1, 8, (2, 8)), jnp.int32), "text_mask": jnp.ones((2, 8), bool)}
+    batch = {"latents": jnp.asarray(rng.standard_normal((2, *latent, 3)), jnp.float32),
+             "text_ids": jnp.asarray(rng.integers(1, 8, (2, 8)), jnp.int32),
+             "text_mask": jnp.arange(8)[None] < jnp.array([[5], [8]])}
     params = init_state(cfg1).params
-    state = _stage2_state(cfg1) if cfg1.attention == "dsv" else None
+    state = _stage2_state(cfg1, latent) if cfg1.attention == "dsv" else None
     out = []
     for cfg in (cfg1, cfg8):
         mesh = make_mesh(cfg.parallel)
         policy = make_policy(cfg, state)
         if cfg.parallel.context > 1:
             policy = ContextPolicy(policy, cfg, mesh, lambda shape: 2)
-        inputs = policy.inputs((4, 16, 32), train=False)
-        plans = policy.plans((4, 16, 32), train=True)
+        inputs = policy.inputs(latent, train=False)
+        plans = policy.plans(latent, train=True)
+        assert all(getattr(p, "sparse", False) for p in (plans if isinstance(plans, tuple) else [plans]))
         out.append(_grads(cfg, mesh, plans, inputs, params, batch))
     (l1, g1), (l8, g8) = out
     np.testing.assert_allclose(float(l8), float(l1), rtol=1e-4)

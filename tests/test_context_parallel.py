@@ -436,3 +436,49 @@ def test_cli_trains_with_context_parallelism(tmp_path):
                          seq_len=64, heads=2, head_dim=16, itemsize=4)
     assert ph * ps == 4 and want["total"] > 0
     assert info["cp/4x16x16/bytes_per_layer"] == pytest.approx(want["total"])
+
+
+KV_VALID = jnp.asarray(np.random.default_rng(5).integers(0, KB + 1, (B, NB)).astype(np.int32))  # 0..16 per block
+PADDED_CASES = [("ulysses", None, None), ("ring", None, None), ("allgather", None, None),
+                ("hybrid", (2, 4), "selective")]
+
+
+@pytest.mark.parametrize("strategy, degrees, scp", PADDED_CASES)
+def test_sparse_with_padded_blocks_and_lse_equals_single_device(mesh, inputs, selection, strategy, degrees, scp):
+    """Padded KV blocks (kv_valid, some empty) and the log-sum-exp output, forward and gradients with
+    cotangents for both o and lse: what MMDiT's merge and padded layouts need under every strategy."""
+    q, k, v, cot = inputs
+    idx, cnt = selection
+    lse_cot = jax.random.normal(jax.random.key(9), (B, H, S))
+
+    def run(f):
+        def go(q, k, v):
+            (o, lse), vjp = jax.vjp(f, q, k, v)
+            return (o, jnp.where(jnp.isfinite(lse), lse, 0.0), *vjp((cot, lse_cot)))
+        return jax.jit(go)(q, k, v)
+
+    want = run(lambda q, k, v: sparse_attention_reference(q, k, v, idx, cnt, q_tile=QT, kv_block=KB,
+                                                           kv_valid=KV_VALID, return_lse=True))
+    got = run(lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
+                                                kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB,
+                                                kv_valid=KV_VALID, return_lse=True, q_chunk=16))
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("strategy, degrees, scp", DENSE_CASES[:4])
+def test_dense_with_a_key_mask_and_lse_equals_single_device(mesh, inputs, strategy, degrees, scp):
+    """A key mask that is not a prefix (a padded token layout's keys), with lse, forward and gradients."""
+    q, k, v, cot = inputs
+    mask = jnp.asarray(np.random.default_rng(6).random((B, S)) < 0.8)
+    lse_cot = jax.random.normal(jax.random.key(10), (B, H, S))
+
+    def run(f):
+        def go(q, k, v):
+            (o, lse), vjp = jax.vjp(f, q, k, v)
+            return (o, lse, *vjp((cot, lse_cot)))
+        return jax.jit(go)(q, k, v)
+
+    want = run(lambda q, k, v: attention(q, k, v, backend="xla", kv_mask=mask, return_lse=True))
+    got = run(lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
+                                                kv_mask=mask, return_lse=True, q_chunk=16))
+    assert_close(got, want)

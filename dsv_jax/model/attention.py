@@ -186,9 +186,16 @@ def joint_attention(video, text, ctx, plan, x=None, predictor=None, inputs=None)
     else:
         o_vt, lse_vt = attention(qv, kt, vt, backend=backend, kv_lens=ctx.text_lens, return_lse=True)
     ov = merge_attention(o_vv, lse_vv, o_vt, lse_vt)[0].astype(qv.dtype)
-    k_all, v_all = jnp.concatenate([kv, kt], axis=1), jnp.concatenate([vv, vt], axis=1)
-    ot = attention(qt, k_all, v_all, backend=backend, **_joint_keys(ctx, s, lt))
-    return ov, ot, aux
+    if cp is None:
+        k_all, v_all = jnp.concatenate([kv, kt], axis=1), jnp.concatenate([vv, vt], axis=1)
+        return ov, attention(qt, k_all, v_all, backend=backend, **_joint_keys(ctx, s, lt)), aux
+    # text queries (on every device) over the sharded video keys: one partial result per device, merged
+    # with the text keys' part by log-sum-exp
+    o_t, lse_t = attention(qt, kt, vt, backend=cp.backend, kv_lens=ctx.text_lens, return_lse=True)
+    o_p, lse_p = cp.partial_attention(qt, kv, vv, kv_mask=jnp.asarray(ctx.layout.valid) if ctx.layout.padded else None)
+    for i in range(o_p.shape[0]):
+        o_t, lse_t = merge_attention(o_t, lse_t, o_p[i], lse_p[i])
+    return ov, o_t.astype(qt.dtype), aux
 
 
 def _joint_keys(ctx, s: int, lt: int) -> dict:

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv_jax.parallel import hcp, local, scp
 from dsv_jax.parallel.groups import context_groups
+from pallas_kernels.lowrank_topk import row_flags
 
 log = logging.getLogger("dsv_jax")
 
@@ -105,7 +106,8 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
                       head_perm: Any = "auto", hcp_slots: int | None = None,
                       degrees: tuple[int, int] | None = None, scp: str | None = None,
                       capacity: int | float | None = None, sparsity: Any = None, backend: str = "auto",
-                      impl: str = "auto", q_chunk: int | None = 1024, return_stats: bool = False):
+                      impl: str = "auto", q_chunk: int | None = 1024, kv_valid=None, return_lse: bool = False,
+                      return_stats: bool = False):
     """softmax(q k^T * sm_scale) v with the sequence of q, k, v [B, S, H, D] split over `context`.
 
     mesh: from `dsv_jax.parallel.make_mesh`; batch stays on (data, fsdp), sequence on context.
@@ -124,6 +126,9 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
         the peer's blocks); default: everything (never overflows). Overflow takes the exact all-gather path.
     backend: dense per-device attention backend (the attention entry point); impl: the sparse kernel's.
     q_chunk: query rows per block in the ring's plain-JAX inner attention (bounds its memory).
+    kv_valid: int32 [B, S // kv_block], the valid keys of each KV block (sparse; padded token layouts).
+    return_lse: return (o, lse [B, H, S] fp32, natural log) so partial results merge exactly
+        (`dsv_jax.attention.merge_attention`); differentiable in both.
     return_stats: also return {"requested_blocks", "overflow_blocks", "fallback", "max_head_load",
         "mean_head_load"} as arrays.
     """
@@ -161,6 +166,9 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
     if sparse:
         args["kv_index"], args["kv_count"] = kv_index.astype(jnp.int32), kv_count.astype(jnp.int32)
         specs["kv_index"] = specs["kv_count"] = P(bspec, None, "context")
+        if kv_valid is not None:  # one count per block of the whole sequence, on every device (small)
+            args["kv_valid"] = jnp.broadcast_to(jnp.asarray(kv_valid, jnp.int32), (b, s // kv_block))
+            specs["kv_valid"] = P(bspec)
     head_loads = None
     slots = h // ph if hcp_slots is None else int(hcp_slots)
     if slots != h // ph and not (sparse and ph > 1 and h // ph < slots <= h):
@@ -191,9 +199,9 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
     body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
                              q_tile=q_tile, kv_block=kv_block, capacity=int(capacity), backend=backend, impl=impl,
                              q_chunk=q_chunk, stat_axes=tuple(mesh.axis_names), seq_group=seq_group,
-                             head_group=head_group)
-    out_specs = (P(bspec, "context"), P())
-    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)(args)
+                             head_group=head_group, return_lse=return_lse)
+    o_spec = (P(bspec, "context"), P(bspec, None, "context")) if return_lse else P(bspec, "context")
+    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(o_spec, P()), check_vma=False)(args)
     if scp_strategy == "selective" and ps > 1 and not return_stats:  # else the caller reports it
         jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
     if not return_stats:
@@ -208,12 +216,13 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
 
 
 def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_block: int = 64, block_reduce="mean",
-                     keep=None):
+                     keep=None, kv_valid=None):
     """Block selection of every query tile with q_lr, k_lr [B, S, H, r] sharded over `context`:
     each device all-gathers the low-rank keys (rank r: cheap) and selects for its own query tiles.
     Returns (kv_index [B, H, S // q_tile, K], kv_count) sharded over the tiles, ready for
     context_attention; equal to `dsv_jax.dsv.selection.select_kv` on one device (top_k an int, or one
-    per head; keep: runtime per-head keep ratios [H] or [B, H] with an int top_k, as select_kv)."""
+    per head; keep: runtime per-head keep ratios [H] or [B, H] with an int top_k, as select_kv; kv_valid:
+    int32 [B, S // kv_block] of a padded layout, as select_kv)."""
     n = mesh.shape["context"]
     b, s, h, _ = q_lr.shape
     if k_lr.shape != q_lr.shape or (s // n) % q_tile or s % kv_block:
@@ -222,18 +231,22 @@ def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_bloc
     bspec = _batch_spec(mesh, b)
     top_k = tuple(int(t) for t in top_k) if isinstance(top_k, (tuple, list, np.ndarray)) else int(top_k)
 
-    def body(q_lr, k_lr, keep=None):
-        k_all = jax.lax.all_gather(k_lr, "context", axis=1, tiled=True)
-        return scp.local_selection(q_lr, k_all, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
-                                   keep=keep)
+    def body(a):
+        k_all = jax.lax.all_gather(a["k_lr"], "context", axis=1, tiled=True)
+        row0 = jax.lax.axis_index("context") * a["q_lr"].shape[1]
+        return scp.local_selection(a["q_lr"], k_all, top_k, q_tile=q_tile, kv_block=kv_block,
+                                   block_reduce=block_reduce, keep=a.get("keep"), kv_valid=a.get("kv_valid"),
+                                   row0=row0)
 
     spec_in = P(bspec, "context")
     spec_out = P(bspec, None, "context")
-    args, specs = (q_lr, k_lr), (spec_in, spec_in)
+    args, specs = {"q_lr": q_lr, "k_lr": k_lr}, {"q_lr": spec_in, "k_lr": spec_in}
     if keep is not None:
-        keep = jnp.asarray(keep, jnp.float32)
-        args, specs = args + (keep,), specs + (P(bspec) if keep.ndim == 2 else P(),)
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(spec_out, spec_out), check_vma=False)(*args)
+        args["keep"] = jnp.asarray(keep, jnp.float32)
+        specs["keep"] = P(bspec) if args["keep"].ndim == 2 else P()
+    if kv_valid is not None:
+        args["kv_valid"], specs["kv_valid"] = jnp.asarray(kv_valid, jnp.int32), P(bspec)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(spec_out, spec_out), check_vma=False)(args)
 
 
 def _report_overflow(blocks, fallback):
@@ -290,15 +303,16 @@ def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, in
 
 
 def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
-                      stat_axes, seq_group, head_group):
+                      stat_axes, seq_group, head_group, return_lse=False):
     q, k, v = args["q"], args["k"], args["v"]
     heads = q.shape[2]
     kv_lens, perm = args.get("kv_lens"), args.get("perm")
     kv_mask = args.get("kv_mask")
     if kv_mask is not None:  # the whole sequence's key mask, indexed by group-global key position
         kv_mask = jax.lax.all_gather(kv_mask, "context", axis=1, tiled=True)
-    kv_index, kv_count = args.get("kv_index"), args.get("kv_count")
+    kv_index, kv_count, kv_valid = args.get("kv_index"), args.get("kv_count"), args.get("kv_valid")
     sparse = kv_index is not None
+    lse = None
     stats = {"requested_blocks": jnp.zeros((), jnp.int32), "overflow_blocks": jnp.zeros((), jnp.int32),
              "fallback": jnp.zeros((), jnp.int32)}
 
@@ -312,31 +326,41 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
     if ps == 1:
         if sparse:
             out = local.sparse_local(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                     sm_scale=sm_scale, impl=impl)
+                                     sm_scale=sm_scale, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
         else:
-            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend, kv_mask=kv_mask)
+            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend, kv_mask=kv_mask,
+                                    return_lse=return_lse)
     elif scp_strategy == "allgather":
         out = scp.allgather_attention(q, k, v, axis=seq_group, kv_lens=kv_lens, kv_mask=kv_mask, sm_scale=sm_scale,
-                                      backend=backend,
-                                      kv_index=kv_index, kv_count=kv_count, q_tile=q_tile, kv_block=kv_block,
-                                      impl=impl)
+                                      backend=backend, kv_index=kv_index, kv_count=kv_count, q_tile=q_tile,
+                                      kv_block=kv_block, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
     elif scp_strategy == "ring":
         sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
+        if kv_valid is not None:  # padding keys as a key mask of the group's sequence
+            kv_mask = row_flags(kv_valid, kv_block)
         out = scp.ring_attention(q, k, v, kv_lens, kv_mask, sel, seq_group, sm_scale, q_chunk, q_tile, kv_block)
+        out = out if return_lse else out[0]
     else:
         out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_group, capacity=capacity,
-                                          sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl)
+                                          sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl,
+                                          kv_valid=kv_valid, return_lse=return_lse)
         stats.update(st)
+    if return_lse:
+        out, lse = out
 
     if ph > 1:
         out = hcp.heads_to_seq(out, head_group)
-        if perm is not None:  # each head's slot (real heads occur once; empty slots sort last)
-            out = jnp.take(out, jnp.argsort(perm, stable=True)[:heads], axis=2)
+        order = None if perm is None else jnp.argsort(perm, stable=True)[:heads]
+        if order is not None:  # each head's slot (real heads occur once; empty slots sort last)
+            out = jnp.take(out, order, axis=2)
+        if lse is not None:
+            lse = hcp.heads_to_seq(lse, head_group, head_axis=1, seq_axis=2)
+            lse = lse if order is None else jnp.take(lse, order, axis=1)
     if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)
         stats = {"requested_blocks": jax.lax.psum(stats["requested_blocks"], stat_axes),
                  "overflow_blocks": jax.lax.psum(stats["overflow_blocks"], stat_axes),
                  "fallback": jax.lax.pmax(stats["fallback"], stat_axes)}
-    return out, stats
+    return ((out, lse) if return_lse else out), stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,31 +395,60 @@ class ContextAttention:
                                 backend=self.backend, **{**dict(self.options), **options})
         if not pad:
             return out
-        return (out[0][:, :s], out[1]) if options.get("return_stats") else out[:, :s]
+        stats = options.get("return_stats")
+        result, rest = (out[0], out[1:]) if stats else (out, ())
+        if options.get("return_lse"):
+            result = (result[0][:, :s], result[1][:, :, :s])
+        else:
+            result = result[:, :s]
+        return (result, *rest) if stats else result
 
     @property
     def token_multiple(self) -> int:
         """Token layouts pad their tile count to a multiple of this: every device holds whole tiles."""
         return self.mesh.shape["context"]
 
-    def select_kv(self, q_lr, k_lr, top_k, keep=None, *, q_tile, kv_block, block_reduce="mean"):
+    def select_kv(self, q_lr, k_lr, top_k, keep=None, *, q_tile, kv_block, block_reduce="mean", kv_valid=None):
         """The DSV selection (as `dsv_jax.dsv.selection.select_kv`) computed where the query tiles live."""
         return select_kv_blocks(q_lr, k_lr, top_k, mesh=self.mesh, q_tile=q_tile, kv_block=kv_block,
-                                block_reduce=block_reduce, keep=keep)
+                                block_reduce=block_reduce, keep=keep, kv_valid=kv_valid)
 
-    def cross_attention(self, q, k, v, *, kv_lens=None):
+    def cross_attention(self, q, k, v, *, kv_lens=None, return_lse=False):
         """Queries sharded over `context` attending to keys every device holds (DiT's text tokens): no
         communication, so each device attends with its own queries, inside shard_map: cuDNN's
-        partitioner refuses an operand sharded along the sequence."""
+        partitioner refuses an operand sharded along the sequence. -> o (and lse [B, H, S])."""
         b, s = q.shape[:2]
         if s % self.mesh.shape["context"]:  # uneven split: let XLA partition it
-            return local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=None, backend="xla")
+            return local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=None, backend="xla", return_lse=return_lse)
         bspec = _batch_spec(self.mesh, b)
         lens = jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None else jnp.broadcast_to(
             jnp.asarray(kv_lens, jnp.int32), (b,))
-        body = lambda q, k, v, lens: local.dense_local(q, k, v, kv_lens=lens, sm_scale=None, backend=self.backend)
+        body = lambda q, k, v, lens: local.dense_local(q, k, v, kv_lens=lens, sm_scale=None, backend=self.backend,
+                                                       return_lse=return_lse)
+        out_specs = (P(bspec, "context"), P(bspec, None, "context")) if return_lse else P(bspec, "context")
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(bspec, "context"), P(bspec), P(bspec), P(bspec)),
-                             out_specs=P(bspec, "context"), check_vma=False)(q, k, v, lens)
+                             out_specs=out_specs, check_vma=False)(q, k, v, lens)
+
+    def partial_attention(self, q, k, v, *, kv_mask=None):
+        """Queries every device holds (MMDiT's text tokens) attending to keys sharded over `context`:
+        each device attends to its own keys. -> (o [n, B, Sq, H, D], lse [n, B, H, Sq]): one partial
+        result per context device, to merge by log-sum-exp (`dsv_jax.attention.merge_attention`); no
+        K/V moves, only these small partials."""
+        n = self.mesh.shape["context"]
+        b, sk = k.shape[:2]
+        if sk % n:
+            raise ValueError(f"keys of length {sk} do not split over the {n} context devices")
+        bspec = _batch_spec(self.mesh, b)
+        mask = jnp.ones((b, sk), bool) if kv_mask is None else jnp.broadcast_to(jnp.asarray(kv_mask, bool), (b, sk))
+
+        def body(q, k, v, mask):
+            o, lse = local.dense_local(q, k, v, kv_lens=None, sm_scale=None, backend=self.backend, kv_mask=mask,
+                                       return_lse=True)
+            return o[None], lse[None]
+
+        return jax.shard_map(body, mesh=self.mesh,
+                             in_specs=(P(bspec), P(bspec, "context"), P(bspec, "context"), P(bspec, "context")),
+                             out_specs=(P("context", bspec), P("context", bspec)), check_vma=False)(q, k, v, mask)
 
     def constrain(self, x):
         """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence over context."""

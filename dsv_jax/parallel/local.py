@@ -6,8 +6,9 @@
   side is padded with dummy tiles that attend one block each (spread over distinct blocks so that no
   KV block collects them all in the kernel's dK/dV pass) and whose rows are dropped.
 - `block_lse` / `block_grads`: one (query chunk x key chunk) block in plain JAX returning the
-  log-sum-exp, and its backward given the global log-sum-exp: what the ring merges with an online
-  softmax. Queries are processed `q_chunk` rows at a time, so memory is O(q_chunk x Sk), never [Sq, Sk].
+  log-sum-exp, and its backward given the global log-sum-exp: what the ring merges with
+  `dsv_jax.attention.merge_attention`. Queries are processed `q_chunk` rows at a time, so memory
+  is O(q_chunk x Sk), never [Sq, Sk].
 
 Layout: q, k, v [B, S, H, D]; lse [B, H, S] in float32.
 """
@@ -23,15 +24,17 @@ from pallas_kernels.sparse_attention import sparse_attention
 NEG = -1e30  # log-sum-exp of a row with no visible key: finite, so merges never form inf - inf
 
 
-def dense_local(q, k, v, *, kv_lens, sm_scale, backend="auto", kv_mask=None):
+def dense_local(q, k, v, *, kv_lens, sm_scale, backend="auto", kv_mask=None, return_lse=False):
     masks = {} if kv_mask is None else {"kv_mask": kv_mask}
-    return attention(q, k, v, backend=backend, kv_lens=kv_lens, sm_scale=sm_scale, **masks)
+    return attention(q, k, v, backend=backend, kv_lens=kv_lens, sm_scale=sm_scale, return_lse=return_lse, **masks)
 
 
-def sparse_local(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, impl="auto"):
+def sparse_local(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, impl="auto", kv_valid=None,
+                 return_lse=False):
     """Block-sparse attention of q (the first q.shape[1] rows) against a key buffer k, v that may be longer.
 
-    kv_index [B, H, Sq // q_tile, K] holds block ids of the buffer."""
+    kv_index [B, H, Sq // q_tile, K] holds block ids of the buffer; kv_valid [B, Skv // kv_block] the
+    valid keys of each buffer block (padded layouts). Returns o (and lse [B, H, Sq] with return_lse)."""
     sq, sk = q.shape[1], k.shape[1]
     if sk % q_tile:
         raise ValueError(f"key buffer length {sk} must be a multiple of q_tile={q_tile}")
@@ -44,7 +47,9 @@ def sparse_local(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, imp
         kv_index = jnp.concatenate([kv_index, dummy_idx], axis=2)
         kv_count = jnp.concatenate([kv_count, jnp.ones((b, h, n_dummy), kv_count.dtype)], axis=2)
     out = sparse_attention(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block, sm_scale=sm_scale,
-                           impl=impl)
+                           impl=impl, kv_valid=kv_valid, return_lse=return_lse)
+    if return_lse:
+        return out[0][:, :sq], out[1][:, :, :sq]
     return out[:, :sq]
 
 
@@ -123,12 +128,3 @@ def block_grads(q, k, v, do, lse, delta, mask_fn, *, sm_scale, q_chunk=None):
     (dk, dv), dq = jax.lax.scan(one, (zeros, zeros),
                                 (jnp.arange(q.shape[1] // c), _split_q(q, c), _split_q(do, c), lse_c, delta_c))
     return _merge_q(dq), dk, dv
-
-
-def merge(o_a, lse_a, o_b, lse_b):
-    """Online-softmax merge of two partial results over disjoint key sets."""
-    lse = jnp.logaddexp(lse_a, lse_b)
-    w_a = jnp.exp(lse_a - lse)[..., None]  # [B, H, S, 1]
-    w_b = jnp.exp(lse_b - lse)[..., None]
-    t = lambda w: jnp.swapaxes(w, 1, 2)  # -> [B, S, H, 1]
-    return o_a * t(w_a) + o_b * t(w_b), lse

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dsv_jax.attention import merge_attention
 from dsv_jax.dsv.selection import apply_counts
 from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
@@ -73,6 +74,7 @@ def selection_mask(kv_index, kv_count, n_blocks, *, per_tile=True):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def ring_attention(q, k, v, kv_lens, kv_mask, sel, axis: GroupAxis, sm_scale, q_chunk, q_tile, kv_block):
     """Dense (or selection-masked) attention of the local queries over the whole group's keys.
+    -> (o, lse [B, H, S_local] fp32, -inf for a query that sees no key); differentiable in both.
 
     kv_lens [B] (group-global valid key prefix), kv_mask [B, S_group] (valid keys) and
     sel [B, H, T_local, n_blocks] are optional masks."""
@@ -91,7 +93,7 @@ def _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, k
         src = (me - r) % n
         mask_fn = _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block)
         o_b, lse_b = local.block_lse(q, k_cur, v_cur, mask_fn, sm_scale=sm_scale, q_chunk=q_chunk)
-        o, lse = local.merge(o, lse, o_b, lse_b)
+        o, lse = merge_attention(o, lse, o_b, lse_b)
         return o, lse, k_next, v_next
 
     b, s, h, d = q.shape
@@ -99,14 +101,17 @@ def _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, k
     carry = jax.lax.fori_loop(0, n - 1, step, carry)
     o, lse, _, _ = step(n - 1, carry, send=False)
     out = o.astype(q.dtype)
-    return out, (q, k, v, kv_lens, kv_mask, sel, out, lse)
+    visible = jnp.where(lse > local.NEG / 2, lse, -jnp.inf)
+    return (out, visible), (q, k, v, kv_lens, kv_mask, sel, out, lse)
 
 
-def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, do):
+def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, cotangents):
     q, k, v, kv_lens, kv_mask, sel, o, lse = res
+    do, dlse = cotangents
     me, n = axis.index(), axis.size
     s_chunk = k.shape[1]
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    # d lse_i / d s_ij = p_ij: an lse cotangent shifts the row term (rows without keys have p = 0)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse.astype(jnp.float32)
 
     def step(r, carry, send=True):
         dq, k_cur, v_cur, dk, dv = carry
@@ -135,13 +140,13 @@ def gather_kv(k, v, axis: GroupAxis):
 
 
 def allgather_attention(q, k, v, *, axis, kv_lens, sm_scale, backend="auto", kv_index=None, kv_count=None,
-                        q_tile=64, kv_block=64, impl="auto", kv_mask=None):
+                        q_tile=64, kv_block=64, impl="auto", kv_mask=None, kv_valid=None, return_lse=False):
     k_all, v_all = gather_kv(k, v, axis)
     if kv_index is None:
         return local.dense_local(q, k_all, v_all, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
-                                 kv_mask=kv_mask)
+                                 kv_mask=kv_mask, return_lse=return_lse)
     return local.sparse_local(q, k_all, v_all, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                              sm_scale=sm_scale, impl=impl)
+                              sm_scale=sm_scale, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
 
 
 def _compact(mask, capacity):
@@ -166,10 +171,13 @@ def peer_requests(kv_index, kv_count, *, axis: GroupAxis, nb_loc):
 
 
 def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacity, sm_scale, q_tile=64, kv_block=64,
-                        impl="auto"):
-    """Sparse attention fetching only the selected remote KV blocks. Returns (out, stats).
+                        impl="auto", kv_valid=None, return_lse=False):
+    """Sparse attention fetching only the selected remote KV blocks. Returns (out, stats), out being
+    o or (o, lse [B, H, S_local]) with return_lse.
 
     capacity: KV blocks this device may request from each peer (over all its batch rows and heads).
+    kv_valid: int32 [B, nb] of the group's whole sequence (padded layouts); every device has it, so the
+    valid counts of received blocks need no exchange.
     stats: requested remote blocks, the overflow beyond capacity, and whether this call fell back
     to the all-gather path."""
     b, s_loc, h, d = q.shape
@@ -216,15 +224,24 @@ def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacit
         # 6. Queries of all (batch, head) rows as one sequence of tiles over the buffer.
         idx = jnp.take_along_axis(where, jnp.clip(kv_index, 0, nb - 1).reshape(bh, -1), axis=1)
         idx = idx.reshape(1, 1, -1, kv_index.shape[-1])
+        buf_valid = None
+        if kv_valid is not None:  # valid keys of every buffer block: mine, then each received slot
+            row_batch = jnp.arange(bh) // h
+            own = kv_valid[row_batch[:, None], me * nb_loc + jnp.arange(nb_loc)[None]].reshape(-1)
+            recv = kv_valid[jnp.where(ok, r_row, 0) // h, r_blk] * ok  # [n, C]; empty slots count 0
+            buf_valid = jnp.concatenate([own, recv.reshape(-1), jnp.zeros((pad,), own.dtype)])[None]
         q_flat = jnp.swapaxes(q, 1, 2).reshape(1, bh * s_loc, 1, d)
         out = local.sparse_local(q_flat, k_buf.reshape(1, -1, 1, d), v_buf.reshape(1, -1, 1, d), idx,
                                  kv_count.reshape(1, 1, -1), q_tile=q_tile, kv_block=kv_block, sm_scale=sm_scale,
-                                 impl=impl)
-        return jnp.swapaxes(out.reshape(b, h, s_loc, d), 1, 2)
+                                 impl=impl, kv_valid=buf_valid, return_lse=return_lse)
+        o = out[0] if return_lse else out
+        o = jnp.swapaxes(o.reshape(b, h, s_loc, d), 1, 2)
+        return (o, out[1].reshape(b, h, s_loc)) if return_lse else o
 
     def fallback(q, k, v):
         return allgather_attention(q, k, v, axis=axis, kv_lens=None, sm_scale=sm_scale, kv_index=kv_index,
-                                   kv_count=kv_count, q_tile=q_tile, kv_block=kv_block, impl=impl)
+                                   kv_count=kv_count, q_tile=q_tile, kv_block=kv_block, impl=impl,
+                                   kv_valid=kv_valid, return_lse=return_lse)
 
     out = jax.lax.cond(axis_overflow > 0, fallback, exchange, q, k, v)
     stats = {"requested_blocks": jnp.sum(requested), "overflow_blocks": overflow,
