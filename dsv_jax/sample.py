@@ -91,34 +91,33 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     return path
 
 
-def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequence[str] = DEFAULT_PROMPTS,
-                      shape=None, steps: int = 30, guidance: float = 3.0, seed: int = 0,
-                      also_mp4: bool = False, controller_state: dict | None = None) -> list[str]:
-    """Generate one video per prompt and write them side by side to `path` (and an MP4 beside a GIF
-    when `also_mp4` and a video writer is installed). Returns the paths written. A DSV run samples with
-    the sparse plans of its controller state (stage 2 decisions), a window run with its windows."""
+def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], *,
+                      prompts: Sequence[str] = DEFAULT_PROMPTS, shape=None, steps: int = 30, guidance: float = 3.0,
+                      seed: int = 0, controller_state: dict | None = None) -> list[str]:
+    """Generate one video per prompt and write them side by side to `path` (or to each of several
+    paths, .gif or .mp4: the same videos). Returns the paths written. A DSV run samples with the sparse
+    plans of its controller state (stage 2 decisions), a window run with its windows."""
     from dsv_jax.dsv.controller import attention_for
 
+    paths = [path] if isinstance(path, str) else list(path)
     shape = tuple(shape or default_shape(cfg))
     attention, inputs = attention_for(cfg, shape, controller_state)
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
                        attention=attention, attention_inputs=inputs)
+    if not np.isfinite(latents).all():
+        raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
     frames = decode_latents(latents, cfg.data.codec)
-    written = [save_video(frames, path)]
-    if also_mp4 and path.lower().endswith(".gif"):
-        try:
-            written.append(save_video(frames, os.path.splitext(path)[0] + ".mp4"))
-        except RuntimeError as e:
-            log.info("no MP4 beside the GIF: %s", e)
-    return written
+    return [save_video(frames, p) for p in paths]
 
 
-def sample_from_workdir(workdir: str, out: str, *, prompts: Sequence[str] | None = None, steps: int = 30,
-                        guidance: float | None = None, seed: int = 0, shape=None, step: int | None = None) -> list[str]:
-    """Load the latest (or `step`) checkpoint of a training workdir and write a video of `prompts`."""
+def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequence[str] | None = None,
+                        steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
+                        step: int | None = None) -> list[str]:
+    """Load the newest readable (or `step`) checkpoint of a training workdir and write a video of
+    `prompts` to `out` (one path or several); nothing else is written."""
     from dsv_jax.train.checkpoint import load_trained
 
     cfg, graphdef, params, controller, _ = load_trained(workdir, step)
     return sample_from_state(cfg, graphdef, params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                             also_mp4=True, controller_state=controller)
+                             controller_state=controller)
