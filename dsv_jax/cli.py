@@ -18,7 +18,7 @@ import os
 import sys
 
 from dsv_jax.config import PRESETS, ConfigError, get_config
-from dsv_jax.errors import report
+from dsv_jax.errors import is_disk_full, report
 
 VIDEO_EXTS = (".gif", ".mp4")
 
@@ -193,7 +193,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     overrides = [x for x in extra if "=" in x and not x.startswith("-")]
     unknown = [x for x in extra if x not in overrides or not hasattr(args, "overrides")]
     if unknown:
-        parser.error(f"unrecognized arguments for {args.command}: {' '.join(unknown)}")
+        print(f"dsv-jax {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+              f"(see dsv-jax {args.command} --help)", file=sys.stderr)
+        sys.exit(2)
     if overrides:
         args.overrides = list(args.overrides) + overrides
     return args
@@ -203,7 +205,9 @@ def setup_logging(verbose: bool, debug: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # orbax logs its writer threads' failures with tracebacks; the error we raise says it in a line
-    for noisy, level in (("absl", logging.CRITICAL), ("orbax", logging.CRITICAL), ("jax._src", logging.WARNING)):
+    quiet = {"absl": logging.CRITICAL, "orbax": logging.CRITICAL, "asyncio": logging.CRITICAL,
+             "tensorboardX": logging.ERROR, "jax._src": logging.WARNING}
+    for noisy, level in quiet.items():
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose or debug else level)
 
 
@@ -222,7 +226,11 @@ def main(argv=None) -> int:
         print(f"dsv-jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        return report(args.command, e, workdir=getattr(args, "log_dir", None), debug=debug)
+        code = report(args.command, e, workdir=getattr(args, "log_dir", None), debug=debug)
+        if is_disk_full(e) and not debug:  # writers flushing at exit fail on the same full disk: already said
+            sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        return code
 
 
 if __name__ == "__main__":

@@ -23,17 +23,22 @@ class DiskFull(OSError):
         return self.strerror
 
 
-def is_disk_full(e: BaseException | None) -> bool:
-    """ENOSPC from Python (OSError) or from tensorstore (orbax), which carries the OS code in its text."""
+def disk_full_cause(e: BaseException | None) -> BaseException | None:
+    """The exception in `e`'s chain that reports ENOSPC: an OSError from Python, or a tensorstore
+    (orbax) error that carries the OS code in its text; None when the disk is not full."""
     seen = 0
     while e is not None and seen < 8:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
+            return e
         text = str(e)
         if "No space left on device" in text or "os_error_code='28'" in text:
-            return True
+            return e
         e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
+    return None
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    return disk_full_cause(e) is not None
 
 
 def mib(n: float) -> str:
@@ -57,7 +62,7 @@ def explain(e: BaseException, workdir: str | None = None) -> tuple[str, int, boo
     if isinstance(e, DiskFull):
         return str(e), 1, True
     if is_disk_full(e):
-        where = getattr(e, "filename", None) or workdir or os.getcwd()
+        where = getattr(disk_full_cause(e), "filename", None) or workdir or os.getcwd()
         return f"disk full writing {where} ({free_space(where)} free)", 1, True
     if isinstance(e, OSError) and e.filename and e.strerror:
         return f"{e.strerror}: {e.filename}", 2, True

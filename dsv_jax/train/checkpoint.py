@@ -75,6 +75,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: dict[int, tuple[bool, str] | None] = {}  # saved steps -> verdict, until marked
         self._state_bytes = 0
+        self._last_saved: int | None = None
 
     # -- steps and their marks ----------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -117,16 +118,29 @@ class Checkpointer:
                      config=ocp.args.JsonSave(cfg.to_dict()))
         if controller_state is not None:
             items["dsv"] = ocp.args.JsonSave(controller_state)
+        self._last_saved = step
         with self._disk_errors(step):
             saved = self.manager.save(step, force=True, args=ocp.args.Composite(**items))
         if saved:
             self._pending[step] = None
         return saved
 
+    def _needed_bytes(self) -> tuple[int, bool]:
+        """(bytes a save needs, measured): the newest checkpoint's size on disk plus 10%, or else the raw
+        state size (an upper bound: orbax compresses)."""
+        steps = self.all_steps()
+        if steps:
+            size = _dir_bytes(self.step_dir(steps[-1]))
+            if size:
+                return int(size * 1.1), True
+        return self._state_bytes, False
+
     def _check_space(self, step: int) -> None:
+        """Fail before writing when the last checkpoint's size does not fit (no estimate before the
+        first save: the raw size overstates what orbax writes, and a false alarm would stop a good run)."""
+        needed, measured = self._needed_bytes()
         free = shutil.disk_usage(self.directory).free
-        needed = int(self._state_bytes * 1.05) + 2 ** 20  # arrays plus metadata
-        if free < needed:
+        if measured and free < needed:
             raise DiskFull(f"disk full: checkpoint step {step} needs about {mib(needed)} in {self.directory}, "
                            f"{mib(free)} free")
 
@@ -138,9 +152,11 @@ class Checkpointer:
         except Exception as e:
             if isinstance(e, DiskFull) or not is_disk_full(e):
                 raise
+            step = step if step is not None else self._last_saved
             what = f"checkpoint step {step}" if step is not None else "a checkpoint"
-            raise DiskFull(f"disk full while writing {what} to {self.directory}: about "
-                           f"{mib(self._state_bytes * 1.05 + 2 ** 20)} needed, "
+            needed, measured = self._needed_bytes()
+            size = f"needs about {mib(needed)}" if measured else f"holds {mib(needed)} of arrays (uncompressed)"
+            raise DiskFull(f"disk full while writing {what} to {self.directory}: it {size}, "
                            f"{mib(shutil.disk_usage(self.directory).free)} free") from e
 
     def await_verdict(self, step: int | None) -> None:
@@ -277,6 +293,17 @@ class Checkpointer:
             os.replace(self.step_dir(s), target)
             log.warning("moved checkpoint step %d aside to %s", s, target)
         self.manager.reload()
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:  # removed meanwhile
+                pass
+    return total
 
 
 def _empty(path: str) -> bool:

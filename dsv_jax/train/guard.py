@@ -73,7 +73,7 @@ class DivergenceGuard:
     def error(self, last_good: int | None) -> TrainingDiverged:
         """The exception a run ends with while unhealthy, naming the cause and the checkpoint to go back to."""
         v = self.last
-        where = (f"the last good checkpoint is step {last_good} (dsv-jax train --checkpoint {last_good} with a "
-                 f"lower train.lr resumes from it)") if last_good is not None else "no good checkpoint was saved"
+        where = (f"the last good checkpoint is step {last_good}, where a rerun resumes (lower train.lr first?)"
+                 if last_good is not None else "no good checkpoint was saved")
         what = f"{self.streak} bad step(s) in a row" if self.should_stop else "the last step was bad"
         return TrainingDiverged(f"training stopped at step {v.step}: {what}, last {v.reason}; {where}")

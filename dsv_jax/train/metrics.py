@@ -82,9 +82,13 @@ class MetricsWriter:
                 self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        if self.enabled:
-            self._file.close()
-            self._tb.close()
+        """Idempotent; a failing flush (a full disk) is logged: the run's own error says it already."""
+        if self.enabled and not self._file.closed:
+            for close in (self._file.close, self._tb.close):
+                try:
+                    close()
+                except OSError as e:
+                    log.debug("closing the metrics writers: %s", e)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

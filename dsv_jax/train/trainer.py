@@ -263,7 +263,7 @@ class Trainer:
         cfg = self.cfg
         total = cfg.train.steps
         end = min(total, stop_at) if stop_at is not None else total
-        writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=self.resumed_step)
+        writer = self._writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=self.resumed_step)
         self.guard = guard = DivergenceGuard(cfg.train, history=[
             r["loss"] for r in writer.history if "loss" in r and not r.get("skipped") and not r.get("diverged")])
         records: list[dict[str, Any]] = []
@@ -339,7 +339,7 @@ class Trainer:
         """The guard's verdict on a step, which is also the verdict on a checkpoint saved one step
         earlier. Reading the loss waits for the step: the host never runs ahead of the device, so a
         signal stops the loop at the next step boundary (not after all the steps dispatched ahead)."""
-        loss, finite = jax.device_get((metrics["loss"], metrics["finite"]))
+        loss, finite = jax.device_get(jax.block_until_ready((metrics["loss"], metrics["finite"])))  # every shard
         verdict = self.guard.observe(step, loss, bool(finite))
         self.checkpointer.judge(step - 1, verdict.bad is None, verdict.reason or f"next loss {verdict.loss:.4g}")
         return verdict
@@ -375,7 +375,10 @@ class Trainer:
         if step in self.checkpointer.all_steps():
             return
         if self.guard is not None and not self.guard.healthy:
-            log.warning("not saving step %d: %s", step, self.guard.last.reason)
+            since = self.guard.last.step - self.guard.streak + 1
+            if getattr(self, "_unsaved_since", None) != since:  # once per bad streak
+                self._unsaved_since = since
+                log.warning("not saving step %d: steps are bad since step %d", step, since)
             return
         self.checkpointer.save(step, self.state, data_state, self.cfg,
                                self.controller.state_dict() if self.controller is not None else None)
@@ -403,6 +406,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if getattr(self, "_writer", None) is not None:  # a run that raised left it open
+            self._writer.close()
         self.checkpointer.close()
         if hasattr(self.feed, "close"):  # a Grain feed's prefetch processes
             self.feed.close()
