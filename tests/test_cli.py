@@ -60,7 +60,7 @@ def test_train_then_sample_gif(tmp_path):
     errors = [line for line in r.stderr.splitlines() if "dsv-jax train: error" in line]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert len(r.stderr.strip().splitlines()) <= 3, r.stderr  # the resume line, the error
-    assert len(errors) == 1 and f"needs about" in errors[0] and os.path.join(wd, "checkpoints") in errors[0] \
+    assert len(errors) == 1 and "needs about" in errors[0] and os.path.join(wd, "checkpoints") in errors[0] \
         and "0.1 MiB free" in errors[0], r.stderr
     assert "DiskFull" in open(os.path.join(wd, "error.log")).read()
     assert sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == [3]

@@ -68,7 +68,6 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint in {self.directory} (no such directory)")
-        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_save, create=not read_only,
                                                read_only=read_only,
                                                preservation_policy=KeepLatestAndGood(keep, self.is_good))
@@ -127,7 +126,7 @@ class Checkpointer:
 
     def _needed_bytes(self) -> tuple[int, bool]:
         """(bytes a save needs, measured): the newest checkpoint's size on disk plus 10%, or else the raw
-        state size (an upper bound: orbax compresses)."""
+        state size, which is only a rough guide (orbax compresses, but small sharded arrays cost more)."""
         steps = self.all_steps()
         if steps:
             size = _dir_bytes(self.step_dir(steps[-1]))
@@ -136,8 +135,8 @@ class Checkpointer:
         return self._state_bytes, False
 
     def _check_space(self, step: int) -> None:
-        """Fail before writing when the last checkpoint's size does not fit (no estimate before the
-        first save: the raw size overstates what orbax writes, and a false alarm would stop a good run)."""
+        """Fail before writing when the last checkpoint's size does not fit (not before the first save:
+        without a measured size a false alarm could stop a run that would have fitted)."""
         needed, measured = self._needed_bytes()
         free = shutil.disk_usage(self.directory).free
         if measured and free < needed:
@@ -210,11 +209,13 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(dsv=ocp.args.JsonRestore()))["dsv"]
 
     def saved_config(self, step: int) -> dict[str, Any]:
-        path = os.path.join(self.step_dir(step), "config", "metadata")
         try:
             return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        except ValueError as e:  # an empty or torn JSON file: name it
-            raise CheckpointError(f"{path}: {'empty file' if _empty(path) else f'not valid JSON ({e})'}") from None
+        except ValueError:  # an empty or torn JSON file: name it
+            problem = verify_step_dir(self.step_dir(step))
+            if problem is None:
+                raise
+            raise CheckpointError(problem) from None
 
     def check_compatible(self, step: int, cfg: Config, saved: Config | None = None) -> None:
         saved = saved or Config.from_dict(self.saved_config(step))
@@ -281,17 +282,22 @@ class Checkpointer:
         """Move every step newer than `step` to checkpoints-set-aside/ (a run continuing from an older
         step would otherwise meet them again); nothing is deleted."""
         newer = [s for s in self.all_steps() if step is None or s > step]
-        if not newer or jax.process_index() != 0:
+        if not newer:
             return
-        aside = os.path.join(os.path.dirname(self.directory), SET_ASIDE)
-        os.makedirs(aside, exist_ok=True)
-        for s in newer:
-            target = os.path.join(aside, str(s))
-            n = 1
-            while os.path.exists(target):
-                target, n = os.path.join(aside, f"{s}-{n}"), n + 1
-            os.replace(self.step_dir(s), target)
-            log.warning("moved checkpoint step %d aside to %s", s, target)
+        if jax.process_index() == 0:
+            aside = os.path.join(os.path.dirname(self.directory), SET_ASIDE)
+            os.makedirs(aside, exist_ok=True)
+            for s in newer:
+                target = os.path.join(aside, str(s))
+                n = 1
+                while os.path.exists(target):
+                    target, n = os.path.join(aside, f"{s}-{n}"), n + 1
+                os.replace(self.step_dir(s), target)
+                log.warning("moved checkpoint step %d aside to %s", s, target)
+        if jax.process_count() > 1:  # every host lists the same steps before the next save
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dsv_jax: checkpoints set aside")
         self.manager.reload()
 
 
@@ -304,13 +310,6 @@ def _dir_bytes(path: str) -> int:
             except OSError:  # removed meanwhile
                 pass
     return total
-
-
-def _empty(path: str) -> bool:
-    try:
-        return os.path.getsize(path) == 0
-    except OSError:
-        return False
 
 
 _PATH = re.compile(r'file "([^"]+)"')  # tensorstore: ... local file "PATH": reason
@@ -346,8 +345,8 @@ def describe_failure(step_dir: str, e: BaseException) -> str:
     """One line for a checkpoint step that failed to load: the file, the array where tensorstore names
     one, and the innermost reason (not orbax's tracebacks and tensorstore specs)."""
     found = verify_step_dir(step_dir)
-    if found:
-        return found
+    if found or isinstance(e, CheckpointError):
+        return found or str(e)
     chain, x = [], e
     while x is not None and len(chain) < 8:
         chain.append(x)
