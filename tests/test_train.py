@@ -120,6 +120,9 @@ def test_unwritable_workdir(tmp_path):
         Trainer(small_config(), str(blocker / "run"), progress=False)
 
 
+ONE_BUCKET = ("data.buckets=[[4,16,16]]", "data.bucket_weights=[1]")  # one compile per run
+
+
 def truncate(path, size=None):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2 if size is None else size)
@@ -131,14 +134,15 @@ def test_corrupt_newest_checkpoint_falls_back_and_the_log_follows(tmp_path, capl
     restored step and a line torn by a kill, holds every step once after the resumed run. And the host
     waits for each step before dispatching the next, so SIGTERM meets at most the step running."""
     wd = str(tmp_path)
-    train(small_config("train.steps=4", "train.ckpt_every=2"), wd, progress=False)
+    train(small_config("train.steps=4", "train.ckpt_every=2", *ONE_BUCKET), wd, progress=False)
     for chunk in glob.glob(os.path.join(wd, "checkpoints", "4", "state", "**", "d", "*"), recursive=True):
         truncate(chunk)
     with open(os.path.join(wd, "metrics.jsonl"), "a") as f:
         f.write('{"step": 5, "loss": 0.')  # torn by kill -9
 
     caplog.set_level(logging.INFO, logger="dsv_jax")
-    trainer = Trainer(small_config("train.steps=6", "train.ckpt_every=2", "train.log_every=10"), wd, progress=False)
+    trainer = Trainer(small_config("train.steps=6", "train.ckpt_every=2", "train.log_every=10", *ONE_BUCKET), wd,
+                      progress=False)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith("checkpoint step 4 cannot be read: ") and \
         os.path.join(wd, "checkpoints", "4", "state") in errors[0] and "byte range" in errors[0], errors
@@ -178,9 +182,9 @@ def test_garbage_weights_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path
     naming the last good checkpoint; the checkpoint saved just before (its first loss was bad) is
     rejected, rotation (keep 1) kept the good one, no sample is written, and a rerun resumes from it."""
     wd = str(tmp_path)
-    train(small_config("train.steps=2"), wd, progress=False)
+    train(small_config("train.steps=2", *ONE_BUCKET), wd, progress=False)
     wild = small_config("train.steps=30", "train.lr=1e6", "train.ckpt_every=1", "train.keep_checkpoints=1",
-                        "train.max_bad_steps=3", "train.sample_at_end=true", "train.sample_steps=2")
+                        "train.max_bad_steps=3", "train.sample_at_end=true", "train.sample_steps=2", *ONE_BUCKET)
     with pytest.raises(TrainingDiverged, match=r"training stopped at step 6: 3 bad step\(s\) in a row.*"
                                                r"the last good checkpoint is step 2"):
         train(wild, wd, progress=False)
@@ -188,7 +192,7 @@ def test_garbage_weights_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path
     assert ckpt.all_steps() == [2, 3] and ckpt.is_good(2) and ckpt.validation(3)["status"] == "rejected"
     assert not os.path.exists(os.path.join(wd, "samples"))
     ckpt.close()
-    trainer = Trainer(small_config("train.steps=3"), wd, progress=False)  # restores only
+    trainer = Trainer(small_config("train.steps=3", *ONE_BUCKET), wd, progress=False)  # restores only
     assert int(trainer.state.step) == 2
     assert os.listdir(os.path.join(wd, "checkpoints-set-aside")) == ["3"]
     trainer.close()
