@@ -1,12 +1,17 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
-    dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [key=value ...]
-        [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
-    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--text-encoder pkg.module:fn]
+    dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [--checkpoint STEP]
+        [key=value ...] [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM /
+        OpenMPI: detected)
+    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--checkpoint STEP]
+        [--text-encoder pkg.module:fn]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP]
     dsv-jax presets [--show NAME]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
+
+Options and key=value overrides mix in any order. A failure prints one or two lines; --debug adds
+the traceback (a training run also appends it to WORKDIR/error.log).
 """
 
 from __future__ import annotations
@@ -17,20 +22,24 @@ import os
 import sys
 
 from dsv_jax.config import PRESETS, ConfigError, config_yaml, get_config, load_config
+from dsv_jax.errors import is_disk_full, report
+
+VIDEO_EXTS = (".gif", ".mp4")
 
 
 def _train(args) -> int:
-    from dsv_jax.train.distributed import initialize
-
-    initialize(args.coordinator, args.num_processes, args.process_id)  # several processes: SLURM, OpenMPI, flags
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # every value checked before anything is made
+    from dsv_jax.train.distributed import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id)  # several processes: SLURM, OpenMPI, flags
     workdir = args.workdir or os.path.join("runs", cfg.name)
+    args.log_dir = workdir
     from dsv_jax.train.trainer import train
 
-    records = train(cfg, workdir, progress=not args.no_progress)
+    records = train(cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint)
     if records:
         print(f"trained to step {records[-1]['step']}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
               f" (workdir {workdir})")
@@ -40,9 +49,17 @@ def _train(args) -> int:
 def _sample(args) -> int:
     from dsv_jax.sample import sample_from_workdir
 
-    shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
-    if shape is not None and len(shape) != 3:
-        raise ConfigError(f"--shape {args.shape!r} must be T,H,W")
+    try:
+        shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
+    except ValueError:
+        shape = ()
+    if shape is not None and (len(shape) != 3 or min(shape) < 1):
+        raise ConfigError(f"--shape {args.shape!r} must be three positive sizes T,H,W")
+    for out in args.out:
+        if os.path.splitext(out)[1].lower() not in VIDEO_EXTS:
+            raise ConfigError(f"--out {out!r}: the file name must end in {' or '.join(VIDEO_EXTS)}")
+    if os.path.isdir(args.model):
+        args.log_dir = args.model
     paths = sample_from_workdir(args.model, args.out, prompts=args.prompt or None, steps=args.steps,
                                 guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint,
                                 text_encoder=args.text_encoder)
@@ -140,16 +157,32 @@ CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config
                "it extends (a run's config.json re-runs it)")
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line (argparse prints the whole usage block first)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv-jax", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser = Parser(prog="dsv-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)  # accepted before or after the command
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging (orbax and absl too)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the full traceback of a failure")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (orbax and absl too)")
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train (or resume) a model")
+    p = sub.add_parser("train", help="train (or resume) a model", parents=[common])
     p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--workdir", help="checkpoints, metrics and samples go here (default runs/<config>)")
     p.add_argument("--steps", type=int, help="total training steps (same as train.steps=N)")
+    p.add_argument("--checkpoint", type=int, metavar="STEP",
+                   help="resume from this checkpoint step (default: the newest readable one); newer steps "
+                        "are moved to checkpoints-set-aside/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (SLURM / OpenMPI: detected)")
     p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
@@ -157,33 +190,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.depth=8")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("sample", help="generate videos from an exported model or a training workdir")
+    p = sub.add_parser("sample", help="generate videos from an exported model or a training workdir",
+                       parents=[common])
     p.add_argument("--model", "--workdir", dest="model", required=True, metavar="DIR",
                    help="an exported model (dsv-jax export) or a training workdir")
-    p.add_argument("--out", required=True, help="output .gif or .mp4")
+    p.add_argument("--out", required=True, action="append",
+                   help="output .gif or .mp4 (repeat for both: the same videos in each file)")
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
-    p.add_argument("--checkpoint", type=int, help="checkpoint step of a training workdir (default: latest)")
+    p.add_argument("--checkpoint", type=int, metavar="STEP",
+                   help="checkpoint step of a training workdir (default: the newest readable one)")
     p.add_argument("--text-encoder", help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained "
                                           "on precomputed text embeddings")
     p.set_defaults(fn=_sample)
 
-    p = sub.add_parser("export", help="write a trained model's parameters, config and DSV plans for inference")
+    p = sub.add_parser("export", help="write a trained model's parameters, config and DSV plans for inference",
+                       parents=[common])
     p.add_argument("--workdir", required=True, help="the training workdir")
     p.add_argument("--out", required=True, help="folder to write (load it with dsv_jax.load_model(DIR))")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
-    p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
     p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     p.set_defaults(fn=_export)
 
-    p = sub.add_parser("presets", help="list the config presets with their parameter counts")
+    p = sub.add_parser("presets", help="list the config presets with their parameter counts", parents=[common])
     p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")
     p.set_defaults(fn=_presets)
 
-    p = sub.add_parser("prepare-data", help="videos/images + captions -> ArrayRecord shards for data.path")
+    p = sub.add_parser("prepare-data", help="videos/images + captions -> ArrayRecord shards for data.path",
+                       parents=[common])
     p.add_argument("--input", required=True, help="folder of videos (mp4 webm mov mkv avi gif) and images")
     p.add_argument("--output", required=True, help="dataset folder to write (train with data.path=DIR)")
     p.add_argument("--buckets", default="1x32x32,1x32x48,1x48x32,8x32x32,8x32x48,16x32x48",
@@ -202,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=_prepare_data)
 
-    p = sub.add_parser("fit-cost", help="time train steps over (B, S), fit t = a + b*B*S^p, write the budgets")
+    p = sub.add_parser("fit-cost", help="time train steps over (B, S), fit t = a + b*B*S^p, write the budgets",
+                       parents=[common])
     p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--out", help="JSON to write (default runs/<config>-cost.json)")
     p.add_argument("--data", help="take the shapes from a prepared dataset's manifest")
@@ -219,17 +258,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """argparse takes positionals (the overrides) only in one run, so `a=1 --steps 5 b=2` leaves b=2
+    over: key=value items left over join the overrides, in command-line order."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [x for x in extra if "=" in x and not x.startswith("-")]
+    unknown = [x for x in extra if x not in overrides or not hasattr(args, "overrides")]
+    if unknown:
+        print(f"dsv-jax {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+              f"(see dsv-jax {args.command} --help)", file=sys.stderr)
+        sys.exit(2)
+    if overrides:
+        args.overrides = list(args.overrides) + overrides
+    return args
+
+
+def setup_logging(verbose: bool, debug: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src", "orbax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # orbax logs its writer threads' failures with tracebacks; the error we raise says it in a line
+    quiet = {"absl": logging.CRITICAL, "orbax": logging.CRITICAL, "asyncio": logging.CRITICAL,
+             "tensorboardX": logging.ERROR, "jax._src": logging.WARNING}
+    for noisy, level in quiet.items():
+        logging.getLogger(noisy).setLevel(logging.DEBUG if verbose or debug else level)
+
+
+def main(argv=None) -> int:
+    args = parse_args(build_parser(), argv)
+    debug = getattr(args, "debug", False)
+    setup_logging(getattr(args, "verbose", False), debug)
     try:
-        return args.fn(args)
-    except (ConfigError, PermissionError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"dsv-jax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:  # `dsv-jax presets | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"dsv-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        code = report(args.command, e, workdir=getattr(args, "log_dir", None), debug=debug)
+        if is_disk_full(e) and not debug:  # writers flushing at exit fail on the same full disk: already said
+            sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        return code
 
 
 if __name__ == "__main__":

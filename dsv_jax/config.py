@@ -16,14 +16,17 @@ overrides over the result. A run's `config.json` is such a file, so it re-launch
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import os
+import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +179,23 @@ class TrainConfig:
     sample_at_end: bool = True
     sample_steps: int = 30
     guidance: float = 3.0
+    # Divergence guard (dsv_jax/train/guard.py). A step is bad when its loss or gradient is not finite
+    # (its update is skipped) or its loss is above divergence_factor x the median of the last
+    # divergence_window good losses (0: no loss check; our tiny runs stay below 2x). While the latest
+    # step is bad nothing is saved or sampled; after max_bad_steps bad steps in a row the run stops
+    # with exit status 1 (0: never stops).
+    max_bad_steps: int = 20
+    divergence_factor: float = 10.0
+    divergence_window: int = 100
 
     def __post_init__(self):
         if self.steps < 0:
             raise ConfigError(f"train.steps={self.steps} must be >= 0")
+        if self.max_bad_steps < 0:
+            raise ConfigError(f"train.max_bad_steps={self.max_bad_steps} must be >= 0 (0: never stop)")
+        if self.divergence_factor != 0 and not self.divergence_factor > 1:
+            raise ConfigError(f"train.divergence_factor={self.divergence_factor} must be > 1 (0: off)")
+        _positive("train.divergence_window", self.divergence_window)
         _positive("train.lr", self.lr)
         _positive("train.ckpt_every", self.ckpt_every)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
@@ -284,6 +300,17 @@ class DSVConfig:
             raise ConfigError(f"dsv.window={self.window} must be in (0, 1]")
 
 
+# The attention backends dsv_jax.attention registers (a test keeps the two in sync); a backend
+# registered by your own code is accepted too once its module is imported.
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "dsv", "window")
+
+
+def known_attention_backends() -> tuple[str, ...]:
+    registry = sys.modules.get("dsv_jax.attention.registry")  # never imported from here: config stays jax-free
+    extra = registry.available_backends() if registry is not None else ()
+    return ATTENTION_BACKENDS + tuple(sorted(set(extra) - set(ATTENTION_BACKENDS)))
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "tiny"
@@ -294,6 +321,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dsv: DSVConfig = field(default_factory=DSVConfig)
+
+    def __post_init__(self):
+        _choice("attention", self.attention, known_attention_backends())
 
     @property
     def predictor_rank(self) -> int:
@@ -396,25 +426,91 @@ def _to_config(node: Any) -> Config:
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
+def _field_type(key: str) -> Any:
+    """The annotated type of a dotted config key (e.g. float for train.lr), or None."""
+    cls: Any = Config
+    for part in key.split("."):
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return None
+        cls = hints[part]
+    return cls
+
+
+def _example(tp: Any) -> str:
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        items = [args[0]] * 2 if len(args) == 2 and args[1] is Ellipsis else list(args)
+        return "[" + ",".join(_example(a) for a in items) + "]"
+    return {int: "8", float: "0.5", bool: "true", str: "xla"}.get(tp, "...")
+
+
+def _expected(tp: Any) -> str | None:
+    """What a value of config type `tp` looks like on the command line, e.g. 'a number (e.g. 0.5)'."""
+    if tp in (int, float, bool, str):
+        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
+        return kind if tp is bool else f"{kind} (e.g. {_example(tp)})"
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        size = "" if len(args) == 2 and args[1] is Ellipsis else f" of {len(args)} values"
+        return f"a list{size}, e.g. {_example(tp)}"
+    if dataclasses.is_dataclass(tp):
+        return f"fields of the section, e.g. {tp.__name__.removesuffix('Config').lower()}.FIELD=VALUE"
+    return None
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    """A one-line error with the closest valid keys: the section and the field are matched apart, so
+    that the shared section prefix does not make every field of it look close."""
+    section, _, leaf = key.rpartition(".")
+    sections = sorted({k.rpartition(".")[0] for k in valid if "." in k})
+    if section and section not in sections:  # a mistyped section: trian.lr -> train.lr
+        close = [f"{s}.{leaf}" for s in difflib.get_close_matches(section, sections, n=3, cutoff=0.6)]
+        close = [k for k in close if k in valid]
+    else:
+        fields = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == section]
+        close = [f"{section}.{f}" if section else f for f in difflib.get_close_matches(leaf, fields, n=3, cutoff=0.6)]
+    if not close:  # a field under the wrong section (data.lr -> train.lr)
+        close = [k for k in valid if k.rpartition(".")[2] == leaf][:3]
+    if close:
+        hint = f"did you mean {' or '.join(close)}?"
+    else:
+        tops = sorted({k.split(".")[0] for k in valid})
+        hint = f"top-level keys: {', '.join(tops)} (fields in dsv_jax/config.py)"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
+
+
+def apply_override(node: Any, item: str, valid: list[str]) -> Any:
+    """`node` with one `key=value` override merged, or a one-line ConfigError naming the key, the value
+    and what was expected."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, value = item.split("=", 1)
+    key = key.strip()
+    if key not in valid and not any(k.startswith(key + ".") for k in valid):
+        raise _unknown_key(key, valid)
+    try:
+        return OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
+    except OmegaConfBaseException as e:
+        expected = _expected(_field_type(key))
+        detail = f"expected {expected}" if expected else str(e).splitlines()[0]
+        raise ConfigError(f"{key}={value}: {detail}") from None
+
+
 def get_config(name: str, overrides: Sequence[str] = ()) -> Config:
     """The preset `name` with `key=value` overrides applied, type-checked."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+        close = difflib.get_close_matches(name, list(PRESETS), n=3)
+        raise ConfigError(f"unknown preset {name!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
+                          + f"presets: {', '.join(sorted(PRESETS))}")
     return _apply_overrides(OmegaConf.structured(PRESETS[name]()), overrides)
 
 
 def _apply_overrides(base: Any, overrides: Sequence[str]) -> Config:
+    merged = base
+    valid = _valid_keys(merged)
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-    except ConfigKeyError as e:
-        raise ConfigError(
-            f"{str(e).splitlines()[0]}\nvalid keys: {', '.join(_valid_keys(base))}"
-        ) from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"bad override: {str(e).splitlines()[0]}\nvalid keys: {', '.join(_valid_keys(base))}") from None
+        merged = apply_override(merged, item, valid)
     return _to_config(merged)
 
 
@@ -442,9 +538,13 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
     try:
         merged = OmegaConf.merge(base, OmegaConf.create(fields))
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"{name_or_path}: {f'{key}: ' if key else ''}{str(e).splitlines()[0]}\nvalid keys: "
-                          f"{', '.join(_valid_keys(base))}") from None
+        key = str(getattr(e, "full_key", None) or "")
+        valid = _valid_keys(base)
+        if key and key not in valid and not any(k.startswith(key + ".") for k in valid):
+            raise ConfigError(f"{name_or_path}: {_unknown_key(key, valid)}") from None
+        expected = _expected(_field_type(key)) if key else None
+        detail = f"expected {expected}" if expected else str(e).splitlines()[0]
+        raise ConfigError(f"{name_or_path}: {key + ': ' if key else ''}{detail}") from None
     try:
         _to_config(merged)  # the file alone must make a valid config: its errors name the file
     except ConfigError as e:

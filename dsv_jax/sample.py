@@ -121,40 +121,38 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     return path
 
 
-def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequence[str] = DEFAULT_PROMPTS,
-                      shape=None, steps: int = 30, guidance: float = 3.0, seed: int = 0,
-                      also_mp4: bool = False, controller_state: dict | None = None,
+def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], *,
+                      prompts: Sequence[str] = DEFAULT_PROMPTS, shape=None, steps: int = 30, guidance: float = 3.0,
+                      seed: int = 0, controller_state: dict | None = None,
                       text_encoder: Callable | None = None) -> list[str]:
-    """Generate one video per prompt and write them side by side to `path` (and an MP4 beside a GIF
-    when `also_mp4` and a video writer is installed). Returns the paths written. A DSV run samples with
-    the sparse plans of its controller state (stage 2 decisions), a window run with its windows."""
+    """Generate one video per prompt and write them side by side to `path` (or to each of several
+    paths, .gif or .mp4: the same videos). Returns the paths written. A DSV run samples with the sparse
+    plans of its controller state (stage 2 decisions), a window run with its windows."""
     from dsv_jax.dsv.policy import make_policy
 
+    paths = [path] if isinstance(path, str) else list(path)
     shape = tuple(shape or default_shape(cfg))
     policy = make_policy(cfg, controller_state)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
                        attention=attention, attention_inputs=inputs, text_encoder=text_encoder)
+    if not np.isfinite(latents).all():
+        raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
     frames = decode_latents(latents, cfg.data.codec)
-    written = [save_video(frames, path)]
-    if also_mp4 and path.lower().endswith(".gif"):
-        try:
-            written.append(save_video(frames, os.path.splitext(path)[0] + ".mp4"))
-        except RuntimeError as e:
-            log.info("no MP4 beside the GIF: %s", e)
-    return written
+    return [save_video(frames, p) for p in paths]
 
 
-def sample_from_workdir(workdir: str, out: str, *, prompts: Sequence[str] | None = None, steps: int = 30,
-                        guidance: float | None = None, seed: int = 0, shape=None, step: int | None = None,
-                        text_encoder: str | None = None) -> list[str]:
-    """Load an exported model (`dsv-jax export`) or the latest (or `step`) checkpoint of a training
-    workdir and write a video of `prompts`; `text_encoder` (pkg.module:make) encodes them for a model
-    trained on precomputed text embeddings."""
+def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequence[str] | None = None,
+                        steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
+                        step: int | None = None, text_encoder: str | None = None) -> list[str]:
+    """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
+    training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
+    written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
+    text embeddings."""
     from dsv_jax.export import load_for_sampling
 
     cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step)
     encoder = load_text_encoder(cfg, text_encoder, hint)
     return sample_from_state(cfg, graphdef, params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                             also_mp4=True, controller_state=controller, text_encoder=encoder)
+                             controller_state=controller, text_encoder=encoder)

@@ -35,20 +35,43 @@ def test_overrides_are_typed():
     assert isinstance(cfg.model.patch, tuple)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("model.depthh=3", "depthh"),
-    ("nosuch=1", "nosuch"),
+@pytest.mark.parametrize("override, suggestion", [
+    ("model.depthh=3", "did you mean model.depth?"),
+    ("trian.lr=1", "did you mean train.lr?"),
+    ("data.lr=1", "did you mean train.lr?"),
+    ("nosuch=1", "top-level keys: attention, data, dsv"),
 ])
-def test_unknown_key_lists_valid_keys(override, needle):
+def test_unknown_key_suggests_close_keys_in_one_line(override, suggestion):
     with pytest.raises(ConfigError) as e:
         get_config("tiny", [override])
     msg = str(e.value)
-    assert needle in msg and "valid keys" in msg and "model.depth" in msg and "train.lr" in msg
+    assert f"unknown config key {override.split('=')[0]!r}" in msg and suggestion in msg
+    assert "\n" not in msg and len(msg) < 160 and "model.heads" not in msg  # close matches, not every key
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=abc", "train.lr=abc: expected a number (e.g. 0.5)"),
+    ("model.depth=1.5", "model.depth=1.5: expected an integer (e.g. 8)"),
+    ("train.sample_at_end=maybe", "train.sample_at_end=maybe: expected true or false"),
+    ("model.patch=[1,2]", "model.patch=[1,2]: expected a list of 3 values, e.g. [8,8,8]"),
+    ("attention=bogus", "attention='bogus' is not one of ['auto', 'xla', 'cudnn', 'dsv', 'window']"),
+])
+def test_bad_value_names_the_key_and_expected_type(override, message):
+    with pytest.raises(ConfigError) as e:
+        get_config("tiny", [override])
+    assert str(e.value) == message
+
+
+def test_attention_choices_match_the_registered_backends():
+    from dsv_jax.attention import available_backends
+    from dsv_jax.config import ATTENTION_BACKENDS, known_attention_backends
+
+    assert set(ATTENTION_BACKENDS) == {"auto", *available_backends()} == set(known_attention_backends())
 
 
 @pytest.mark.parametrize("override, needle", [
     ("model.depth=abc", "abc"),
-    ("model.patch=[1,2]", "length"),
+    ("model.patch=[1,2]", "3 values"),
     ("model.arch=transformer", "model.arch"),
     ("model.heads=5", "divisible"),
     ("train.caption_dropout=1.5", "caption_dropout"),

@@ -165,6 +165,26 @@ def test_sparse_equals_single_device(mesh, inputs, selection, sparse_ref, strate
     assert int(stats["fallback"]) == 0 and int(stats["overflow_blocks"]) == 0
 
 
+@pytest.mark.parametrize("strategy, degrees, scp, sparse", [("hybrid", (2, 4), "ring", False),
+                                                            ("allgather", None, None, True)])
+def test_sequence_only_sharding_on_an_explicit_mesh(inputs, selection, dense_ref, sparse_ref, strategy, degrees,
+                                                    scp, sparse):
+    """q, k, v sharded over the sequence alone, P(None, 'context', None, None), on a (1, 1, 8) mesh of
+    Explicit axes (`jax.make_mesh`'s default, where shard_map rejects a layout other than its own):
+    context_attention reshards them and equals single-device attention, gradients included."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((1, 1, 8), ("data", "fsdp", "context"))
+    seq_only = NamedSharding(mesh, P(None, "context", None, None))
+    q, k, v, cot = (jax.device_put(x, seq_only) for x in inputs)
+    idx, cnt = selection if sparse else (None, None)
+    f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
+                                          kv_lens=None if sparse else KV_LENS, kv_index=idx, kv_count=cnt,
+                                          q_tile=QT, kv_block=KB, q_chunk=16)
+    assert_close(jax.jit(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot),
+                 sparse_ref if sparse else dense_ref)
+
+
 def test_selection_from_low_rank_keys_matches_reference(mesh):
     ks = jax.random.split(jax.random.key(11), 2)
     q_lr, k_lr = (jax.random.normal(kk, (B, S, H, 4)) for kk in ks)

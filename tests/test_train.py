@@ -1,4 +1,6 @@
+import glob
 import json
+import logging
 import os
 
 import jax
@@ -7,7 +9,8 @@ import numpy as np
 import pytest
 
 from dsv_jax.model.flops import PEAK_ENV, train_step_flops
-from dsv_jax.train.checkpoint import Checkpointer, IncompatibleCheckpoint
+from dsv_jax.train.checkpoint import Checkpointer, CheckpointError, IncompatibleCheckpoint, load_trained
+from dsv_jax.train.guard import TrainingDiverged
 from dsv_jax.train.metrics import read_metrics
 from dsv_jax.train.trainer import Trainer, train
 from tests.conftest import small_config
@@ -127,3 +130,81 @@ def test_unwritable_workdir(tmp_path):
     blocker.write_text("x")
     with pytest.raises(PermissionError, match="not writable"):
         Trainer(small_config(), str(blocker / "run"), progress=False)
+
+
+ONE_BUCKET = ("data.buckets=[[4,16,16]]", "data.bucket_weights=[1]")  # one compile per run
+
+
+def truncate(path, size=None):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 if size is None else size)
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_the_log_follows(tmp_path, caplog):
+    """A truncated file in the newest checkpoint: one line names it and why, the newest readable step is
+    restored, the unreadable one is moved aside (not deleted). metrics.jsonl, which had records past the
+    restored step and a line torn by a kill, holds every step once after the resumed run. And the host
+    waits for each step before dispatching the next, so SIGTERM meets at most the step running."""
+    wd = str(tmp_path)
+    train(small_config("train.steps=4", "train.ckpt_every=2", *ONE_BUCKET), wd, progress=False)
+    for chunk in glob.glob(os.path.join(wd, "checkpoints", "4", "state", "**", "d", "*"), recursive=True):
+        truncate(chunk)
+    with open(os.path.join(wd, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 5, "loss": 0.')  # torn by kill -9
+
+    caplog.set_level(logging.INFO, logger="dsv_jax")
+    trainer = Trainer(small_config("train.steps=6", "train.ckpt_every=2", "train.log_every=10", *ONE_BUCKET), wd,
+                      progress=False)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("checkpoint step 4 cannot be read: ") and \
+        os.path.join(wd, "checkpoints", "4", "state") in errors[0] and "byte range" in errors[0], errors
+    assert int(trainer.state.step) == 2 and trainer.checkpointer.all_steps() == [2]
+    assert os.path.isdir(os.path.join(wd, "checkpoints-set-aside", "4", "state"))
+
+    compiled, previous = trainer.compiled_step, []
+
+    def checked_step(shape, plans=None):
+        fn = compiled(shape, plans)
+
+        def call(*args):
+            assert all(x.is_ready() for x in jax.tree.leaves(previous)), "dispatched ahead of a running step"
+            out = fn(*args)
+            previous[:] = [out[1]["loss"]]
+            return out
+        return call
+
+    trainer.compiled_step = checked_step
+    trainer.run()
+    trainer.close()
+    steps = [r["step"] for r in read_metrics(wd) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert trainer.checkpointer.all_steps() == [2, 4, 6] and trainer.checkpointer.is_good(4)
+
+    # an empty config/metadata is named; sampling falls back past it, or fails on it when asked for it
+    open(os.path.join(wd, "checkpoints", "6", "config", "metadata"), "w").close()
+    caplog.clear()
+    assert load_trained(wd)[-1] == 4
+    assert any(r.getMessage().endswith("6/config/metadata: empty file") for r in caplog.records)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 6 cannot be read: .*6/config/metadata: empty file"):
+        load_trained(wd, step=6)
+
+
+def test_garbage_weights_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path):
+    """A learning rate far too high: the run stops after train.max_bad_steps bad steps with a message
+    naming the last good checkpoint; the checkpoint saved just before (its first loss was bad) is
+    rejected, rotation (keep 1) kept the good one, no sample is written, and a rerun resumes from it."""
+    wd = str(tmp_path)
+    train(small_config("train.steps=2", *ONE_BUCKET), wd, progress=False)
+    wild = small_config("train.steps=30", "train.lr=1e6", "train.ckpt_every=1", "train.keep_checkpoints=1",
+                        "train.max_bad_steps=3", "train.sample_at_end=true", "train.sample_steps=2", *ONE_BUCKET)
+    with pytest.raises(TrainingDiverged, match=r"training stopped at step 6: 3 bad step\(s\) in a row.*"
+                                               r"the last good checkpoint is step 2"):
+        train(wild, wd, progress=False)
+    ckpt = Checkpointer(os.path.join(wd, "checkpoints"))
+    assert ckpt.all_steps() == [2, 3] and ckpt.is_good(2) and ckpt.validation(3)["status"] == "rejected"
+    assert not os.path.exists(os.path.join(wd, "samples"))
+    ckpt.close()
+    trainer = Trainer(small_config("train.steps=3", *ONE_BUCKET), wd, progress=False)  # restores only
+    assert int(trainer.state.step) == 2
+    assert os.listdir(os.path.join(wd, "checkpoints-set-aside")) == ["3"]
+    trainer.close()

@@ -158,6 +158,37 @@ def iter_frames(path: str) -> Iterable[np.ndarray]:
         yield from iio.imiter(path, plugin="pyav", format="rgb24")
 
 
+def video_problem(path: str) -> str | None:
+    """What FFmpeg says is wrong with a video file (empty, container, stream, codec, a frame that does
+    not decode), or None when it finds nothing. Only called for a file that already failed."""
+    import av
+
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if os.path.getsize(path) == 0:
+        return "empty file (0 bytes)"
+    try:
+        container = av.open(path)
+    except av.error.FFmpegError as e:
+        return (f"cannot open the {ext} container: {e.strerror or e} (the file is corrupt, truncated or "
+                f"not {ext})")
+    with container:
+        if not container.streams.video:
+            kinds = ", ".join(sorted({s.type for s in container.streams})) or "none"
+            return f"the {ext} file holds no video stream (streams: {kinds})"
+        stream = container.streams.video[0]
+        codec = stream.codec_context.name if stream.codec_context is not None else "unknown"
+        good = 0
+        try:
+            for _ in container.decode(stream):
+                good += 1
+        except av.error.FFmpegError as e:
+            return f"the {codec} video stream of the {ext} file does not decode after {good} good frame(s): " \
+                   f"{e.strerror or e}"
+        if not good:
+            return f"the {codec} video stream of the {ext} file has no decodable frame"
+    return None
+
+
 def to_rgb(frame: np.ndarray) -> np.ndarray:
     if frame.ndim == 2:
         frame = np.repeat(frame[..., None], 3, axis=-1)
@@ -245,7 +276,14 @@ def read_clip(task: ReadTask) -> ReadResult:
             raise ValueError(f"the file holds {len(out)} readable frames from frame {start}, {f} needed")
         return ReadResult(task.rel, bucket=k, frames=np.stack(out))
     except Exception as e:  # any failure of a file is that file's failure, reported by name
-        return ReadResult(task.rel, error=f"{type(e).__name__}: {e}".strip().splitlines()[0][:300])
+        problem = None
+        ext = os.path.splitext(task.path)[1].lower()
+        if ext in VIDEO_EXTS and ext != ".gif":  # imageio's "`pyav` can not handle the given uri" says little
+            try:
+                problem = video_problem(task.path)
+            except Exception:  # the diagnosis must not hide the original error
+                problem = None
+        return ReadResult(task.rel, error=problem or f"{type(e).__name__}: {e}".strip().splitlines()[0][:300])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dsv_jax.parallel import hcp, local, scp
 from dsv_jax.parallel.groups import context_groups
@@ -54,6 +54,20 @@ def _batch_spec(mesh: Mesh, batch: int):
     """PartitionSpec entry of the batch dimension: its axes, or None (replicated) when they do not divide it."""
     axes, dp = _batch_axes(mesh)
     return axes if batch % dp == 0 else None
+
+
+def _explicit(mesh: Mesh) -> bool:
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _as_specs(args: dict, specs: dict, mesh: Mesh) -> dict:
+    """`args` laid out as `specs` on `mesh`. On a mesh of Auto axes shard_map moves data itself; on
+    Explicit axes (`jax.make_mesh`'s default) it rejects any other layout, e.g. a sequence-only
+    P(None, 'context') for a batch spec of P(('data', 'fsdp'), 'context'), so the inputs are resharded
+    here (a no-op where they already match)."""
+    if not _explicit(mesh):
+        return args
+    return {name: jax.reshard(x, NamedSharding(mesh, specs[name])) for name, x in args.items()}
 
 
 def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, plan_fn=None):
@@ -201,7 +215,11 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
                              q_chunk=q_chunk, stat_axes=tuple(mesh.axis_names), seq_group=seq_group,
                              head_group=head_group, return_lse=return_lse)
     o_spec = (P(bspec, "context"), P(bspec, None, "context")) if return_lse else P(bspec, "context")
-    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(o_spec, P()), check_vma=False)(args)
+    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(o_spec, P()),
+                               check_vma=False)(_as_specs(args, specs, mesh))
+    if _explicit(mesh):  # the output in the layout q came in (its type under explicit sharding)
+        sharding = jax.typeof(q).sharding
+        out = (jax.reshard(out[0], sharding), out[1]) if return_lse else jax.reshard(out, sharding)
     if scp_strategy == "selective" and ps > 1 and not return_stats:  # else the caller reports it
         jax.debug.callback(_report_overflow, stats["overflow_blocks"], stats["fallback"])
     if not return_stats:

@@ -10,6 +10,7 @@ persistent compilation cache), so the loop never compiles.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import signal
@@ -30,6 +31,7 @@ from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh,
 from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
+from dsv_jax.train.guard import DivergenceGuard, Verdict
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
@@ -154,13 +156,17 @@ def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_s
 
 
 class Trainer:
-    def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True):
+    def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True,
+                 checkpoint: int | None = None):
+        """`checkpoint`: the step to resume from (default: the newest readable one)."""
         cfg = resolve_data_config(cfg)  # a prepared dataset's buckets and codec go into the saved config
         check_same_config(cfg)  # the processes of a multi-host run must agree
         self.cfg, self.workdir, self.progress = cfg, os.path.abspath(workdir), progress
+        self.mesh = make_mesh(cfg.parallel, devices)  # before any folder is made: sizes that do not fit fail here
+        if self.mesh.shape["context"] > 1:
+            check_context(cfg, self.mesh, cfg.data.buckets)
         check_writable(self.workdir)
         enable_compilation_cache()
-        self.mesh = make_mesh(cfg.parallel, devices)
         self.is_main = jax.process_index() == 0
         dp = data_parallel_size(self.mesh)
         self.feed = make_feed(cfg, batch_multiple=dp, process_index=jax.process_index(),
@@ -175,14 +181,18 @@ class Trainer:
         # context axis when the sequence of a sample spans several devices
         self.policy = make_policy(cfg)
         if self.mesh.shape["context"] > 1:
-            check_context(cfg, self.mesh, self.feed.shapes)
             self.policy = ContextPolicy(self.policy, cfg, self.mesh, self.feed.batch_size)
         self.step_flops = StepFlops(cfg, self.mesh)
 
-        latest = self.checkpointer.latest_step() if resume else None
+        latest = None
+        if resume:  # the newest readable step (one line per unreadable one), or the one asked for
+            latest, _, state, data_state = self.checkpointer.restore_readable(self.abstract_state, cfg, step=checkpoint)
+            self.checkpointer.set_aside_after(latest)  # newer steps (unreadable, rejected, or left by --checkpoint)
+            self.checkpointer.await_verdict(latest)  # a step saved last (SIGTERM) is judged by our first loss
+        self.resumed_step = latest
+        self.guard: DivergenceGuard | None = None
         if latest is not None:
-            self.checkpointer.check_compatible(latest, cfg)
-            self.state, data_state = self.checkpointer.restore(latest, self.abstract_state)
+            self.state = state
             self.feed.set_state(data_state)
             saved = self.checkpointer.controller_state(latest)
             if saved is not None:
@@ -245,7 +255,9 @@ class Trainer:
         cfg = self.cfg
         total = cfg.train.steps
         end = min(total, stop_at) if stop_at is not None else total
-        writer = MetricsWriter(self.workdir, enabled=self.is_main)
+        writer = self._writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=self.resumed_step)
+        self.guard = guard = DivergenceGuard(cfg.train, history=[
+            r["loss"] for r in writer.history if "loss" in r and not r.get("skipped") and not r.get("diverged")])
         records: list[dict[str, Any]] = []
         step = self.start_step
         if step >= end:
@@ -260,7 +272,7 @@ class Trainer:
             pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
             try:
                 with StopRequest() as stop:
-                    while step < end and not any_process(stop.requested):  # a stop on any host stops all
+                    while step < end and not any_process(stop.requested) and not guard.should_stop:
                         batch = prefetch.next()
                         shape = batch["latents"].shape[1:4]
                         b_global = batch["latents"].shape[0] * jax.process_count()
@@ -275,10 +287,13 @@ class Trainer:
                         if profile:  # the policy decides on this step's statistics (a host sync)
                             host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
                             self._policy_events(writer, step, self.policy.observe(step - 1, shape, host))
+                        if self._check_step(step, metrics).bad == "diverged":
+                            extra = {**extra, "diverged": 1}
                         window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
                         window_flops = window_flops + self.step_flops(shape, b_global, plans, inputs)
                         pending.append((step, shape, b_global, metrics, extra))
-                        if step % cfg.train.log_every == 0 or step == end:
+                        save_due = step % cfg.train.ckpt_every == 0 and step < end
+                        if step % cfg.train.log_every == 0 or step == end or save_due:  # no checkpoint ahead of the log
                             jax.block_until_ready(metrics)
                             elapsed = time.perf_counter() - window_t0
                             for rec in self._records(pending, elapsed, window_tokens, window_flops):
@@ -287,7 +302,7 @@ class Trainer:
                             bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
                             pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
                         bar.update(1)
-                        if step % cfg.train.ckpt_every == 0 and step < end:
+                        if save_due:
                             self.save(prefetch.state)
                         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                             writer.write(step, self.evaluate())
@@ -299,11 +314,25 @@ class Trainer:
             finally:
                 prefetch.close()
                 bar.close()
-            if not stopped and step == total:
-                writer.write(step, self.evaluate())
+            if not stopped and step == total and guard.healthy:
+                held_out = self.evaluate()
+                writer.write(step, held_out)
+                self.checkpointer.judge(step, math.isfinite(held_out["eval_loss"]),  # the last save's first loss
+                                        f"held-out loss {held_out['eval_loss']:.4g}")
         self.checkpointer.wait()
         writer.close()
+        if not guard.healthy:  # stopped on bad steps, or ended on one: nothing was saved or will be sampled
+            raise guard.error(self.checkpointer.newest_good())
         return records
+
+    def _check_step(self, step: int, metrics) -> Verdict:
+        """The guard's verdict on a step, which is also the verdict on a checkpoint saved one step
+        earlier. Reading the loss waits for the step: the host never runs ahead of the device, so a
+        signal stops the loop at the next step boundary (not after all the steps dispatched ahead)."""
+        loss, finite = jax.device_get(jax.block_until_ready((metrics["loss"], metrics["finite"])))  # every shard
+        verdict = self.guard.observe(step, loss, bool(finite))
+        self.checkpointer.judge(step - 1, verdict.bad is None, verdict.reason or f"next loss {verdict.loss:.4g}")
+        return verdict
 
     def _policy_events(self, writer, step, lines):
         for line in lines:
@@ -338,6 +367,12 @@ class Trainer:
         step = int(self.state.step)
         if step in self.checkpointer.all_steps():
             return
+        if self.guard is not None and not self.guard.healthy:
+            since = self.guard.last.step - self.guard.streak + 1
+            if getattr(self, "_unsaved_since", None) != since:  # once per bad streak
+                self._unsaved_since = since
+                log.warning("not saving step %d: steps are bad since step %d", step, since)
+            return
         self.checkpointer.save(step, self.state, data_state, self.cfg, self.policy.state_dict())
 
     def evaluate(self) -> dict[str, float]:
@@ -367,6 +402,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if getattr(self, "_writer", None) is not None:  # a run that raised left it open
+            self._writer.close()
         self.checkpointer.close()
         if hasattr(self.feed, "close"):  # a Grain feed's prefetch processes
             self.feed.close()
@@ -397,9 +434,10 @@ def flatten_metric(name: str, value) -> dict[str, float]:
 
 
 def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None, progress: bool = True,
-          sample: bool | None = None) -> list[dict[str, Any]]:
-    """Train (resuming from workdir), then write a sample GIF of the trained model if configured."""
-    trainer = Trainer(cfg, workdir, devices=devices, progress=progress)
+          sample: bool | None = None, checkpoint: int | None = None) -> list[dict[str, Any]]:
+    """Train (resuming from workdir, or from its `checkpoint` step), then write a sample GIF of the
+    trained model if configured. Raises TrainingDiverged (no sample) when the guard stops the run."""
+    trainer = Trainer(cfg, workdir, devices=devices, progress=progress, checkpoint=checkpoint)
     cfg = trainer.cfg  # as resolved (a prepared dataset's buckets and codec)
     try:
         records = trainer.run(stop_at=stop_at)
