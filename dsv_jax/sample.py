@@ -25,6 +25,15 @@ DEFAULT_PROMPTS = ("a large red circle moving right", "a small yellow square mov
                    "a large white triangle moving left", "a small cyan ring moving up")
 
 
+def default_prompts(cfg: Config) -> tuple[str, ...]:
+    """Prompts of the embedded dataset the config trains on (photos or shapes)."""
+    if cfg.data.source == "photos":
+        from dsv_jax.data.photos import PROMPTS
+
+        return PROMPTS
+    return DEFAULT_PROMPTS
+
+
 def default_shape(cfg: Config) -> tuple[int, int, int]:
     """The longest bucket of the config (most frames, then most pixels)."""
     return max((tuple(s) for s in cfg.data.buckets), key=lambda s: (s[0], s[1] * s[2]))
@@ -91,7 +100,7 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     return path
 
 
-def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequence[str] = DEFAULT_PROMPTS,
+def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequence[str] | None = None,
                       shape=None, steps: int = 30, guidance: float = 3.0, seed: int = 0,
                       also_mp4: bool = False, controller_state: dict | None = None) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (and an MP4 beside a GIF
@@ -101,8 +110,8 @@ def sample_from_state(cfg: Config, graphdef, params, path: str, *, prompts: Sequ
 
     shape = tuple(shape or default_shape(cfg))
     attention, inputs = attention_for(cfg, shape, controller_state)
-    latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
-                       attention=attention, attention_inputs=inputs)
+    latents = generate(cfg, graphdef, params, prompts or default_prompts(cfg), shape, steps=steps, guidance=guidance,
+                       seed=seed, attention=attention, attention_inputs=inputs)
     frames = decode_latents(latents, cfg.data.codec)
     written = [save_video(frames, path)]
     if also_mp4 and path.lower().endswith(".gif"):
@@ -119,6 +128,6 @@ def sample_from_workdir(workdir: str, out: str, *, prompts: Sequence[str] | None
     from dsv_jax.train.checkpoint import load_trained
 
     cfg, graphdef, params, controller, _ = load_trained(workdir, step)
-    return sample_from_state(cfg, graphdef, params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
+    return sample_from_state(cfg, graphdef, params, out, prompts=prompts, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
                              also_mp4=True, controller_state=controller)
