@@ -2,6 +2,7 @@
 
     dsv-jax train --config NAME [--workdir DIR] [--steps N] [key=value ...]
     dsv-jax sample --workdir DIR --out FILE.gif [--prompt TEXT ...] [--steps N]
+    dsv-jax eval --workdir DIR [--clips N] [--steps N] [--json FILE] [--gif FILE]
     dsv-jax presets
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
@@ -41,6 +42,31 @@ def _sample(args) -> int:
     paths = sample_from_workdir(args.workdir, args.out, prompts=args.prompt or None, steps=args.steps,
                                 guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint)
     print("wrote " + ", ".join(paths))
+    return 0
+
+
+def _eval(args) -> int:
+    import json
+
+    from dsv_jax.evaluate import evaluate_workdir, json_ready, report
+
+    if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
+        raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
+    if args.clips < 0:
+        raise ConfigError(f"--clips {args.clips} must be >= 0")
+    cfg, step, results = evaluate_workdir(args.workdir, step=args.checkpoint, batches=args.batches, clips=args.clips,
+                                          steps=args.steps, guidance=args.guidance, seed=args.seed)
+    print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
+    print("\n".join(report(results)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workdir": args.workdir, "step": step, **json_ready(results)}, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.gif and "semantic" in results:
+        from dsv_jax.data.codec import decode_latents
+        from dsv_jax.sample import save_video
+
+        print(f"wrote {save_video(decode_latents(results['semantic']['frames']), args.gif)}")
     return 0
 
 
@@ -114,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
     p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
     p.set_defaults(fn=_sample)
+
+    p = sub.add_parser("eval", help="held-out loss and semantic score of a trained workdir")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--clips", type=int, default=8,
+                   help="videos generated from held-out captions for the semantic score (0: none)")
+    p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
+    p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--gif", help="also write the generated videos side by side to this .gif or .mp4")
+    p.set_defaults(fn=_eval)
 
     p = sub.add_parser("presets", help="list the config presets")
     p.set_defaults(fn=_presets)

@@ -103,6 +103,22 @@ def test_missing_scikit_image_is_a_clear_error(monkeypatch, small_cfg):
         SyntheticFeed(small_cfg("data.source=photos"))
 
 
+def test_real_clips_are_a_held_out_feed(small_cfg):
+    from dsv_jax.data.real_clips import RealClips
+    from dsv_jax.data.text import START
+
+    cfg = small_cfg("data.source=photos", "data.buckets=[[1,16,16],[4,16,24]]", "data.bucket_weights=[1,1]")
+    clips = RealClips(cfg, lambda shape: 3)
+    assert clips.shapes == [(4, 16, 24)] and len(clips.paths) == 4
+    first = clips.batch_at(0, (4, 16, 24))
+    assert first["latents"].shape == (3, 4, 16, 24, 3) and first["latents"].dtype == np.float32
+    assert -1 <= first["latents"].min() and first["latents"].max() <= 1 and first["latents"].std() > 0.1
+    assert not np.allclose(first["latents"][0], first["latents"][1])  # rows come from different clips
+    assert (first["text_ids"][:, 0] == START).all() and first["text_mask"].sum() == 3  # the empty caption
+    np.testing.assert_array_equal(clips.batch_at(0, (4, 16, 24))["latents"], first["latents"])
+    assert not np.allclose(clips.batch_at(1, (4, 16, 24))["latents"], first["latents"])
+
+
 # -- the semantic score --------------------------------------------------------------------------------
 
 def _clips(source: str, n: int, shape=(8, 32, 32)):

@@ -29,9 +29,10 @@ from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.plan import static_plans
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
 from dsv_jax.train.checkpoint import Checkpointer
+from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.optimizer import lr_at
-from dsv_jax.train.step import EVAL_T, TrainState, abstract_model, init_state, make_eval_step, make_train_step
+from dsv_jax.train.step import TrainState, abstract_model, init_state, make_train_step
 
 log = logging.getLogger("dsv_jax")
 
@@ -354,22 +355,8 @@ class Trainer:
         cfg = self.cfg
         eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
                               process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
-        out, all_losses = {}, []
-        for shape in eval_feed.shapes:
-            plans, inputs = self.attention_for(shape, train=False)
-            if plans not in self._eval_fns:
-                self._eval_fns[plans] = jax.jit(make_eval_step(cfg, self.graphdef, plans))
-            fn = self._eval_fns[plans]
-            extra = (inputs,) if inputs is not None else ()
-            losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
-                                    jax.random.key(i), *extra)) for i in range(cfg.train.eval_batches)]
-            mean = np.mean(losses, axis=0)
-            out[f"eval_loss/{'x'.join(map(str, shape))}"] = float(mean.mean())
-            all_losses.append(mean)
-        per_t = np.mean(all_losses, axis=0)
-        out.update({f"eval_loss/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
-        out["eval_loss"] = float(per_t.mean())
-        return out
+        return held_out_loss(cfg, self.graphdef, self.state.params, lambda s: self.attention_for(s, train=False),
+                             eval_feed, cfg.train.eval_batches, put=self.to_global, cache=self._eval_fns)
 
     def close(self) -> None:
         self.checkpointer.close()
