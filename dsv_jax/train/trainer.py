@@ -257,7 +257,7 @@ class Trainer:
         end = min(total, stop_at) if stop_at is not None else total
         writer = MetricsWriter(self.workdir, enabled=self.is_main)
         records: list[dict[str, Any]] = []
-        step = self.start_step
+        step = int(self.state.step)  # not start_step: run() may be called again (stop_at in rounds)
         if step >= end:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
