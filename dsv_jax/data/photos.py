@@ -6,7 +6,8 @@ from other photographs moving across it, and a caption that says what moves wher
 
 The photographs are the sample images inside the scikit-image wheel (`pip install 'dsv-jax[photos]'`;
 the files are located with importlib and read with Pillow, scikit-image itself is never imported;
-their licences are listed in README.md). Each clip draws, from (seed, key) alone:
+their licences are listed in README.md), or a copy of those files in $DSV_JAX_PHOTOS_DIR. Each clip
+draws, from (seed, key) alone:
   * a scene (SCENES), seen through a window that pans left/right/up/down, zooms in/out, or stays still
     (CAMERA); "camera pans left" means the window moves left, so the picture slides right;
   * one or two objects (OBJECTS: an elliptical, rectangular or silhouette cut of a photo), each moving in
@@ -17,8 +18,9 @@ Held-out captions: one in HELD_OUT of the (object, direction, scene) combination
 never drawn for training (split="train") and is the only kind drawn for evaluation (split="eval"), so the
 held-out loss and the semantic metric (data/semantic.py) see captions the model never trained on.
 
-Cost: photographs are decoded once per process and resized once per frame size (cached); a clip is one
-vectorised bilinear gather per frame window plus a few array slices per object.
+Cost: photographs are decoded once per process and resized once per frame size (cached); a clip is a
+few array slices per frame (pans, stills) or one vectorised bilinear gather (zooms), plus a few slices
+per object: ~7 ms for 16 x 64 x 64 pixels, ~20 ms for 16 x 128 x 128 on one CPU core.
 """
 
 from __future__ import annotations
@@ -86,15 +88,18 @@ WORDS = sorted({w for name in [*SCENES, *OBJECTS, *CAMERA] for w in name.split()
 # -- the photographs -----------------------------------------------------------------------------------
 
 def data_dir() -> str:
-    """scikit-image's data folder (found without importing scikit-image), with every photo used here."""
-    spec = importlib.util.find_spec("skimage")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("data.source=photos needs the photos of scikit-image: pip install 'dsv-jax[photos]' "
-                          "(or pip install scikit-image)")
-    folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    """The folder with every photo used here: $DSV_JAX_PHOTOS_DIR if set (a copy of those files, e.g. on a
+    machine without scikit-image), else scikit-image's data folder (found without importing scikit-image)."""
+    folder = os.environ.get("DSV_JAX_PHOTOS_DIR")
+    if not folder:
+        spec = importlib.util.find_spec("skimage")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("data.source=photos needs the photos of scikit-image: pip install 'dsv-jax[photos]' "
+                              "(or pip install scikit-image, or set DSV_JAX_PHOTOS_DIR to a copy of its data folder)")
+        folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
     missing = [f for f in FILES if not os.path.exists(os.path.join(folder, f))]
     if missing:
-        raise ImportError(f"data.source=photos: {folder} lacks {missing}; install scikit-image >= 0.19")
+        raise ImportError(f"data.source=photos: {folder} lacks {missing} (scikit-image >= 0.19 ships them)")
     return folder
 
 
