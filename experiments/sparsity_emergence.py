@@ -300,7 +300,8 @@ def main(argv=None) -> int:
     if os.path.exists(records_path):
         with open(records_path) as f:
             runs = json.load(f)  # every S measured so far stays in the results, trained now or not
-        print(f"resuming the records of {records_path}: {({k: sorted(v['records'], key=int) for k, v in runs.items()})}")
+        steps = {k: sorted(v["records"], key=int) for k, v in runs.items()}
+        print(f"resuming the records of {records_path}: {steps}")
 
     from dsv_jax.train.trainer import Trainer
     from dsv_jax.train.step import abstract_model
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
         trainers[s] = Trainer(cfg, os.path.join(workdir, f"s{s}"), progress=False)
         run = runs.setdefault(str(s), {"records": {}})
         run.update(shape=list(cfg.data.buckets[0]), config_overrides=overrides, workdir=trainers[s].workdir)
-        timing[s] = {"step_s": None, "measure_s": None}
+        timing[s] = {"step_s": None, "overhead_s": None, "measure_s": None}
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_model(trainers[tokens[0]].cfg)[1]))
 
     def save():
@@ -324,27 +325,34 @@ def main(argv=None) -> int:
         return path, summary
 
     targets = sorted(set(list(range(0, args.steps + 1, args.every)) + [args.steps]))
+    halted = False  # once a round does not fit, no S trains further: all stay at (about) the same step
     try:
         for target in targets:
             for s in tokens:
                 trainer, run, tm = trainers[s], runs[str(s)], timing[s]
                 step = int(trainer.state.step)
-                if step < target:
-                    need = (target - step) * tm["step_s"] if tm["step_s"] else 0.0
+                if step < target and not halted:
+                    need = (target - step) * tm["step_s"] + tm["overhead_s"] if tm["step_s"] else 0.0
                     if not budget.allows(need):
-                        print(f"budget: S={s} stays at step {step} ({Budget.elapsed():.0f} s used)", flush=True)
-                        continue
-                    t0 = time.perf_counter()
-                    logged = trainer.run(stop_at=target)
-                    done = int(trainer.state.step) - step
-                    if done:
-                        tm["step_s"] = (time.perf_counter() - t0) / done
-                        losses = [r["loss"] for r in logged if "loss" in r]
-                        run.setdefault("train", []).append({
-                            "step": int(trainer.state.step), "loss": float(np.mean(losses[-max(1, len(losses) // 4):])),
-                            "median_step_s": float(np.median([r["step_time"] for r in logged if "step_time" in r])),
-                            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in logged if "tokens_per_s" in r])),
-                            "chunk_wall_s": time.perf_counter() - t0})
+                        halted = True
+                        print(f"budget: S={s} stays at step {step} ({Budget.elapsed():.0f} s used, the next "
+                              f"{target - step} steps need ~{need:.0f} s)", flush=True)
+                    else:
+                        t0 = time.perf_counter()
+                        logged = trainer.run(stop_at=target)
+                        wall, done = time.perf_counter() - t0, int(trainer.state.step) - step
+                        halted = int(trainer.state.step) < target  # the budget's SIGTERM stopped it
+                        if done:
+                            median = lambda key: float(np.median([r[key] for r in logged if key in r]))
+                            losses = [r["loss"] for r in logged if "loss" in r][-max(1, done // 4):]
+                            # steps at their measured rate; the rest (compiles, the checkpoint) the least seen
+                            tm["step_s"] = median("step_time")
+                            rest = max(0.0, wall - done * tm["step_s"])
+                            tm["overhead_s"] = rest if tm["overhead_s"] is None else min(tm["overhead_s"], rest)
+                            run.setdefault("train", []).append({
+                                "step": int(trainer.state.step), "loss": float(np.mean(losses)),
+                                "median_step_s": tm["step_s"], "tokens_per_s": median("tokens_per_s"),
+                                "chunk_wall_s": wall})
                     step = int(trainer.state.step)
                 if str(step) in run["records"] or step != target:
                     continue
