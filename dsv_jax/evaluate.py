@@ -62,8 +62,12 @@ def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None
     cache: dict = {}
     # the batch sizes the trainer's evaluation uses on this machine (its data-parallel rounding), so that
     # the numbers match the run's logged eval_loss; computed on one device
-    feed = make_feed(cfg, batch_multiple=data_parallel_size(make_mesh(cfg.parallel)), process_index=0,
-                     process_count=1, split="eval")
+    try:
+        multiple = data_parallel_size(make_mesh(cfg.parallel))
+    except ValueError as e:  # the run's mesh needs more devices than this machine has
+        log.info("evaluating with unrounded batch sizes: %s", e)
+        multiple = 1
+    feed = make_feed(cfg, batch_multiple=multiple, process_index=0, process_count=1, split="eval")
     out = {"held_out": held_out_loss(cfg, graphdef, params, inference, feed, batches, cache=cache)}
     if cfg.data.source == "photos":
         from dsv_jax.data.real_clips import RealClips

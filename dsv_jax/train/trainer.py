@@ -119,6 +119,7 @@ class Prefetcher:
 
     def close(self):
         self._stop.set()
+        self._thread.join(timeout=30)  # after this the feed is no longer advanced behind our back
 
 
 def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -199,6 +200,7 @@ class Trainer:
         self._compiled: dict[Any, Any] = {}
         self._eval_fns: dict[Any, Any] = {}
         self._warm = False  # set once every bucket of the feed is compiled
+        self._data_state = None  # where the last run() stopped reading (its prefetcher ran ahead of it)
 
     # -- compilation ------------------------------------------------------------------------
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -265,6 +267,8 @@ class Trainer:
             cp = self.attention.bucket_metrics(cfg, self.feed.shapes, self.feed.batch_size) \
                 if hasattr(self.attention, "bucket_metrics") else {}  # context parallelism: plan, bytes per layer
             writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes), **cp})
+            if self._data_state is not None:  # a second run() continues with the next batch, not past it
+                self.feed.set_state(self._data_state)
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
@@ -310,6 +314,7 @@ class Trainer:
                     stopped = stop.requested
             finally:
                 prefetch.close()
+                self._data_state = prefetch.state
                 bar.close()
             if not stopped and step == total:
                 writer.write(step, self.evaluate())
