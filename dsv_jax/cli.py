@@ -7,6 +7,7 @@
         [--text-encoder pkg.module:fn]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP]
     dsv-jax presets [--show NAME]
+    dsv-jax eval --workdir DIR [--clips N] [--steps N] [--json FILE] [--gif FILE]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 
@@ -72,6 +73,32 @@ def _export(args) -> int:
 
     out = export(args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite)
     print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
+    return 0
+
+
+def _eval(args) -> int:
+    import json
+
+    from dsv_jax.evaluate import evaluate_workdir, json_ready, report
+
+    if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
+        raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
+    if args.clips < 0:
+        raise ConfigError(f"--clips {args.clips} must be >= 0")
+    cfg, step, results = evaluate_workdir(args.workdir, step=args.checkpoint, batches=args.batches, clips=args.clips,
+                                          steps=args.steps, guidance=args.guidance, seed=args.seed)
+    print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
+    print("\n".join(report(results)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workdir": args.workdir, "step": step, **json_ready(results)}, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.gif and "semantic" in results:
+        from dsv_jax.data.codec import decode_latents
+        from dsv_jax.sample import save_video
+
+        print(f"wrote {save_video(decode_latents(results['semantic']['frames']), args.gif)}")
+    return 0
     return 0
 
 
@@ -206,6 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-encoder", help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained "
                                           "on precomputed text embeddings")
     p.set_defaults(fn=_sample)
+
+    p = sub.add_parser("eval", help="held-out loss and semantic score of a trained workdir", parents=[common])
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--clips", type=int, default=8,
+                   help="videos generated from held-out captions for the semantic score (0: none)")
+    p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
+    p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--gif", help="also write the generated videos side by side to this .gif or .mp4")
+    p.set_defaults(fn=_eval)
+
 
     p = sub.add_parser("export", help="write a trained model's parameters, config and DSV plans for inference",
                        parents=[common])

@@ -108,7 +108,7 @@ class TextConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # auto: a prepared dataset when data.path is set (`dsv-jax prepare-data`), else the embedded one
-    source: str = "auto"  # auto | synthetic | arrayrecord
+    source: str = "auto"  # auto | synthetic | photos (embedded, data/photos.py) | arrayrecord
     path: str = ""  # a prepare-data output folder (ArrayRecord shards + manifest.json)
     seed: int = 0
     # Bucket shapes (T, H, W) in latent voxels, with their sampling weights. Images are T = 1.
@@ -128,11 +128,11 @@ class DataConfig:
     workers: int = 2  # Grain prefetch processes reading a data.path dataset (0: read in a thread)
 
     def __post_init__(self):
-        _choice("data.source", self.source, ("auto", "synthetic", "arrayrecord"))
+        _choice("data.source", self.source, ("auto", "synthetic", "photos", "arrayrecord"))
         if self.source == "arrayrecord" and not self.path:
             raise ConfigError("data.source=arrayrecord needs data.path=DIR (a prepare-data output folder)")
-        if self.source == "synthetic" and self.path:
-            raise ConfigError(f"data.path={self.path!r} is set but data.source=synthetic; drop one of them")
+        if self.source in ("synthetic", "photos") and self.path:
+            raise ConfigError(f"data.path={self.path!r} is set but data.source={self.source}; drop one of them")
         _choice("data.batching", self.batching, ("equal_tokens", "dual"))
         if not self.buckets:
             raise ConfigError("data.buckets is empty")

@@ -25,6 +25,15 @@ DEFAULT_PROMPTS = ("a large red circle moving right", "a small yellow square mov
                    "a large white triangle moving left", "a small cyan ring moving up")
 
 
+def default_prompts(cfg: Config) -> tuple[str, ...]:
+    """Prompts of the embedded dataset the config trains on (photos or shapes)."""
+    if cfg.data.source == "photos":
+        from dsv_jax.data.photos import PROMPTS
+
+        return PROMPTS
+    return DEFAULT_PROMPTS
+
+
 def default_shape(cfg: Config) -> tuple[int, int, int]:
     """The longest bucket of the config (most frames, then most pixels)."""
     return max((tuple(s) for s in cfg.data.buckets), key=lambda s: (s[0], s[1] * s[2]))
@@ -122,7 +131,7 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
 
 
 def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], *,
-                      prompts: Sequence[str] = DEFAULT_PROMPTS, shape=None, steps: int = 30, guidance: float = 3.0,
+                      prompts: Sequence[str] | None = None, shape=None, steps: int = 30, guidance: float = 3.0,
                       seed: int = 0, controller_state: dict | None = None,
                       text_encoder: Callable | None = None) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (or to each of several
@@ -134,7 +143,7 @@ def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], 
     shape = tuple(shape or default_shape(cfg))
     policy = make_policy(cfg, controller_state)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    latents = generate(cfg, graphdef, params, prompts, shape, steps=steps, guidance=guidance, seed=seed,
+    latents = generate(cfg, graphdef, params, prompts or default_prompts(cfg), shape, steps=steps, guidance=guidance, seed=seed,
                        attention=attention, attention_inputs=inputs, text_encoder=text_encoder)
     if not np.isfinite(latents).all():
         raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
@@ -153,6 +162,6 @@ def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequ
 
     cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step)
     encoder = load_text_encoder(cfg, text_encoder, hint)
-    return sample_from_state(cfg, graphdef, params, out, prompts=prompts or DEFAULT_PROMPTS, shape=shape,
+    return sample_from_state(cfg, graphdef, params, out, prompts=prompts, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
                              controller_state=controller, text_encoder=encoder)

@@ -89,7 +89,10 @@ SETUPS = {
     "gpu": {"preset": "2.7b", "overrides": ["attention=dsv"], "budget_s": 380.0, "compile_s": 20.0, "lower_s": 4.0,
             "component_compile_s": 2.0, "rates": (450e12, 550e12, 300e12), "main": "pallas", "compile_workers": 4,
             "priority": "gpu",
-            "lengths": {"16k": (16, 64, 64), "32k": (32, 64, 64), "64k": (64, 64, 64), "128k": (128, 64, 64)}},
+            # 480p: a Wan-style 81-frame 480p clip's latents (21 x 60 x 104): 21 x 30 x 52 tokens, which no
+            # 4x4x4 tiling covers (padded tiles, masked in the kernels)
+            "lengths": {"16k": (16, 64, 64), "32k": (32, 64, 64), "64k": (64, 64, 64), "128k": (128, 64, 64),
+                        "480p": (21, 60, 104)}},
     "quick": {"preset": "tiny", "budget_s": 170.0, "compile_s": 3.0, "lower_s": 0.5, "component_compile_s": 0.3,
               "rates": (2e10, 2e10, 1e10), "compile_workers": 2, "priority": "quick",
               # interpret-mode Pallas compiles slowly on a CPU: the main variants run the XLA AdaLN
@@ -111,7 +114,8 @@ PRIORITY = {
     "gpu": (MAIN_64K + PAIR_16K + [("32k", "full", "main"), ("32k", "dsv0.9", "main")] + [
         ("16k", "dsv-measured", "main"), ("16k", "dsv0.95", "main"), ("16k", "wa-m", "main"), ("16k", "wa-l", "main"),
         ("32k", "dsv0.95", "main"), ("32k", "wa-m", "main"), ("32k", "wa-l", "main"), ("64k", "dsv0.9", "xla"),
-        ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"), ("128k", "full", "main")], 11),
+        ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"), ("128k", "full", "main"),
+        ("480p", "full", "main"), ("480p", "dsv0.9", "main")], 11),
     # quick: one variant per code path (CPU compiles dominate its time)
     "quick": ([("64k", "full", "main"), ("64k", "dsv0.9", "main"), ("64k", "wa-m", "main")] + PAIR_16K[:3] +
               [("16k", "dsv-measured", "main"), ("128k", "full", "main")], 6),
@@ -177,7 +181,7 @@ def dsv_stage2(cfg, latent_shape, sparsity: float):
 class Bench:
     def __init__(self, args, setup):
         self.args, self.setup = args, setup
-        self.cfg = get_config(setup["preset"], setup["overrides"])
+        self.cfg = get_config(args.preset or setup["preset"], setup["overrides"])
         self.deadline = T_START + args.budget_s
         self.mesh = make_mesh(self.cfg.parallel, jax.devices()[:1])
         abstract = jax.eval_shape(lambda: init_state(self.cfg))
@@ -264,7 +268,8 @@ class Bench:
     def entry(self, length, attn, impl, must):
         shape = self.setup["lengths"][length]
         return {"id": f"{length}/{attn}/{impl}", "length": length, "latents": [*shape, self.cfg.model.in_channels],
-                "tokens": self.layout(length).seq_len, "attention": attn, "adaln": impl, "must": must,
+                "tokens": self.layout(length).n_real, "padded_tokens": self.layout(length).seq_len,
+                "attention": attn, "adaln": impl, "must": must,
                 "status": "planned"}
 
     def ensure_state(self) -> None:
@@ -762,7 +767,7 @@ class Bench:
             "skipped": [{"id": e["id"], "reason": e.get("reason")} for e in self.entries if e["status"] == "skipped"],
             "wall_s": time.perf_counter() - T_START,
         }
-        harness.write_results("bench_e2e" + ("_quick" if self.args.quick else ""), payload)
+        harness.write_results(self.args.name + ("_quick" if self.args.quick else ""), payload)
 
     def table(self) -> None:
         rows = []
@@ -797,6 +802,8 @@ def main():
     p.add_argument("--compile-workers", type=int, default=None,
                    help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)")
     p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")
+    p.add_argument("--preset", default="", help="model preset (default 2.7b on the GPU), e.g. 2.7b-mmdit")
+    p.add_argument("--name", default="bench_e2e", help="results file experiments/results/NAME.json")
     args = p.parse_args()
     if not args.quick and not harness.on_gpu():
         sys.exit("bench_e2e.py measures the 2.7B model on a GPU; use --quick on a CPU")

@@ -106,3 +106,37 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+# -- the training setup of the quality and sparsity studies (one place for both) ------------------------
+# quality_parity.py (issue 4: moving shapes; issue 17: photos) and sparsity_emergence.py train on one
+# bucket of the embedded data at a given number of tokens per sample, patch 1x2x2, from the tiny preset.
+
+# latent (T, H, W) of the bucket with this many tokens per sample at patch 1x2x2 (the first two: --quick)
+STUDY_SHAPES = {256: (4, 16, 16), 512: (4, 16, 32), 16384: (16, 64, 64), 32768: (16, 64, 128),
+                65536: (16, 128, 128)}
+STUDY_MODELS = {
+    # issue 4's quality-parity model: 4 blocks of 4 heads x 64 (hidden 256)
+    "shapes": ["model.hidden=256", "model.heads=4", "model.depth=4", "model.text_dim=64"],
+    # issue 17's model on photos: 8 blocks of 12 heads x 64 (hidden 768), 109M parameters
+    "photos": ["model.hidden=768", "model.heads=12", "model.depth=8", "model.text_dim=256", "text.max_len=20"],
+}
+QUICK_MODEL = ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16", "text.hash_buckets=8",
+               "model.remat=false"]
+
+
+def study_overrides(setup: str, tokens: int, *, quick: bool, tokens_per_batch: int | None = None) -> list[str]:
+    """Model and data overrides of a study `setup` ("shapes" | "photos") at one bucket of `tokens` tokens per
+    sample, with tokens_per_batch (default 2 x tokens: two samples a step) under equal-token batching."""
+    if setup not in STUDY_MODELS:
+        raise ValueError(f"unknown setup {setup!r}: choose from {sorted(STUDY_MODELS)}")
+    if tokens not in STUDY_SHAPES:
+        raise ValueError(f"no study shape for {tokens} tokens per sample: choose from {sorted(STUDY_SHAPES)}")
+    t, h, w = STUDY_SHAPES[tokens]
+    if quick:
+        model = QUICK_MODEL + ["model.tile=[2,4,4]", f"text.max_len={20 if setup == 'photos' else 8}"]
+    else:
+        model = STUDY_MODELS[setup] + ["model.tile=[4,4,4]"]  # 64-token 3D tiles: the kernels' KV block
+    source = "photos" if setup == "photos" else "synthetic"
+    return model + ["model.patch=[1,2,2]", f"data.source={source}", f"data.buckets=[[{t},{h},{w}]]",
+                    "data.bucket_weights=[1]", f"data.tokens_per_batch={tokens_per_batch or 2 * tokens}"]

@@ -3,10 +3,15 @@
     PYTHONPATH=. python experiments/quality_parity.py --workdir /tmp/qp    # GPU: ~12-13 min for the six runs
     PYTHONPATH=. python experiments/quality_parity.py --workdir /tmp/qp --runs dsv --keep   # one run, others kept
     PYTHONPATH=. python experiments/quality_parity.py --quick              # CPU: tiny sizes, proves the script works
+    # issue 17: the sparsity study's setup (photos, 109M model) at the S where it shows sparsity
+    PYTHONPATH=. python experiments/quality_parity.py --setup photos --tokens 16384 --workdir /tmp/qp17 \
+        --runs full,full_seed1,window,dsv --name quality_parity_photos
 
-Data: the embedded moving-shapes dataset at one long bucket (GPU: latents 16 x 64 x 64, patch 1x2x2 ->
-16 x 32 x 32 = 16384 tokens in 256 3D tiles of 4x4x4 = 64 tokens, the kernels' benchmarked tile; 2 samples
-per step), so attention has room to be sparse. Runs:
+Data (--setup, experiments/harness.py: the setups this script shares with sparsity_emergence.py): the
+embedded moving-shapes dataset (shapes, issue 4's runs: hidden 256 x 4 blocks) or photos (the
+sparsity study's 109M model), at one long bucket (GPU: latents 16 x 64 x 64, patch 1x2x2 -> 16 x 32 x 32
+= 16384 tokens in 256 3D tiles of 4x4x4 = 64 tokens, the kernels' benchmarked tile; 2 samples per step),
+so attention has room to be sparse. Runs:
   full        full attention (cuDNN on a GPU)
   full_seed1  the same with another model seed (initial parameters and noise; same batches): the noise
               floor, i.e. how far two full-attention runs land apart
@@ -30,7 +35,8 @@ Measured:
     ratios on, the theta-sparsity of the profiler, and the share of attention work DSV kept;
   * step times (stage-2 DSV runs the Pallas sparse kernels on a GPU; at this small size they are not
     the point: see the kernel and end-to-end benchmarks);
-  * sample GIFs of each trained model (DSV samples with its stage-2 sparse plans).
+  * the semantic score (dsv_jax/data/semantic.py) of --clips videos generated from held-out captions by
+    each trained model (DSV with its stage-2 sparse plans), which are also the run's GIF, and tokens/s.
 Results are written after every run; --keep reuses the finished runs of an earlier results file.
 
 Departures from the paper, and why (also in RESULTS.md):
@@ -59,7 +65,7 @@ if "--quick" in sys.argv:  # CPU, and XLA's cheapest compile (the quick run is m
 
 import numpy as np  # noqa: E402
 
-from experiments.harness import RESULTS_DIR, device_info, print_table, write_results  # noqa: E402
+from experiments.harness import RESULTS_DIR, device_info, print_table, study_overrides, write_results  # noqa: E402
 
 # name -> (attention, model seed, run-specific overrides)
 RUNS = {"full": ("auto", 0, []), "full_seed1": ("auto", 1, []), "window": ("window", 0, []), "dsv": ("dsv", 0, []),
@@ -73,14 +79,7 @@ RUNS = {"full": ("auto", 0, []), "full_seed1": ("auto", 1, []), "window": ("wind
 def overrides(args, name: str) -> list[str]:
     """Config overrides of run `name` (the run's attention is added by `run`)."""
     seed = RUNS[name][1]
-    if args.quick:
-        model = ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16", "model.patch=[1,2,2]",
-                 "model.tile=[2,4,4]", "text.max_len=8", "text.hash_buckets=8", "model.remat=false"]
-        data = ["data.buckets=[[4,16,16]]", "data.bucket_weights=[1]", "data.tokens_per_batch=512"]
-    else:
-        model = ["model.hidden=256", "model.heads=4", "model.depth=4", "model.text_dim=64", "model.patch=[1,2,2]",
-                 "model.tile=[4,4,4]"]
-        data = ["data.buckets=[[16,64,64]]", "data.bucket_weights=[1]", "data.tokens_per_batch=32768"]
+    setup = study_overrides(args.setup, args.tokens, quick=args.quick)  # model and data, as the studies share them
     train = [f"train.steps={args.steps}", f"train.eval_every={args.eval_every}",
              f"train.eval_batches={args.eval_batches}", f"train.warmup_steps={max(1, args.steps // 20)}",
              f"train.lr={args.lr}", f"train.log_every={args.eval_every}", f"train.ckpt_every={args.steps}",
@@ -89,7 +88,7 @@ def overrides(args, name: str) -> list[str]:
            f"dsv.recall_target={args.recall_target}", f"dsv.predictor_lr={args.predictor_lr or args.lr}"]
     if args.threshold is not None:
         dsv.append(f"dsv.threshold={args.threshold}")
-    return model + data + train + dsv + list(args.set) + RUNS[name][2]
+    return setup + train + dsv + list(args.set) + RUNS[name][2]
 
 
 def dsv_summary(cfg, controller: dict, steps: list[dict]) -> dict:
@@ -130,7 +129,9 @@ def dsv_summary(cfg, controller: dict, steps: list[dict]) -> dict:
 
 def run(name: str, args, root: str, out_dir: str) -> dict:
     from dsv_jax.config import get_config
-    from dsv_jax.sample import sample_from_state
+    from dsv_jax.data.codec import decode_latents
+    from dsv_jax.evaluate import semantic_eval
+    from dsv_jax.sample import save_video
     from dsv_jax.train.metrics import read_metrics
     from dsv_jax.train.trainer import Trainer
 
@@ -143,9 +144,10 @@ def run(name: str, args, root: str, out_dir: str) -> dict:
     trainer.run()
     wall = time.perf_counter() - t0
     controller = trainer.policy.state_dict()
-    gif = os.path.join(out_dir, f"{args.name}_{name}.gif")
-    sample_from_state(cfg, trainer.graphdef, trainer.state.params, gif, steps=args.sample_steps,
-                      guidance=cfg.train.guidance, controller_state=controller)
+    # the semantic score of clips generated from held-out captions (DSV with its stage-2 plans); they are the GIF
+    semantic = semantic_eval(cfg, trainer.graphdef, trainer.state.params, controller, clips=args.clips,
+                             steps=args.sample_steps)
+    gif = save_video(decode_latents(semantic.pop("frames")), os.path.join(out_dir, f"{args.name}_{name}.gif"))
     trainer.close()
     recs = read_metrics(workdir)
     steps = [r for r in recs if "loss" in r]
@@ -154,7 +156,9 @@ def run(name: str, args, root: str, out_dir: str) -> dict:
               "eval_loss": evals,
               "final_eval_loss": evals[max(evals, key=int)],
               "train_loss_last": float(np.mean([r["loss"] for r in steps[-max(1, len(steps) // 10):]])),
-              "median_step_s": float(np.median([r["step_time"] for r in steps[len(steps) // 2:]])), "gif": gif}
+              "median_step_s": float(np.median([r["step_time"] for r in steps[len(steps) // 2:]])),
+              "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps[len(steps) // 2:]])),
+              "semantic": semantic, "gif": gif}
     if attention == "dsv":
         result.update(dsv_summary(cfg, controller, steps))
     return result
@@ -167,6 +171,8 @@ def compare(results: dict) -> tuple[list[dict], dict]:
     for name, r in results.items():
         row = {"run": name, "final_eval": r["final_eval_loss"], "train_loss": r["train_loss_last"],
                "step_ms": 1e3 * r["median_step_s"], "wall_s": r["wall_s"]}
+        if "semantic" in r:  # runs of older results files have none
+            row["semantic"] = r["semantic"]["score"]["accuracy"]
         if full:
             common = sorted(set(r["eval_loss"]) & set(full["eval_loss"]), key=int)
             r["eval_ratio_to_full"] = {s: r["eval_loss"][s] / full["eval_loss"][s] for s in common}
@@ -187,12 +193,21 @@ def compare(results: dict) -> tuple[list[dict], dict]:
                                                    for b in sparse)
     if "window" in results and full:
         goals["window_eval_ratio"] = results["window"]["final_eval_loss"] / full["final_eval_loss"]
+    if full and "semantic" in full:
+        goals["semantic"] = {n: r["semantic"]["score"]["accuracy"] for n, r in results.items() if "semantic" in r}
+        goals["semantic_chance"] = full["semantic"]["score"]["chance"]
     return rows, goals
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny CPU run")
+    p.add_argument("--setup", default="shapes", choices=["shapes", "photos"],
+                   help="shapes: issue 4's runs (moving shapes, hidden 256 x 4 blocks); photos: the sparsity study's "
+                        "(data.source=photos, the 109M model of experiments/sparsity_emergence.py)")
+    p.add_argument("--tokens", type=int, help="tokens per sample (default 16384; quick 256)")
+    p.add_argument("--clips", type=int, help="videos generated from held-out captions for the semantic score "
+                                              "(default 8; quick 2)")
     p.add_argument("--steps", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-batches", type=int)
@@ -219,6 +234,8 @@ def main(argv=None) -> int:
     args.stage1 = args.stage1 if args.stage1 is not None else (4 if quick else 600)
     args.profile_every = args.profile_every or (2 if quick else 50)
     args.sample_steps = args.sample_steps or (2 if quick else 20)
+    args.tokens = args.tokens or (256 if quick else 16384)
+    args.clips = args.clips or (2 if quick else 8)
     if quick and args.threshold is None:
         args.threshold = 0.2
     names = args.runs.split(",")
@@ -257,7 +274,7 @@ def main(argv=None) -> int:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
 
-    print_table(rows, ["run", "final_eval", "eval/full", "train_loss", "step_ms", "wall_s"])
+    print_table(rows, ["run", "final_eval", "eval/full", "semantic", "train_loss", "step_ms", "wall_s"])
     for n, d in results.items():
         if d["attention"] == "dsv":
             print(f"{n}: stage 2 from step {d['switch_step']}, sparse blocks at the end: {d['sparse_blocks_last']}, "

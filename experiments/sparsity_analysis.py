@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -72,31 +73,40 @@ def uniform_distance(layout, positions) -> np.ndarray:
     return np.mean(np.abs(c[None] - q[:, None]), axis=(0, 1))
 
 
-def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int, kv_block: int = 0):
+@functools.lru_cache(maxsize=16)
+def _stats_fn(graphdef, plans: tuple):
+    """The jitted forward that returns the blocks' profile statistics, one per (model, plans): repeated
+    analyses of a training run (experiments/sparsity_emergence.py) compile it once."""
     from flax import nnx
 
-    from dsv_jax.data.feed import make_feed
-    from dsv_jax.dsv.predictor import sample_positions
-    from dsv_jax.model.tokens import grid_shape, token_layout
     from dsv_jax.train.loss import noised
 
-    plans, inputs = analysis_plans(cfg, shape, controller, kv_block)
-    feed = make_feed(cfg, batch_multiple=1, process_index=0, process_count=1, split="eval")
-
     @jax.jit
-    def stats(params, batch, t, key):
+    def stats(params, batch, t, key, inputs):
         model = nnx.merge(graphdef, params)
         x0 = batch["latents"].astype(jnp.float32)
         text, mask = model.encode_text(batch)
         tb = jnp.full((x0.shape[0],), t)
         xt, _ = noised(x0, jax.random.normal(key, x0.shape), tb)
-        _, aux = model(xt, tb, text, mask, attention=plans, attention_inputs=inputs, return_aux=True)
+        _, aux = model(xt, tb, text, mask, attention=list(plans), attention_inputs=inputs, return_aux=True)
         return aux
+
+    return stats
+
+
+def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int, kv_block: int = 0):
+    from dsv_jax.data.feed import make_feed
+    from dsv_jax.dsv.predictor import sample_positions
+    from dsv_jax.model.tokens import grid_shape, token_layout
+
+    plans, inputs = analysis_plans(cfg, shape, controller, kv_block)
+    feed = make_feed(cfg, batch_multiple=1, process_index=0, process_count=1, split="eval")
+    stats = _stats_fn(graphdef, tuple(plans))
 
     per_t = {}
     for t in t_values:
         runs = [jax.device_get(stats(params, {k: jnp.asarray(v) for k, v in feed.batch_at(i, shape).items()},
-                                     jnp.float32(t), jax.random.key(seed + i))) for i in range(batches)]
+                                     jnp.float32(t), jax.random.key(seed + i), inputs)) for i in range(batches)]
         per_t[t] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     layout = token_layout(grid_shape(shape, cfg.model.patch), cfg.model.tile)
     positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)]

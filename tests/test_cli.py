@@ -53,6 +53,19 @@ def test_train_then_sample_gif(tmp_path):
 
     frames = iio.imread(out, index=None)
     assert frames.shape[0] == 4 and frames.shape[1] == 16 and frames.shape[2] == 2 * 16 + 1  # 4 frames, 2 clips
+    # eval: the held-out loss the trainer logged at the end, and the semantic score of generated clips
+    report = str(tmp_path / "eval.json")
+    r = run_cli("eval", "--workdir", wd, "--clips", "3", "--steps", "2", "--json", report)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out loss" in r.stdout and "semantic score" in r.stdout and "ground-truth clips" in r.stdout
+    with open(report) as f:
+        result = json.load(f)
+    logged = [m for m in metrics(wd) if "eval_loss" in m][-1]
+    assert result["step"] == 3 and result["held_out"]["eval_loss"] == pytest.approx(logged["eval_loss"], rel=1e-4)
+    semantic = result["semantic"]
+    assert len(semantic["captions"]) == 3 and semantic["truth"]["accuracy"] >= 0.9
+    assert set(semantic["score"]["questions"]) == {"colour", "shape", "motion"}
+
     # a full disk: one line naming the folder, the space needed and the space free; the traceback goes to
     # the workdir's error.log; the checkpoint of step 3 stays the newest
     r = run_cli_free_space(2 ** 16, "train", "--config", "tiny", "--workdir", wd, "--steps", "5", "--no-progress",

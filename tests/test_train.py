@@ -46,6 +46,12 @@ def test_resume_gives_the_same_run(tmp_path):
     names = set(os.listdir(tmp_path / "split"))
     assert {"checkpoints", "metrics.jsonl", "tensorboard", "config.json"} <= names
     assert any(r.get("eval_loss") for r in read_metrics(str(tmp_path / "split")))
+    # one Trainer run in rounds (as experiments/sparsity_emergence.py does) continues where it stopped
+    rounds = Trainer(cfg, str(tmp_path / "rounds"), progress=False)
+    c = losses(rounds.run(stop_at=7)) + losses(rounds.run(stop_at=13)) + losses(rounds.run())
+    rounds.close()
+    assert [x[:2] for x in c] == [x[:2] for x in a]
+    np.testing.assert_allclose([x[2] for x in c], [x[2] for x in a], rtol=1e-5)
 
 
 def test_loss_decreases_on_eight_devices_with_fsdp(tmp_path):

@@ -8,13 +8,14 @@ checkpoint can resume it exactly. Batch keys:
 where b is this host's share of the global batch B (B / process_count rows). Every feed sizes its
 batches with the one rule of `data/bucketing.py` (data.batching = equal_tokens | dual).
 
-Feeds: SyntheticFeed (the embedded dataset, below) and, with data.path set, GrainFeed
-(`data/pipeline.py`: a prepared dataset through Grain; grain is imported only then).
+Feeds: SyntheticFeed (the embedded datasets, below: data.source=synthetic shapes or photos) and, with
+data.path set, GrainFeed (`data/pipeline.py`: a prepared dataset through Grain; grain is imported only then).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -31,8 +32,22 @@ def tokens_per_sample(shape: tuple[int, int, int], patch: tuple[int, int, int]) 
     return int(np.prod([s // p for s, p in zip(shape, patch)]))
 
 
+def embedded_renderer(cfg: Config, split: str = "train"):
+    """render(seed, key, shape) -> (frames, caption) of the embedded source of `cfg` (data.source
+    synthetic or photos); the photos source draws its held-out captions only for split="eval"."""
+    if cfg.data.source != "photos":
+        return render
+    from dsv_jax.data import photos
+
+    photos.data_dir()  # a clear error now, not in the prefetch thread, when the photos are missing
+    if cfg.text.encoder == "builtin" and cfg.text.max_len < photos.MAX_CAPTION_WORDS + 1:
+        log.warning("data.source=photos: captions have up to %d words and text.max_len=%d tokens cuts the longest "
+                    "(set text.max_len=%d)", photos.MAX_CAPTION_WORDS, cfg.text.max_len, photos.MAX_CAPTION_WORDS + 1)
+    return functools.partial(photos.render, split=split)
+
+
 class SyntheticFeed:
-    """The embedded dataset as an infinite, deterministic stream of bucketed batches.
+    """An embedded dataset as an infinite, deterministic stream of bucketed batches.
 
     Step s draws its bucket from (seed, s) and renders sample j of that step from (seed, s, j): the
     position in the stream is the whole state, and every host computes the same bucket schedule.
@@ -53,6 +68,7 @@ class SyntheticFeed:
             if any(s % p for s, p in zip(shape, cfg.model.patch)):
                 raise ValueError(f"data.buckets entry {shape} is not divisible by model.patch {cfg.model.patch}")
         self.rule = batch_rule(cfg.data, self.batch_multiple)
+        self.render = embedded_renderer(cfg, split)
         if split == "train":
             seq = {"x".join(map(str, s)): tokens_per_sample(s, cfg.model.patch) for s in self.shapes}
             warn_over_memory(self.rule, seq)
@@ -69,7 +85,7 @@ class SyntheticFeed:
         b = self.batch_size(shape)
         per_host = b // self.process_count
         rows = range(self.process_index * per_host, (self.process_index + 1) * per_host)
-        clips = [render(self.seed, (position, j), shape) for j in rows]
+        clips = [self.render(self.seed, (position, j), shape) for j in rows]
         latents = np.stack([c[0] for c in clips])
         ids, mask = tokenize_batch([c[1] for c in clips], self.cfg.text.max_len, self.cfg.text.hash_buckets)
         return {"latents": latents, "text_ids": ids, "text_mask": mask}

@@ -18,7 +18,7 @@ SHAPES = ("circle", "square", "triangle", "ring", "cross", "diamond")
 DIRECTIONS = {"left": (0.0, -1.0), "right": (0.0, 1.0), "up": (-1.0, 0.0), "down": (1.0, 0.0)}
 
 
-def _shape_mask(shape: str, dy: np.ndarray, dx: np.ndarray, r: float) -> np.ndarray:
+def shape_mask(shape: str, dy: np.ndarray, dx: np.ndarray, r: float) -> np.ndarray:
     """Soft coverage in [0, 1] of `shape` of radius r at offsets (dy, dx) from its centre."""
     ady, adx = np.abs(dy), np.abs(dx)
     if shape == "circle":
@@ -61,7 +61,7 @@ def render(seed: int, key: tuple[int, ...], shape: tuple[int, int, int]) -> tupl
     start = rng.uniform(lo, hi)
     yy, xx = np.meshgrid(np.arange(h) + 0.5, np.arange(w) + 0.5, indexing="ij")
     centres = start[None] + np.arange(t)[:, None] * vel[None]
-    cover = _shape_mask(kind, yy[None] - centres[:, 0, None, None], xx[None] - centres[:, 1, None, None], r)
+    cover = shape_mask(kind, yy[None] - centres[:, 0, None, None], xx[None] - centres[:, 1, None, None], r)
     rgb = np.array(COLOURS[colour]) / 255.0
     frames = background * (1 - cover[..., None]) + rgb * cover[..., None]
     size = "large" if large else "small"

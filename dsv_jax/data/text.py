@@ -1,9 +1,11 @@
 """The built-in word tokenizer for captions (no pretrained tokenizer can be downloaded here).
 
-Words of the embedded dataset's captions have their own ids; any other word hashes (crc32, stable
-across runs and hosts) into `hash_buckets` extra ids, so every prompt encodes. Id 0 is padding and
-id 1 starts every caption: the empty caption is [1], never all padding, so attention to text always
-has a valid key.
+Words of the embedded datasets' captions (synthetic shapes, photos) have their own ids; any other word
+hashes (crc32, stable across runs and hosts) into `hash_buckets` extra ids, so every prompt encodes.
+Id 0 is padding and id 1 starts every caption: the empty caption is [1], never all padding, so
+attention to text always has a valid key. New words go at the end of WORDS (known words keep their
+ids); the embedding table grows with them, so a checkpoint from before an addition (the photo words
+came after the first release) does not restore into a model of the new vocabulary.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ WORDS = (
     "left right up down diagonally across background small large big tiny "
     "circle square triangle ring cross diamond "
     "red green blue yellow cyan magenta white orange purple pink gray black "
-    "two three bouncing growing shrinking spinning"
+    "two three bouncing growing shrinking spinning "
+    # data.source=photos (data/photos.py)
+    "over front camera pans zooms out cat cup astronaut rocket horse coin eye "
+    "brick wall grass gravel stars launch pad cells cameraman coins"
 ).split()
 _IDS = {w: i + 2 for i, w in enumerate(WORDS)}
 

@@ -32,10 +32,11 @@ from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.guard import DivergenceGuard, Verdict
+from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
-from dsv_jax.train.step import EVAL_T, TrainState, abstract_model, init_state, make_eval_step, make_train_step
+from dsv_jax.train.step import TrainState, abstract_model, init_state, make_train_step
 
 log = logging.getLogger("dsv_jax")
 
@@ -122,6 +123,7 @@ class Prefetcher:
 
     def close(self):
         self._stop.set()
+        self._thread.join(timeout=30)  # after this the feed is no longer advanced behind our back
 
 
 def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -207,6 +209,7 @@ class Trainer:
         self._compiled: dict[Any, Any] = {}
         self._eval_fns: dict[Any, Any] = {}
         self._warm = False  # set once every bucket of the feed is compiled
+        self._data_state = None  # where the last run() stopped reading (its prefetcher ran ahead of it)
 
     # -- compilation ------------------------------------------------------------------------
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -259,13 +262,15 @@ class Trainer:
         self.guard = guard = DivergenceGuard(cfg.train, history=[
             r["loss"] for r in writer.history if "loss" in r and not r.get("skipped") and not r.get("diverged")])
         records: list[dict[str, Any]] = []
-        step = self.start_step
+        step = int(self.state.step)  # not start_step: run() may be called again (stop_at in rounds)
         if step >= end:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
             writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes),
                                 **self.policy.summary(self.feed.shapes)})
+            if self._data_state is not None:  # a second run() continues with the next batch, not past it
+                self.feed.set_state(self._data_state)
             prefetch = Prefetcher(self.feed)
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
@@ -313,6 +318,7 @@ class Trainer:
                     stopped = step < end
             finally:
                 prefetch.close()
+                self._data_state = prefetch.state
                 bar.close()
             if not stopped and step == total and guard.healthy:
                 held_out = self.evaluate()
@@ -382,24 +388,9 @@ class Trainer:
         cfg = self.cfg
         eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
                               process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
-        out, all_losses = {}, []
         name = "eval_loss" if getattr(eval_feed, "heldout", True) else "train_records_loss"
-        for shape in eval_feed.shapes:
-            plans, inputs = self.attention_for(shape, train=False)
-            if plans not in self._eval_fns:
-                self._eval_fns[plans] = jax.jit(make_eval_step(cfg, self.graphdef, plans))
-            fn = self._eval_fns[plans]
-            losses = [np.asarray(fn(self.state.params, self.to_global(eval_feed.batch_at(i, shape)),
-                                    jax.random.key(i), inputs)) for i in range(cfg.train.eval_batches)]
-            mean = np.mean(losses, axis=0)
-            out[f"{name}/{'x'.join(map(str, shape))}"] = float(mean.mean())
-            all_losses.append(mean)
-        if not all_losses:  # a held-out split whose samples fall only in buckets not trained on
-            return out
-        per_t = np.mean(all_losses, axis=0)
-        out.update({f"{name}/t_{t}": float(v) for t, v in zip(EVAL_T, per_t)})
-        out[name] = float(per_t.mean())
-        return out
+        return held_out_loss(cfg, self.graphdef, self.state.params, lambda s: self.attention_for(s, train=False),
+                             eval_feed, cfg.train.eval_batches, put=self.to_global, cache=self._eval_fns, name=name)
 
     def close(self) -> None:
         if getattr(self, "_writer", None) is not None:  # a run that raised left it open
