@@ -107,7 +107,7 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     (["train", "--config", "tiny", "model.nope=1"], "unknown config key 'model.nope'"),
     (["train", "--steps", "5", "train.lr=abc"], "train.lr=abc: expected a number (e.g. 0.5)"),
     (["train", "--workdir", "{tmp}/run", "attention=bogus"], "attention='bogus' is not one of"),
-    (["sample", "--workdir", "{tmp}/typo", "--out", "{tmp}/x.gif"], "no checkpoint in {tmp}/typo"),
+    (["sample", "--workdir", "{tmp}/typo", "--out", "{tmp}/x.gif"], "'{tmp}/typo' is neither an exported model"),
     (["train", "--config", "{tmp}/nowhere/run.yaml"], "config file '{tmp}/nowhere/run.yaml' does not exist"),
 ])
 def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):

@@ -223,7 +223,7 @@ def test_centred_predictor_loss_ignores_row_offsets():
     zh, zt = zh - zh.mean(-1, keepdims=True), zt - zt.mean(-1, keepdims=True)
     nh, nt = np.linalg.norm(zh, axis=-1, keepdims=True), np.linalg.norm(zt, axis=-1, keepdims=True)
     expect = 0.9 * np.mean(1 - np.sum(zh * zt, -1) / (nh * nt)[..., 0]) + \
-        0.1 * np.mean(np.sum((zh / nh - zt / nt) ** 2, -1) / n)
+        0.1 * np.mean(np.sum((zh / nh - zt / nt) ** 2, -1) / valid.sum())
     assert got == pytest.approx(expect, rel=1e-4)
 
 

@@ -129,8 +129,9 @@ def test_a_failing_end_of_run_sample_is_one_warning(tmp_path, monkeypatch, caplo
         raise RuntimeError("no space left on device\nmore detail")
 
     monkeypatch.setattr(dsv_jax.sample, "sample_from_state", broken)
-    trainer = types.SimpleNamespace(cfg=small_config(), workdir=str(tmp_path), state=types.SimpleNamespace(step=3, params=None),
-                                    graphdef=None, controller=None)
+    trainer = types.SimpleNamespace(cfg=small_config(), workdir=str(tmp_path), is_main=True, graphdef=None,
+                                    state=types.SimpleNamespace(step=3, params=None),
+                                    policy=types.SimpleNamespace(state_dict=lambda: None))
     with caplog.at_level("WARNING"):
         assert sample_at_end(trainer) is None
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]

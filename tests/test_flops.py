@@ -127,7 +127,10 @@ def test_kept_fractions_of_window_and_dsv_plans():
     kept = kept_fractions(cfg, shape, plans, inputs)
     want = [np.mean(np.clip(np.ceil(keep[i] * 4), 1, 2)) / 4 for i in (0, 2)]  # top_k = 0.5 x 4 blocks = 2
     assert kept == pytest.approx([want[0], 1.0, want[1]])
-    assert kept_fractions(cfg, (3, 16, 20), plans, inputs) == [1.0] * 3  # padded grid: the sparse path runs dense
+    # a padded grid runs sparse too: grid 3 x 4 x 5 pads to 4 x 4 x 8 tokens, 4 tiles, as many KV blocks
+    padded = layout_of(cfg, (3, 16, 20))
+    assert padded.padded and padded.seq_len // padded.tile_size == 4
+    assert kept_fractions(cfg, (3, 16, 20), plans, inputs) == pytest.approx([want[0], 1.0, want[1]])
     # the work of the train step follows the kept fractions, with the predictor and selection added
     step = train_step_flops(cfg, shape, 4, kept=kept)
     fwd = forward_flops(cfg, shape, 4, kept=kept, predictor=True)

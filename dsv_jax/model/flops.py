@@ -113,7 +113,7 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
         out["predictor"] = depth * (2 * b * s * c * 2 * h * r + 2 * b * h * q * s * (d + r))
         kv_block = cfg.dsv.kv_block or layout.tile_size
         if not layout.padded and layout.seq_len % kv_block == 0:
-            out["selection"] = depth * 2 * b * h * layout.num_tiles * (s // kv_block) * r
+            out["selection"] = depth * 2 * b * h * (s // layout.tile_size) * (s // kv_block) * r
     return out
 
 
