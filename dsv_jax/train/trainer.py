@@ -192,6 +192,7 @@ class Trainer:
             self.checkpointer.set_aside_after(latest)  # newer steps (unreadable, rejected, or left by --checkpoint)
             self.checkpointer.await_verdict(latest)  # a step saved last (SIGTERM) is judged by our first loss
         self.resumed_step = latest
+        self._logged_step = latest  # metrics.jsonl holds the records up to here (a later run() continues)
         self.guard: DivergenceGuard | None = None
         if latest is not None:
             self.state = state
@@ -258,7 +259,7 @@ class Trainer:
         cfg = self.cfg
         total = cfg.train.steps
         end = min(total, stop_at) if stop_at is not None else total
-        writer = self._writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=self.resumed_step)
+        writer = self._writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=self._logged_step)
         self.guard = guard = DivergenceGuard(cfg.train, history=[
             r["loss"] for r in writer.history if "loss" in r and not r.get("skipped") and not r.get("diverged")])
         records: list[dict[str, Any]] = []
@@ -323,10 +324,12 @@ class Trainer:
             if not stopped and step == total and guard.healthy:
                 held_out = self.evaluate()
                 writer.write(step, held_out)
-                self.checkpointer.judge(step, math.isfinite(held_out["eval_loss"]),  # the last save's first loss
-                                        f"held-out loss {held_out['eval_loss']:.4g}")
+                loss = held_out.get("eval_loss", held_out.get("train_records_loss"))
+                if loss is not None:  # the last save's first loss
+                    self.checkpointer.judge(step, math.isfinite(loss), f"held-out loss {loss:.4g}")
         self.checkpointer.wait()
         writer.close()
+        self._logged_step = int(self.state.step)
         if not guard.healthy:  # stopped on bad steps, or ended on one: nothing was saved or will be sampled
             raise guard.error(self.checkpointer.newest_good())
         return records
