@@ -1,7 +1,7 @@
 """Fused AdaLN (Pallas) against the XLA reference: time, bandwidth, activation memory, a 2.7B train step.
 
-    PYTHONPATH=. python experiments/bench_adaln.py            # GPU, about 3 minutes with compiles
-    PYTHONPATH=. python experiments/bench_adaln.py --quick    # tiny sizes on the CPU (interpret mode)
+    python -m experiments.bench_adaln            # GPU, about 3 minutes with compiles
+    python -m experiments.bench_adaln --quick    # tiny sizes on the CPU (interpret mode)
 
 Sections (--sections, default all):
   kernels  N x C grid, B=1, bf16 activations (fp32 modulation vectors, as in the model): outputs and all
@@ -10,7 +10,7 @@ Sections (--sections, default all):
            forward+backward: that plus read x and dy, write dx) against a copy measured in this run.
            The gated kernel is measured at the headline shape (N=64k, C=3072).
   sweep    (not in the default run) block sizes around the default at N=64k, C=3072 and C=1152, to
-           tune BlockSizes.default: PYTHONPATH=. python experiments/bench_adaln.py --sections sweep
+           tune BlockSizes.default: python -m experiments.bench_adaln --sections sweep
   memory   compiled memory analysis of a gradient through a chain of AdaLN layers (plain and gated):
            temporary bytes, i.e. what the backward keeps alive, fused vs XLA.
   train    one train step of the 2.7B preset at 16k video tokens with model.adaln_impl=pallas vs xla.
@@ -18,26 +18,21 @@ Sections (--sections, default all):
 
 from __future__ import annotations
 
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
 import argparse
 import dataclasses
 import functools
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-if "--quick" in sys.argv:  # CPU, interpret mode: must be decided before jax starts
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # XLA:CPU compiles interpret-mode kernels several times faster without backend optimisation.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from experiments import harness  # noqa: E402
-from pallas_kernels.adaln import (BlockSizes, adaln_modulate, adaln_modulate_pallas,  # noqa: E402
-                                  gated_residual_adaln, gated_residual_adaln_pallas)
+from dsv_jax.config import get_config
+from experiments import harness
+from experiments.training import QUICK_MODEL, time_train_step
+from pallas_kernels.adaln import BlockSizes, adaln_modulate, adaln_modulate_pallas, gated_residual_adaln
 
 DEFAULT_SECTIONS = "kernels,memory,train"
 SIZES = {
@@ -48,8 +43,7 @@ SIZES = {
             "train": ("2.7b", (16, 64, 64), ["text.max_len=64"], 5), "copy_bytes": 2 << 30},
     "quick": {"N": [37], "C": [96], "headline": (37, 96), "iters": 3, "sweep_shapes": [(37, 96)], "sweep_limit": 2,
               "memory": (37, 96, 2),
-              "train": ("tiny", (1, 8, 8), ["model.hidden=32", "model.heads=2", "model.depth=1", "model.text_dim=16",
-                                           "model.patch=[1,4,4]", "text.max_len=8", "text.hash_buckets=8"], 3),
+              "train": ("tiny", (1, 8, 8), QUICK_MODEL + ["model.depth=1", "model.patch=[1,4,4]", "text.max_len=8"], 3),
               "copy_bytes": 64 << 20},
 }
 GOALS = {"fwd_pct_of_copy": 85.0, "fwd_bwd_speedup_64k_3072": 2.5, "memory_ratio_max": 0.5}
@@ -76,23 +70,13 @@ def fwd_fn(impl, block_sizes=None):
 def fwd_bwd_fn(impl, block_sizes=None):
     fn = (functools.partial(adaln_modulate_pallas, block_sizes=block_sizes) if block_sizes is not None
           else functools.partial(adaln_modulate, impl=impl))
-
-    def run(v):
-        y, pullback = jax.vjp(fn, v["x"], v["scale"], v["shift"])
-        return y, pullback(v["dy"])
-
-    return jax.jit(run)
+    return jax.jit(lambda v: harness.fwd_bwd(fn)(v["x"], v["scale"], v["shift"], v["dy"]))
 
 
 def gated_fns(impl):
     fn = functools.partial(gated_residual_adaln, impl=impl)
     args = lambda v: (v["x"], v["branch"], v["gate"], v["scale"], v["shift"])
-
-    def run(v):
-        out, pullback = jax.vjp(fn, *args(v))
-        return out, pullback((v["dh"], v["dy"]))
-
-    return jax.jit(lambda v: fn(*args(v))), jax.jit(run)
+    return jax.jit(lambda v: fn(*args(v))), jax.jit(lambda v: harness.fwd_bwd(fn)(*args(v), (v["dh"], v["dy"])))
 
 
 def max_rel_error(outs, refs):
@@ -190,7 +174,7 @@ def sweep_block_sizes(shapes, dtype, iters, limit=None):
                 row.update(fwd_ms=timed(fwd_fn("pallas", bs), v, iters), fwd_bwd_ms=timed(fb, v, iters),
                            **dataclasses.asdict(bs))
             except Exception as e:  # a config that does not compile (registers, shared memory) is reported
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row["error"] = harness.error_text(e)
             rows.append(row)
         del v, ref
     harness.print_table(rows, ["N", "C", "config", "fwd_ms", "fwd_bwd_ms", "err", "error"])
@@ -246,34 +230,12 @@ def chain_memory(n, c, layers, dtype):
 
 
 def train_step(preset, latent_shape, overrides, impl, steps):
-    """Median step time of the preset with model.adaln_impl=impl; the state is created inside jit."""
-    from dsv_jax.config import get_config
-    from dsv_jax.train.step import abstract_model, init_state, make_train_step
-
+    """Median step time of the preset with model.adaln_impl=impl after one warm-up step (B = 1)."""
     cfg = get_config(preset, [*overrides, f"model.adaln_impl={impl}"])
-    graphdef, _ = abstract_model(cfg)
-    state = jax.jit(lambda: init_state(cfg))()
-    b = 1
-    batch = {"latents": jax.random.normal(jax.random.key(0), (b, *latent_shape, cfg.model.in_channels)),
-             "text_ids": jnp.ones((b, cfg.text.max_len), jnp.int32),
-             "text_mask": jnp.ones((b, cfg.text.max_len), bool)}
-    lr = jnp.float32(1e-4)
-    t0 = time.perf_counter()
-    compiled = jax.jit(make_train_step(cfg, graphdef, "auto"), donate_argnums=(0,)).lower(state, batch, lr).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch, lr)
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - t0) * 1e3)
-    pt, ph, pw = cfg.model.patch
-    tokens = b * (latent_shape[0] // pt) * (latent_shape[1] // ph) * (latent_shape[2] // pw)
-    out = {"impl": impl, "tokens": tokens, "compile_s": compile_s, "step_ms": sorted(times[1:])[len(times[1:]) // 2],
-           "times_ms": times, "loss": float(metrics["loss"]),
-           "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None}
-    del state, compiled
+    r = time_train_step(cfg, latent_shape, steps - 1)
+    out = {"impl": impl, "tokens": r["tokens"], "compile_s": r["compile_s"], "step_ms": 1e3 * r["step_s"],
+           "times_ms": [1e3 * t for t in [r["warmup_s"], *r["step_times_s"]]], "loss": r["loss"],
+           "temp_bytes": r["temp_bytes"]}
     print("train", out, flush=True)
     return out
 

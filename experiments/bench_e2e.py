@@ -1,8 +1,8 @@
 """Headline benchmark (issue 9): end-to-end training throughput of the 2.7B DiT on one H200, full attention
 (cuDNN) vs window (WA-M, WA-L) vs DSV stage 2, fused vs XLA AdaLN.
 
-    PYTHONPATH=. python experiments/bench_e2e.py              # H200: one call, <= 380 s including compiles
-    PYTHONPATH=. python experiments/bench_e2e.py --quick      # CPU, tiny model: every code path, ~1 min
+    python -m experiments.bench_e2e              # H200: one call, <= 380 s including compiles
+    python -m experiments.bench_e2e --quick      # CPU, tiny model: every code path, ~1 min
 
 Model: the `2.7b` preset (32 blocks, hidden 2048, 16 heads x 128), bf16 compute, remat, scan over blocks,
 built with the DSV predictors (attention=dsv) so that ONE train state (fp32 params + AdamW, 32 GB, created
@@ -38,50 +38,38 @@ counts), AdaLN (plain x 2 + gated x 1 per block). rest = step - those: linear la
 
 from __future__ import annotations
 
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
+import argparse
+import dataclasses
+import gc
+import json
 import os
+import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-T_START = time.perf_counter()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "--quick" in sys.argv:  # CPU, interpret mode: must be decided before jax starts
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-# The 2.7B state (32 GB) plus long-sequence activations need more than jax's default 75% of the GPU.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import traceback  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dsv_jax.attention import attention
+from dsv_jax.attention.rope import rope_angles
+from dsv_jax.config import get_config
+from dsv_jax.dsv.plan import AttentionPlan
+from dsv_jax.dsv.predictor import LowRankPredictor, predictor_loss, sample_positions, true_logits
+from dsv_jax.dsv.selection import head_counts, select_kv, window_selection
+from dsv_jax.model.flops import mfu_metrics, peak_flops, train_step_flops
+from dsv_jax.model.tokens import grid_shape, token_layout
+from dsv_jax.train.loss import noised
+from dsv_jax.train.step import abstract_model
+from experiments import STARTED, harness
+from experiments.harness import error_text
+from experiments.training import TrainStepBench, run_steps, stage2_controller
+from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from dsv_jax.attention import attention  # noqa: E402
-from dsv_jax.attention.rope import rope_angles  # noqa: E402
-from dsv_jax.config import get_config  # noqa: E402
-from dsv_jax.data.text import vocab_size  # noqa: E402
-from dsv_jax.dsv.controller import DSVController, shape_key  # noqa: E402
-from dsv_jax.dsv.plan import AttentionPlan  # noqa: E402
-from dsv_jax.dsv.predictor import LowRankPredictor, predictor_loss, sample_positions, true_logits  # noqa: E402
-from dsv_jax.dsv.selection import head_counts, select_kv, window_selection  # noqa: E402
-from dsv_jax.model.flops import train_step_flops  # noqa: E402
-from dsv_jax.model.tokens import grid_shape, token_layout  # noqa: E402
-from dsv_jax.parallel.mesh import make_mesh, state_shardings  # noqa: E402
-from dsv_jax.train.compiles import CompileCounter  # noqa: E402
-from dsv_jax.train.loss import noised  # noqa: E402
-from dsv_jax.train.step import abstract_model, init_state  # noqa: E402
-from dsv_jax.train.trainer import batch_spec, lower_train_step  # noqa: E402
-from experiments import harness  # noqa: E402
-from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln  # noqa: E402
-
-H200_SPEC_TFLOPS = 989.4  # dense bf16 tensor-core peak of the H200 SXM (datasheet): the MFU denominator
 RESERVE_S = 8.0  # budget kept free for the final results file and table
 SETUPS = {
     # rates (FLOP/s) only feed the budget estimates: linear layers, cuDNN attention, sparse kernel.
@@ -129,25 +117,12 @@ FLOPS_FORMULA = (
     "2 B L H (S / q_tile)(S / kv_block) r. model (dense-equivalent) = 3 x the dense forward without DSV. "
     "work done = 4 (linear + cross) [fwd, remat fwd, 2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; "
     "kept = mean selected KV blocks / all] + DSV: 4 predictor + 2 selection. "
-    "MFU = FLOPs / step time / 989.4 TFLOP/s (H200 dense bf16 peak).")
+    "MFU = FLOPs / step time / the device's dense bf16 peak (dsv_jax.model.flops.peak_flops: 989.4 TFLOP/s on "
+    "an H200).")
 
 
 def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T_START:6.1f}s] {msg}", flush=True)
-
-
-def error_text(e: BaseException) -> str:
-    lines = traceback.format_exception_only(type(e), e)
-    return "".join(lines).strip()[-2000:]
-
-
-# -- FLOPs ----------------------------------------------------------------------------------------------
-
-def step_flops(cfg, shape, kept: float = 1.0, dsv: bool = False) -> dict[str, float]:
-    """FLOPs of one train step on one sample of latent `shape` (the library's count, see FLOPS_FORMULA)."""
-    f = train_step_flops(cfg, shape, 1, kept=kept, predictor=dsv, selection=dsv)
-    remat = 1.0 if cfg.model.remat else 0.0
-    return {"model": f["dense_equiv"], "work": f["work"], "attention_work": (3.5 + remat) * f["forward_video_attention"]}
+    print(f"[{time.time() - STARTED:6.1f}s] {msg}", flush=True)
 
 
 # -- the variants' attention --------------------------------------------------------------------------
@@ -163,32 +138,16 @@ def measured_sparsity(path: str) -> dict | None:
     return {"source": os.path.relpath(path), "per_block": values, "mean": float(np.mean(values))}
 
 
-def dsv_stage2(cfg, latent_shape, sparsity: float):
-    """(plans, runtime inputs, controller's own decision) of a stage-2 DSV step where every head of every
-    block has `sparsity`, from the trainer's controller (so plans and inputs are exactly what training runs)."""
-    depth, heads = cfg.model.depth, cfg.model.heads
-    ctl = DSVController(cfg)
-    keep = 1.0 - sparsity
-    ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {shape_key(latent_shape): {
-        "sparsity": np.full((depth, heads), sparsity).tolist(), "rungs": [ctl.rung_for(keep)] * depth,
-        "profiles": 1}}})
-    decision = ctl.decide(np.full(heads, keep), 0.0)
-    return ctl.plans(latent_shape), ctl.inputs(latent_shape), decision
-
-
 # -- the benchmark --------------------------------------------------------------------------------------
 
 class Bench:
     def __init__(self, args, setup):
         self.args, self.setup = args, setup
         self.cfg = get_config(args.preset or setup["preset"], setup["overrides"])
-        self.deadline = T_START + args.budget_s
-        self.mesh = make_mesh(self.cfg.parallel, jax.devices()[:1])
-        abstract = jax.eval_shape(lambda: init_state(self.cfg))
-        self.state_sharding = state_shardings(abstract, self.mesh)
-        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                           abstract, self.state_sharding)
-        self.init = jax.jit(lambda: init_state(self.cfg), out_shardings=self.state_sharding)
+        self.budget = harness.Budget(args.budget_s, reserve=RESERVE_S)
+        self.train = TrainStepBench(self.cfg)  # the one train state's layout, batches, lowered steps
+        device = jax.devices()[0]
+        self.peak = peak_flops(device.device_kind, device.platform)  # the MFU denominator (None: unknown)
         self.state = None
         self.pool = ThreadPoolExecutor(max(1, args.compile_workers))
         self.programs: dict[str, dict] = {}  # key -> {"exe", "compile_s", "lower_s"} or {"error"}
@@ -208,7 +167,8 @@ class Bench:
 
     # -- small helpers ------------------------------------------------------------------------------
     def left(self) -> float:
-        return self.deadline - time.perf_counter()
+        """Seconds of the budget left, the reserve for the results kept."""
+        return self.budget.left()
 
     def wanted(self, vid: str) -> bool:
         return not self.args.only or any(vid.startswith(p) for p in self.args.only.split(","))
@@ -216,22 +176,21 @@ class Bench:
     def cfg_for(self, impl: str):
         return dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, adaln_impl=impl))
 
-    def graphdef(self, impl: str):
-        return abstract_model(self.cfg_for(impl))[0]
-
     def layout(self, length: str):
         return token_layout(grid_shape(self.setup["lengths"][length], self.cfg.model.patch), self.cfg.model.tile)
 
     def batch(self, length: str) -> dict:
         if length not in self.batches:
-            shape = self.setup["lengths"][length]
-            spec = batch_spec(self.cfg, self.mesh, 1, shape)
-            k1, k2 = jax.random.split(jax.random.key(list(self.setup["lengths"]).index(length)))
-            host = {"latents": jax.random.normal(k1, spec["latents"].shape, jnp.float32),
-                    "text_ids": jax.random.randint(k2, spec["text_ids"].shape, 1, vocab_size(self.cfg.text.hash_buckets)),
-                    "text_mask": jnp.ones(spec["text_mask"].shape, bool)}
-            self.batches[length] = {k: jax.device_put(v, spec[k].sharding) for k, v in host.items()}
+            seed = list(self.setup["lengths"]).index(length)
+            self.batches[length] = self.train.batch(self.setup["lengths"][length], seed=seed)
         return self.batches[length]
+
+    def flops(self, e) -> dict[str, float]:
+        """The library's FLOPs of one train step of variant `e` (see FLOPS_FORMULA)."""
+        st = self.attention_setup(e["length"], e["attention"])
+        dsv = st["mode"] == "dsv"
+        return train_step_flops(self.cfg, self.setup["lengths"][e["length"]], 1, kept=st["kept"], predictor=dsv,
+                                selection=dsv)
 
     def attention_setup(self, length: str, name: str) -> dict:
         """{"attention", "inputs" (device arrays or None), "kept", ...} of an attention variant at a length."""
@@ -254,7 +213,11 @@ class Bench:
             if sparsity is None:
                 raise FileNotFoundError("no measured sparsity: experiments/results/quality_parity.json is missing "
                                         "runs.dsv.blocks[i].theta_sparsity_ema")
-            plans, inputs, decision = dsv_stage2(self.cfg, shape, sparsity)
+            # every head of every block at `sparsity`, through the trainer's controller: the plans and inputs
+            # are exactly what training runs
+            ctl = stage2_controller(self.cfg, shape, 1.0 - sparsity)
+            plans, inputs = ctl.plans(shape), ctl.inputs(shape)
+            decision = ctl.decide(np.full(self.cfg.model.heads, 1.0 - sparsity), 0.0)
             top_k = plans[0].top_k(n_blocks)
             counts = np.asarray(head_counts(inputs["keep"], n_blocks, top_k))
             out.update(attention=plans, inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
@@ -279,14 +242,13 @@ class Bench:
                 log("train state lost in a failed step: re-creating it")
             self.state = None
             gc.collect()
-            self.state = jax.block_until_ready(self.init())
+            self.state = jax.block_until_ready(self.train.new_state())
 
     # -- estimates (budget guard) -----------------------------------------------------------------------
     def est_step(self, e, raw: bool = False) -> float:
-        s = self.attention_setup(e["length"], e["attention"])
-        f = step_flops(self.cfg, self.setup["lengths"][e["length"]], s["kept"], s["mode"] == "dsv")
+        f, full = self.flops(e), self.attention_setup(e["length"], e["attention"])["mode"] == "full"
         dense, cudnn, sparse = self.setup["rates"]
-        t = (f["work"] - f["attention_work"]) / dense + f["attention_work"] / (cudnn if s["mode"] == "full" else sparse)
+        t = (f["work"] - f["work_video_attention"]) / dense + f["work_video_attention"] / (cudnn if full else sparse)
         return t if raw else t * (statistics.median(self.calibration) if self.calibration else 1.0)
 
     def est_compile(self) -> float:
@@ -308,9 +270,7 @@ class Bench:
     # -- compiling --------------------------------------------------------------------------------------
     def lower_step(self, e):
         s = self.attention_setup(e["length"], e["attention"])
-        cfg = self.cfg_for(e["adaln"])
-        return lower_train_step(cfg, abstract_model(cfg)[0], s["attention"], self.abstract_state,
-                                self.state_sharding, self.batch(e["length"]), s["inputs"])
+        return self.train.lower(self.batch(e["length"]), s["attention"], s["inputs"], cfg=self.cfg_for(e["adaln"]))
 
     def compile_wave(self, jobs) -> None:
         """Lower `jobs` [(key, lower_fn)] here one by one; compile them on the pool (the first alone)."""
@@ -353,7 +313,7 @@ class Bench:
         """jit(params, batch, key, inputs) -> {name: (loss, velocity)} at t = 0.5 with fixed noise, for each
         attention, on the state's parameters whose zero entries (AdaLN-Zero modulation, final projection,
         biases) are replaced by small noise, so that attention reaches the output."""
-        graphdef = self.graphdef(self.main)
+        graphdef = abstract_model(self.cfg_for(self.main))[0]
 
         def fwd(params, batch, key, inputs):
             leaves, tree = jax.tree.flatten(params)
@@ -377,7 +337,7 @@ class Bench:
         layout, batch = self.layout(length), self.batch(length)
         full_id, dsv_id = f"{length}/full/pallas", f"{length}/dsv0.9/pallas"
         est = 3 * self.setup["lower_s"] + 2.5 * self.est_compile() + 10
-        if self.left() - RESERVE_S < est:
+        if self.left() < est:
             self.check = {"status": "skipped", "reason": f"budget: needs ~{est:.0f} s, {self.left():.0f} s left"}
             return
         log(f"correctness check at {length} ({layout.seq_len} tokens)")
@@ -434,15 +394,9 @@ class Bench:
         m, s = cfg.model, layout.seq_len
         ks = jax.random.split(jax.random.key(11), 8)
         bf = jnp.bfloat16 if harness.on_gpu() else jnp.float32
-        qkv = [jax.random.normal(k, (1, s, m.heads, m.head_dim), bf) for k in ks[:4]]
+        qkv = harness.random_qkv(ks[0], s, m.heads, m.head_dim, bf)
         args = self.comp_args = {"qkv": qkv}
         jobs = []
-
-        def fwd_bwd(fn, n_diff):
-            def run(*a):  # the differentiable args first, then the rest, then the cotangent
-                out, vjp = jax.vjp(lambda *d: fn(*d, *a[n_diff:-1]), *a[:n_diff])
-                return out, vjp(a[-1])
-            return run
 
         def add(name, fn, *a):
             jobs.append((f"{length}/comp/{name}", lambda: jax.jit(fn).lower(*a)))
@@ -453,12 +407,12 @@ class Bench:
             if st["mode"] == "full":
                 fn = lambda q, k, v: attention(q, k, v, backend=cfg.dsv.dense_backend)  # noqa: E731
                 add(f"attn_f/{name}", fn, *qkv[:3])
-                add(f"attn_fb/{name}", fwd_bwd(fn, 3), *qkv)
+                add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
             elif st["mode"] == "window":
                 fn = lambda q, k, v, frac=st["window"]: attention(q, k, v, backend="window", grid=layout.grid,  # noqa: E731
                                                                   tile=layout.tile, fraction=frac)
                 add(f"attn_f/{name}", fn, *qkv[:3])
-                add(f"attn_fb/{name}", fwd_bwd(fn, 3), *qkv)
+                add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
             else:
                 if "q_lr" not in args:
                     args["q_lr"], args["k_lr"] = (jax.random.normal(k, (1, s, m.heads, cfg.dsv.rank)) for k in ks[4:6])
@@ -486,7 +440,7 @@ class Bench:
                 fn = lambda q, k, v, i, c: attention(q, k, v, backend="dsv", kv_index=i, kv_count=c,  # noqa: E731
                                                      q_tile=layout.tile_size, kv_block=kv_block)
                 add(f"attn_f/{name}", fn, *qkv[:3], *idx)
-                add(f"attn_fb/{name}", fwd_bwd(fn, 3), *qkv[:3], *idx, qkv[3])
+                add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv[:3], *idx, qkv[3])
         impls = {e["adaln"] for e in chosen if e["attention"] == "full"}
         if impls == {"xla", "pallas"}:  # the fused-AdaLN goal's pair: time AdaLN alone for both
             x = qkv[0].reshape(1, s, m.hidden)
@@ -496,9 +450,9 @@ class Bench:
                 plain = lambda x, sc, sh, impl=impl: adaln_modulate(x, sc, sh, impl=impl)  # noqa: E731
                 gated = lambda r, b, g, sc, sh, impl=impl: gated_residual_adaln(r, b, g, sc, sh, impl=impl)  # noqa: E731
                 add(f"adaln_plain_f/{impl}", plain, x, vec[1], vec[2])
-                add(f"adaln_plain_fb/{impl}", fwd_bwd(plain, 3), x, vec[1], vec[2], x)
+                add(f"adaln_plain_fb/{impl}", harness.fwd_bwd(plain, 3), x, vec[1], vec[2], x)
                 add(f"adaln_gated_f/{impl}", gated, x, x, *vec)
-                add(f"adaln_gated_fb/{impl}", fwd_bwd(gated, 5), x, x, *vec, (x, x))
+                add(f"adaln_gated_fb/{impl}", harness.fwd_bwd(gated, 5), x, x, *vec, (x, x))
         return jobs
 
     def time_components(self, length: str, jobs) -> None:
@@ -530,7 +484,7 @@ class Bench:
             try:
                 out = jax.block_until_ready(prog["exe"](*args))
                 once = time.perf_counter() - t0
-                if self.left() - RESERVE_S < 4 * once:
+                if self.left() < 4 * once:
                     comps[name] = {"error": "budget"}
                     continue
                 if kind == "sel":
@@ -562,41 +516,32 @@ class Bench:
             if limit and need > limit:
                 return self.skip(e, f"memory: compiled peak {need / 2**30:.1f} GiB > device limit {limit / 2**30:.1f} GiB")
         est = self.est_step(e)
-        if self.left() - RESERVE_S < 2 * est:
+        if self.left() < 2 * est:
             return self.skip(e, f"budget: a warm-up and one step need ~{2 * est:.0f} s, {self.left():.0f} s left")
         log(f"run {e['id']} ({e['tokens']} tokens, estimated {est:.2f} s/step)")
         args = (self.batch(e["length"]), self.lr) + ((st["inputs"],) if st["inputs"] is not None else ())
         try:
             self.ensure_state()
-            t0 = time.perf_counter()
-            with CompileCounter() as warm_compiles:
-                self.state, m = prog["exe"](self.state, *args)
-                jax.block_until_ready((self.state, m))
-            warm = time.perf_counter() - t0
-            n = max(0, min(self.args.steps, int((self.left() - RESERVE_S - 0.3 * warm) // warm)))
-            times, losses, finite = [], [float(m["loss"])], [bool(m["finite"])]
-            with CompileCounter() as compiles:
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    self.state, m = prog["exe"](self.state, *args)
-                    jax.block_until_ready((self.state, m))
-                    times.append(time.perf_counter() - t0)
-                    losses.append(float(m["loss"]))
-                    finite.append(bool(m["finite"]))
-            e.update(status="ok", warmup_s=warm, step_times_s=times, losses=losses, finite=all(finite),
-                     compiles_warmup=warm_compiles.count, compiles_timed=compiles.count, timed_steps=n)
+            self.state, warm = run_steps(prog["exe"], self.state, args, 1)
+            n = max(0, min(self.args.steps, int((self.left() - 0.3 * warm.median_s) // warm.median_s)))
+            self.state, timed = run_steps(prog["exe"], self.state, args, n)
+            e.update(status="ok", warmup_s=warm.median_s, step_times_s=timed.times_s, losses=warm.losses + timed.losses,
+                     finite=warm.finite and timed.finite, compiles_warmup=warm.compiles, compiles_timed=timed.compiles,
+                     timed_steps=n)
+            m = timed.metrics if n else warm.metrics
             if "dsv/predictor_loss" in m:
                 e["predictor_loss"] = float(np.mean(np.asarray(m["dsv/predictor_loss"])))
             if n < 3:
                 e["note"] = f"only {n} timed steps fit the budget" + ("; the warm-up step is reported" if not n else "")
-            step = statistics.median(times) if times else warm
-            e["step_ms"] = {"median": 1e3 * step, "min": 1e3 * min(times or [warm]), "max": 1e3 * max(times or [warm]),
-                            "spread_pct": 100 * (max(times) - min(times)) / step if times else None}
+            times = timed.times_s or warm.times_s
+            step = statistics.median(times)
+            e["step_ms"] = {"median": 1e3 * step, "min": 1e3 * min(times), "max": 1e3 * max(times),
+                            "spread_pct": 100 * (max(times) - min(times)) / step if n else None}
             self.calibration.append(step / self.est_step(e, raw=True))
             stats = jax.devices()[0].memory_stats() or {}
             e.setdefault("memory", {})["device_peak_gib_so_far"] = stats.get("peak_bytes_in_use", 0) / 2**30
-            log(f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm:.1f} ms), loss {losses[-1]:.4f}, "
-                f"compiles during timing {compiles.count}")
+            log(f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm.median_s:.1f} ms), loss "
+                f"{e['losses'][-1]:.4f}, compiles during timing {timed.compiles}")
         except Exception as ex:  # noqa: BLE001 (an OOM or kernel error must not lose the other variants)
             e.update(status="error", error=error_text(ex))
             log(f"  {e['id']} failed: {e['error'][:300]}")
@@ -611,12 +556,12 @@ class Bench:
             except Exception as ex:  # noqa: BLE001 (e.g. no measured sparsity)
                 e.update(status="error", error=error_text(ex))
                 continue
-            if planned + cost <= self.left() - RESERVE_S:
+            if planned + cost <= self.left():
                 chosen.append(e)
                 planned += cost
                 first = first and e["id"] in self.programs
             else:
-                self.skip(e, f"budget: needs ~{cost:.0f} s, {self.left() - RESERVE_S - planned:.0f} s left")
+                self.skip(e, f"budget: needs ~{cost:.0f} s, {self.left() - planned:.0f} s left")
         if not chosen:
             return self.save()
         log(f"group {length}: {[e['id'] for e in chosen]} (planned ~{planned:.0f} s, {self.left():.0f} s left)")
@@ -625,7 +570,7 @@ class Bench:
         for e in chosen:
             self.run_variant(e)
             self.save()
-        if self.left() - RESERVE_S > 5:
+        if self.left() > 5:
             self.time_components(length, comp_jobs)
         for key, _ in comp_jobs:
             self.programs.pop(key, None)
@@ -660,13 +605,13 @@ class Bench:
     # -- results ----------------------------------------------------------------------------------------
     def derive(self, e) -> None:
         """Throughput, MFU, attention share and split of a measured variant (from its components)."""
-        st = self.attention_setup(e["length"], e["attention"])
-        f = step_flops(self.cfg, self.setup["lengths"][e["length"]], st["kept"], st["mode"] == "dsv")
+        st, f = self.attention_setup(e["length"], e["attention"]), self.flops(e)
         step = e["step_ms"]["median"] / 1e3
-        e["flops"] = {"model": f["model"], "work": f["work"]}
+        e["flops"] = {"model": f["dense_equiv"], "work": f["work"]}
         e["tokens_per_s"] = e["tokens"] / step
-        e["tflops_model"], e["tflops_work"] = f["model"] / step / 1e12, f["work"] / step / 1e12
-        e["mfu_model"], e["mfu_work"] = e["tflops_model"] / H200_SPEC_TFLOPS, e["tflops_work"] / H200_SPEC_TFLOPS
+        mfu = mfu_metrics(f["dense_equiv"], f["work"], step, 1, self.peak)
+        e["tflops_model"], e["tflops_work"] = mfu["tflops_per_device"], mfu["tflops_per_device/work"]
+        e["mfu_model"], e["mfu_work"] = mfu.get("mfu/dense_equiv"), mfu.get("mfu/work")  # None: no known peak
         comps = self.components.get(e["length"], {})
         med = lambda name: comps.get(name, {}).get("median_ms")  # noqa: E731
         depth, name = self.cfg.model.depth, e["attention"]
@@ -760,12 +705,12 @@ class Bench:
             "compile_workers": self.args.compile_workers, "model": getattr(self, "model_info", {}),
             "batch": 1, "lengths": {k: {"latents": [*v, self.cfg.model.in_channels], "tokens": self.layout(k).seq_len}
                                     for k, v in self.setup["lengths"].items()},
-            "flops_formula": FLOPS_FORMULA, "peak_tflops": {"spec": H200_SPEC_TFLOPS,
+            "flops_formula": FLOPS_FORMULA, "peak_tflops": {"spec": self.peak and self.peak / 1e12,
                                                             "measured_matmul": harness.H200_BF16_TFLOPS},
             "check": self.check, "measured_sparsity": self.measured, "goals": self.goals(),
             "variants": self.entries, "components_ms": self.components,
             "skipped": [{"id": e["id"], "reason": e.get("reason")} for e in self.entries if e["status"] == "skipped"],
-            "wall_s": time.perf_counter() - T_START,
+            "wall_s": time.time() - STARTED,
         }
         harness.write_results(self.args.name + ("_quick" if self.args.quick else ""), payload)
 
@@ -794,6 +739,9 @@ class Bench:
 
 
 def main():
+    # The 2.7B state (32 GB) plus long-sequence activations need more than jax's default 75% of the GPU
+    # (read when jax's backend starts: before anything asks for a device).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (interpret mode), every code path")
     p.add_argument("--budget-s", type=float, default=None, help="hard wall budget from process start "

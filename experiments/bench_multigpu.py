@@ -1,9 +1,9 @@
 """Several GPUs (issue 8): attention strategies, 2.7B training with context parallelism, and
 data-parallel training of the 0.8B width with dual-constraint vs equal-token bucketing.
 
-    PYTHONPATH=. python experiments/bench_multigpu.py                    # every GPU of this host
-    PYTHONPATH=. python experiments/bench_multigpu.py --quick            # 8 fake CPU devices, tiny sizes
-    PYTHONPATH=. python experiments/bench_multigpu.py --quick --spawn 2  # 2 processes x 4 CPU devices (jax.distributed)
+    python -m experiments.bench_multigpu                    # every GPU of this host
+    python -m experiments.bench_multigpu --quick            # 8 fake CPU devices, tiny sizes
+    python -m experiments.bench_multigpu --quick --spawn 2  # 2 processes x 4 CPU devices (jax.distributed)
     # several hosts: on each, ... --coordinator HOST:PORT --processes N --process-id I
     ... --budget-s 550 --train-tokens 65536 --order attention data train   # a time-limited run
 
@@ -40,8 +40,8 @@ first variant's compile and step time for the second; part 3: before it, the fit
 steps per mode; after the fit, its compile time per program and its cost model for the dual rule's
 extra programs and the timed steps, which are cut to what fits, 4 at least), else the constants of
 ESTIMATES below: compile times that are conservative guesses for H200 (part 2's 2.7B program is the
-largest) and step times from model FLOPs at 30% of the bf16 ceiling (2.7B, 2 GPUs: ~61 s per step at
-128k tokens, ~17 s at 64k). In multi-process runs process 0 decides for all.
+largest) and step times from the step's FLOPs (dsv_jax.model.flops) at 30% of the bf16 ceiling (2.7B,
+2 GPUs: ~56 s per step at 128k tokens, ~15 s at 64k). In multi-process runs process 0 decides for all.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ import subprocess
 import sys
 import time
 
+from experiments import STARTED
+from experiments.quick_cpu import use_cpu
+
 # wall-clock start of the run (--budget-s counts from here; processes of --spawn inherit the parent's)
-T0 = float(os.environ.get("BENCH_MULTIGPU_T0", time.time()))
+T0 = float(os.environ.get("BENCH_MULTIGPU_T0", STARTED))
 PARTS = ("attention", "train", "data")
 
 
@@ -102,8 +105,9 @@ def spawn(args) -> int:
             rest.append(a)
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // args.spawn}", JAX_PLATFORMS="cpu",
                BENCH_MULTIGPU_T0=repr(T0))
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *rest, "--coordinator", f"127.0.0.1:{port}",
-                               "--processes", str(args.spawn), "--process-id", str(i)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "experiments.bench_multigpu", *rest,
+                               "--coordinator", f"127.0.0.1:{port}", "--processes", str(args.spawn),
+                               "--process-id", str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(args.spawn)]
     outs = [p.communicate()[0] for p in procs]
     print(outs[0])
@@ -114,14 +118,12 @@ def spawn(args) -> int:
     return 0
 
 
+# Arguments first: they decide the processes and, before jax starts, its devices.
 ARGS = parse_args()
 if ARGS.spawn:
     sys.exit(spawn(ARGS))
-if ARGS.quick and ARGS.processes == 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ARGS.quick and ARGS.processes == 1:
+    use_cpu(devices=8)
 
 import jax  # noqa: E402
 
@@ -138,15 +140,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from experiments import harness  # noqa: E402
 from dsv_jax.attention import attention  # noqa: E402
 from dsv_jax.config import ParallelConfig, get_config  # noqa: E402
 from dsv_jax.data.cost_model import predict_schedule  # noqa: E402
+from dsv_jax.model.flops import parameter_count, train_step_flops  # noqa: E402
 from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_kv_blocks, selective_capacity  # noqa: E402
 from dsv_jax.parallel.comm import collective_bytes, context_bytes  # noqa: E402
-from dsv_jax.parallel.context import OVERFLOW_EVENTS  # noqa: E402
-from dsv_jax.parallel.mesh import state_shardings  # noqa: E402
 from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention  # noqa: E402
+from experiments import harness  # noqa: E402
+from experiments.training import time_train_step  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_attention  # noqa: E402
 
 SKEWED = (0.6, 0.7, 0.8, 0.85) + (0.9541666666666667,) * 12  # mean 0.9 (as experiments/cp_model.py)
@@ -184,8 +186,7 @@ def estimates() -> dict:
     return ESTIMATES["gpu" if harness.on_gpu() else "cpu"]
 
 
-def time_left() -> float:
-    return math.inf if ARGS.budget_s is None else ARGS.budget_s - (time.time() - T0)
+BUDGET = harness.Budget(ARGS.budget_s, start=T0)
 
 
 def agree(x: int) -> int:
@@ -198,21 +199,18 @@ def agree(x: int) -> int:
 
 
 def over_budget(estimate_s: float, what: str) -> str | None:
-    """None when `estimate_s` fits in the time left, else the reason to skip `what` (printed)."""
-    left = time_left()
-    if agree(left >= estimate_s):
-        return None
-    reason = f"budget: {max(left, 0):.0f} s left < {estimate_s:.0f} s estimated"
-    say(f"  {clock()} skip {what}: {reason}")
+    """None when `estimate_s` fits in the time left (process 0 decides for all), else the reason to skip
+    `what` (printed)."""
+    reason = BUDGET.skip_reason(estimate_s, fits=bool(agree(BUDGET.allows(estimate_s))))
+    if reason:
+        say(f"  {clock()} skip {what}: {reason}")
     return reason
 
 
-def flops_step_s(n_params: int, depth: int, hidden: int, batch: int, seq: int, devices: int, remat: bool) -> float:
-    """Estimated step time from model FLOPs (load_balance.model_flops; +1/3 with remat) at ESTIMATES' mfu."""
-    from experiments.load_balance import model_flops
-
-    f = model_flops(n_params, depth, hidden, batch, seq) * (4 / 3 if remat else 1)
-    return f / (devices * harness.H200_BF16_TFLOPS * 1e12 * estimates()["mfu"])
+def flops_step_s(cfg, shape, batch: int, devices: int) -> float:
+    """Estimated step time: the work of the step (dsv_jax.model.flops) at ESTIMATES' share of the bf16 ceiling."""
+    work = train_step_flops(cfg, shape, batch)["work"]
+    return work / (devices * harness.H200_BF16_TFLOPS * 1e12 * estimates()["mfu"])
 
 
 # -- part 1: attention alone ------------------------------------------------------------------
@@ -298,15 +296,14 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
 
         refs = None
         if si == 0:  # correctness first, at the smallest size: single-device attention, replicated
-            def ref_fn(q, k, v, do, idx, cnt, sparse):
+            def ref_fn(q, k, v, idx, cnt, do, sparse):
                 # the single-device sparse kernel (itself checked against the reference by
                 # bench_sparse_attention); the plain-JAX reference's backward does not fit at 64k
                 f = ((lambda q, k, v: sparse_attention(q, k, v, idx, cnt, q_tile=tile, kv_block=tile))
                      if sparse else (lambda q, k, v: attention(q, k, v)))
-                out, vjp = jax.vjp(f, q, k, v)
-                return (out, *vjp(do))
+                return harness.fwd_bwd(f)(q, k, v, do)
             # replicated inputs: cuDNN attention refuses operands sharded along the sequence
-            whole = [jax.device_put(x, rep) for x in (q, k, v, do, idx, cnt)]
+            whole = [jax.device_put(x, rep) for x in (q, k, v, idx, cnt, do)]
             refs = {sp: jax.jit(ref_fn, static_argnums=6, out_shardings=rep)(*whole, sp) for sp in (False, True)}
             del whole
 
@@ -321,10 +318,7 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
                 extra = dict(kv_index=idx, kv_count=cnt, q_tile=tile, kv_block=tile) if sparse else {}
                 return context_attention(q, k, v, mesh=mesh, **kw, **extra)
 
-            def fwd_bwd(q, k, v, do, idx, cnt, call=call):
-                out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, idx, cnt), q, k, v)
-                return (out, *vjp(do))
-
+            fwd_bwd = harness.fwd_bwd(call, 3)  # (q, k, v, idx, cnt, do) -> (out, (dq, dk, dv))
             step = jax.jit(fwd_bwd)
             row = {"seq_len": s, "attention": "sparse" if sparse else "dense", "variant": name}
             key = f"{row['attention']} {name}"
@@ -335,26 +329,27 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
                 continue
             try:
                 t_first = time.perf_counter()
-                got = step(q, k, v, do, idx, cnt)
+                got = step(q, k, v, idx, cnt, do)
                 jax.block_until_ready(got)
                 t_first = time.perf_counter() - t_first
                 if refs is not None:
                     err = jax.jit(lambda a, b: jnp.max(jnp.stack([
                         jnp.linalg.norm((x - y).astype(jnp.float32)) / jnp.linalg.norm(y.astype(jnp.float32))
-                        for x, y in zip(a, b)])), out_shardings=rep)(got, refs[sparse])
+                        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))])),
+                        out_shardings=rep)(got, refs[sparse])
                     row["rel_error_max"] = float(err)
-                t = harness.time_fn(step, q, k, v, do, idx, cnt, warmup=1, iters=iters)
+                t = harness.time_fn(step, q, k, v, idx, cnt, do, warmup=1, iters=iters, agree=agree)
                 row.update(median_ms=t["median_ms"], spread_pct=t["spread_pct"], first_call_s=t_first)
                 seen[key] = (s, t_first, t["median_ms"] / 1e3)
             except Exception as e:  # one variant failing (e.g. memory) must not lose the others
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row["error"] = harness.error_text(e)
             ph, ps = kw.get("degrees", (n, 1) if kw["strategy"] == "ulysses" else (1, n))
             scp = kw.get("scp") or ("allgather" if kw["strategy"] == "ulysses" else kw["strategy"])
             formula = context_bytes(hcp=ph, scp=ps, scp_strategy=scp, batch=1, seq_len=s, heads=heads,
                                     head_dim=head_dim, itemsize=jnp.dtype(dtype).itemsize, sparse=sparse,
                                     top_k=int(idx.shape[-1]), q_tile=tile, kv_block=tile,
                                     capacity=kw.get("capacity", 0), mesh_devices=n, hcp_slots=kw.get("hcp_slots"))
-            traced = collective_bytes(fwd_bwd, q, k, v, do, idx, cnt)
+            traced = collective_bytes(fwd_bwd, q, k, v, idx, cnt, do)
             row.update(hcp=ph, scp=ps, scp_strategy=scp, capacity=kw.get("capacity"), hcp_slots=kw.get("hcp_slots"),
                        bytes_per_device=formula["total"], bytes_traced=traced["total"],
                        bytes_match=abs(traced["total"] - formula["total"]) <= 1e-6 * formula["total"] + 64)
@@ -404,9 +399,16 @@ def train_latent(tokens: int, patch, tile, prefer=(64, 32, 128, 16, 8)) -> tuple
                      f"(use a multiple of 16384 for 128 x 128 latents)")
 
 
-def bench_training(mesh, quick, steps, tokens, rows, save):
-    from dsv_jax.train.step import abstract_model, init_state, make_train_step
+def overflow(metrics) -> dict[str, int]:
+    """The last step's selective exchanges over capacity (the train step's cp/ statistics): KV blocks over,
+    and blocks that took the exact all-gather path instead."""
+    if "cp/overflow_blocks" not in metrics:
+        return {}
+    return {"overflow_blocks": int(np.sum(np.asarray(metrics["cp/overflow_blocks"]))),
+            "fallback_blocks": int(np.sum(np.asarray(metrics["cp/fallback"]) > 0))}
 
+
+def bench_training(mesh, quick, steps, tokens, rows, save):
     n = mesh.shape["context"]
     if quick:
         overrides = ["model.hidden=64", "model.heads=8", "model.depth=2", "model.text_dim=16", "model.patch=[1,2,2]",
@@ -421,24 +423,12 @@ def bench_training(mesh, quick, steps, tokens, rows, save):
     latent = train_latent(tokens, cfg.model.patch, cfg.model.tile)
     heads = cfg.model.heads
     sparsity = profile(heads)
-    graphdef, _ = abstract_model(cfg)
-    abstract = jax.eval_shape(lambda: init_state(cfg))
-    shardings = state_shardings(abstract, mesh)
-    n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+    n_params = parameter_count(cfg)
     est = estimates()
     compile_est = est["train_compile"]
-    step_est = (est["train_step"] if "train_step" in est else
-                flops_step_s(n_params, cfg.model.depth, cfg.model.hidden, 1, tokens, n, cfg.model.remat))
+    step_est = est["train_step"] if "train_step" in est else flops_step_s(cfg, latent, 1, n)
     say(f"  {cfg.name}: {n_params / 1e9:.2f}B params, latents {'x'.join(map(str, latent))} = {tokens} tokens, "
         f"{steps} timed steps per variant; estimates: compile {compile_est:.0f} s, step {step_est:.1f} s")
-    state = None
-    t, h, w = latent
-    rng = np.random.default_rng(0)
-    host = {"latents": rng.standard_normal((1, t, h, w, cfg.model.in_channels)).astype(np.float32),
-            "text_ids": rng.integers(1, 50, (1, cfg.text.max_len)).astype(np.int32),
-            "text_mask": np.ones((1, cfg.text.max_len), bool)}
-    batch = {k: jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda i, x=x: x[i])
-             for k, x in host.items()}
     plans = {"full (cuDNN / XLA inside CP)": ContextPlan(mesh, "hybrid"),
              "DSV-style sparse": DSVStylePlan(mesh, "hybrid", head_sparsity=sparsity, tile=tile,
                                               options=(("capacity", 0.5),))}
@@ -449,35 +439,15 @@ def bench_training(mesh, quick, steps, tokens, rows, save):
             rows.append({**row, "skipped": reason})
             save()
             continue
-        if state is None:  # (again after a failed step: the state was donated)
-            state = jax.jit(lambda: init_state(cfg), out_shardings=shardings)()
-        step = jax.jit(make_train_step(cfg, graphdef, plan), donate_argnums=(0,), out_shardings=(shardings, None))
-        lr = jnp.float32(1e-5)
-        try:
-            t0 = time.perf_counter()
-            compiled = step.lower(state, batch, lr).compile()
-            row["compile_s"] = time.perf_counter() - t0
-            say(f"  {clock()} {name}: compiled in {row['compile_s']:.1f} s")
-            save()
-            t0 = time.perf_counter()
-            state, m = compiled(state, batch, lr)  # warm-up
-            jax.block_until_ready(m)
-            row["warmup_s"] = time.perf_counter() - t0
-            say(f"  {clock()} {name}: warm-up step {row['warmup_s']:.2f} s")
-            times = []
-            for i in range(steps):
-                t0 = time.perf_counter()
-                state, m = compiled(state, batch, lr)
-                jax.block_until_ready(m)
-                times.append(time.perf_counter() - t0)
-                say(f"  {clock()} {name}: step {i + 1}/{steps} {times[-1]:.3f} s")
-            med = float(np.median(times))
-            row.update(step_s=med, step_times_s=times, tokens_per_s=tokens / med, loss=float(m["loss"]),
-                       overflow_calls=OVERFLOW_EVENTS["calls"])
-            compile_est, step_est = row["compile_s"], med  # the sparse variant's estimates: no slower than full
+        try:  # progress after the compile, the warm-up and every step: a run cut short shows where its time went
+            r = time_train_step(cfg, latent, steps, attention=plan, mesh=mesh, lr=1e-5,
+                                on_event=lambda what, sec, name=name: say(f"  {clock()} {name}: {what} {sec:.3f} s"))
+            row.update(compile_s=r["compile_s"], warmup_s=r["warmup_s"], step_s=r["step_s"],
+                       step_times_s=r["step_times_s"], tokens_per_s=r["tokens_per_s"], loss=r["loss"],
+                       **overflow(r["metrics"]))
+            compile_est, step_est = r["compile_s"], r["step_s"]  # the sparse variant's estimates: no slower than full
         except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            state = None
+            row["error"] = harness.error_text(e)
         rows.append(row)
         say(f"  {name:32s} {row.get('step_s', float('nan')):8.3f} s/step  {row.get('tokens_per_s', 0):10.0f} tok/s "
             f"{row.get('error', '')}")
@@ -502,12 +472,11 @@ def bench_data_parallel(n, quick, steps, depth, rows, setup, save):
     shares = np.array([b.share for b in buckets])
     m_mem = 4 * int(seq.max()) * bench.dp  # load_balance's cap (4 of the longest clips) per device
     eq_b = lb.equal_batches(bench, seq, m_mem)
-    n_params = lb.param_count(bench)
+    n_params = parameter_count(cfg)
     iters = 3 if quick else 5
     est = estimates()
     step_est = (est["data_step"] if "data_step" in est else
-                flops_step_s(n_params, cfg.model.depth, cfg.model.hidden, 4 * bench.dp, int(seq.max()), n,
-                             cfg.model.remat))
+                flops_step_s(cfg, buckets[int(seq.argmax())].shape, 4 * bench.dp, n))
     programs = len(buckets) + 1  # the fit's: equal-token batch per bucket and the shortest at half batch
     fit_steps = programs * (2 + iters)
     setup.update(preset=cfg.name, depth=cfg.model.depth, hidden=cfg.model.hidden, params=n_params,
@@ -548,7 +517,7 @@ def bench_data_parallel(n, quick, steps, depth, rows, setup, save):
     say(f"  {clock()} {len(bench._compiled)} programs compiled in {compile_s + more:.0f} s and warmed up")
 
     per_pair = 1.25 * sum(p["mean_step_s"] for p in predicted.values())  # one step of each mode, with margin
-    fit_in = int((time_left() - 5) / per_pair) if math.isfinite(time_left()) else steps
+    fit_in = int((BUDGET.left() - 5) / per_pair) if math.isfinite(BUDGET.left()) else steps
     n_steps = agree(min(steps, fit_in))
     if n_steps < min(steps, 4):
         reason = over_budget(4 * per_pair + 5, "part 3 timed steps")

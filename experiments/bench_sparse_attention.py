@@ -1,14 +1,15 @@
 """DSV kernels on the GPU: selection (lowrank_topk) + block-sparse attention fwd/bwd against cuDNN dense.
 
-    PYTHONPATH=. python experiments/bench_sparse_attention.py            # H200, ~6 min
-    PYTHONPATH=. python experiments/bench_sparse_attention.py --quick    # CPU, interpret mode, tiny sizes
-    PYTHONPATH=. python experiments/bench_sparse_attention.py --sections padded,lse   # only the new rows
+    python -m experiments.bench_sparse_attention            # H200, ~6 min
+    python -m experiments.bench_sparse_attention --quick    # CPU, interpret mode, tiny sizes
+    python -m experiments.bench_sparse_attention --sections padded,lse   # only the new rows
 
 Per sequence length S (B=1, H=16, D=128, bf16): cuDNN full attention fwd and fwd+bwd; per kv_block
 (1 = token level, 64 = 3D tiles): one compiled sparse forward and fwd+bwd whose index capacity K is
 that of the densest selection (80%), reused for every sparsity through the runtime counts (what DSV's
-keep-ratio ladder does); random but realistic selections (a local band around each tile plus random
-blocks, per-head keep ratios from 0.6x to 1.4x of the target) at each sparsity; selections from
+keep-ratio ladder does); random but realistic selections (harness.random_selection: a fifth of each list
+the blocks around the tile, the rest random; per-head keep ratios from 0.6x to 1.4x of the target) at
+each sparsity; selections from
 lowrank_topk on smooth ("real-looking") q_lr, k_lr at 90% and 95%. The headline (S=64k, kv_block=64,
 90% / 95%) is also compiled with the exact K. Every compiled function is checked against the
 reference before it is timed (full reference at S=16k, sampled query tiles above); a failed check or
@@ -28,24 +29,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import os
-import subprocess
-import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv_jax.model.flops import ATTENTION_FWD_BWD, attention_flops
 from experiments import harness
+from experiments.harness import compile_timed, error_text
 from pallas_kernels.lowrank_topk import lowrank_topk_reference
 from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.sparse_attention_triton import Plan, prepare_index, sparse_attention_pallas
 from pallas_kernels.sparse_index import dkdv_worklist
-from pallas_kernels.tuning import SparseAttentionTuning, for_device, generation
+from pallas_kernels.tuning import for_device, generation
 
 FULL = dict(sizes=[16384, 65536, 131072, 32768], sparsities=[0.8, 0.9, 0.95, 0.98], kv_blocks=[64, 1],
             select_sparsities=[0.9, 0.95], heads=16, head_dim=128, q_tile=64, rank=16, token_group=16,
@@ -58,51 +56,26 @@ QUICK = dict(sizes=[256], sparsities=[0.75], kv_blocks=[32, 1], select_sparsitie
              extra_sparsity=0.75, extra_iters=1, extra_budget_s=900.0)
 SECTIONS = ("main", "padded", "lse")
 HEADLINE = (65536, 64)  # (S, kv_block) of the goals
+LOCAL_SHARE = 0.2  # of a selection: the blocks around the query tile (about the +-1% band of earlier runs at 90%)
 
 
-class Budget:
-    def __init__(self, seconds):
-        self.start, self.seconds = time.perf_counter(), seconds
-
-    def left(self):
-        return self.seconds - (time.perf_counter() - self.start)
-
-
-def error_text(e: BaseException) -> str:
-    return (f"{type(e).__name__}: {e}"[:1500] + "\n" + "".join(traceback.format_exception(e))[-1500:])
+def budget_from_now(seconds: float) -> harness.Budget:
+    """A time budget counted from now."""
+    return harness.Budget(seconds, start=time.time())
 
 
 # --------------------------------------------------------------------------------------------------
 # inputs
 
 
-def qkv_do(key, s, h, d):
-    ks = jax.random.split(key, 4)
-    return tuple(jax.random.normal(k_, (1, s, h, d), jnp.bfloat16) for k_ in ks)
-
-
 def random_selection(key, *, seq, heads, q_tile, group, keep):
-    """Blocks of `group` tokens per query tile: a local band around the tile plus random blocks.
-
-    Returns (index [1, H, T, K] ascending, count [1, H, T]) with K = the largest count; per-head keep
-    ratios spread from 0.6x to 1.4x of `keep` (heads differ in sparsity, as DSV measures)."""
-    tiles, nb = seq // q_tile, seq // group
-    ks = jax.random.split(key, 2)
-    head_keep = keep * jax.random.permutation(ks[0], jnp.linspace(0.6, 1.4, heads))
-    centre = (jnp.arange(tiles) * q_tile + q_tile // 2) // group
-    band = max(1, int(0.01 * nb))
-    local = jnp.abs(jnp.arange(nb)[None] - centre[:, None]) <= band  # [T, nb]
-    n_local = jnp.sum(local, axis=-1).astype(jnp.float32)  # [T]
-    p_rand = jnp.clip((head_keep[:, None] * nb - n_local[None]) / (nb - n_local[None]), 0.0, 1.0)  # [H, T]
-    mask = local[None] | (jax.random.uniform(ks[1], (heads, tiles, nb)) < p_rand[..., None])
-    count = jnp.sum(mask, axis=-1).astype(jnp.int32)
-    cap = int(jnp.max(count))
-    slot = jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - 1
-    row = (jnp.arange(heads * tiles, dtype=jnp.int32) * cap).reshape(heads, tiles, 1)
-    target = jnp.where(mask, row + slot, heads * tiles * cap)
-    ids = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), mask.shape)
-    index = jnp.zeros(heads * tiles * cap, jnp.int32).at[target.ravel()].set(ids.ravel(), mode="drop")
-    return index.reshape(1, heads, tiles, cap), count[None]
+    """Blocks of `group` tokens per query tile (harness.random_selection), with per-head keep ratios spread
+    from 0.6x to 1.4x of `keep` (heads differ in sparsity, as DSV measures). Returns (index [1, H, T, K],
+    count [1, H, T]) with K = the largest count."""
+    k_heads, k_blocks = jax.random.split(key)
+    head_keep = keep * jax.random.permutation(k_heads, jnp.linspace(0.6, 1.4, heads))
+    return harness.random_selection(k_blocks, seq=seq, heads=heads, q_tile=q_tile, kv_block=group, keep=head_keep,
+                                    local_share=LOCAL_SHARE)
 
 
 def to_tokens(index, count, group):
@@ -131,12 +104,6 @@ def lowrank_inputs(key, seq, heads, rank):
 # functions under test
 
 
-def compile_fn(fn, *args):
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - t0
-
-
 def sparse_fns(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False):
     """Compiled-to-be fwd(q, k, v, index, count) and fwd_bwd(..., do): the Pallas path, optionally masking
     padded keys (kv_valid, a constant of the call) and returning lse (then fwd_bwd takes (do, dlse))."""
@@ -146,22 +113,14 @@ def sparse_fns(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=F
     def fwd(q, k, v, index, count):
         return attend(q, k, v, index, count, sm_scale=q.shape[-1] ** -0.5)
 
-    def fwd_bwd(q, k, v, index, count, do):
-        o, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, index, count), q, k, v)
-        return o, vjp(do)
-
-    return fwd, fwd_bwd
+    return fwd, harness.fwd_bwd(fwd, 3)
 
 
 def dense_fns(implementation):
     def fwd(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
 
-    def fwd_bwd(q, k, v, do):
-        o, vjp = jax.vjp(fwd, q, k, v)
-        return o, vjp(do)
-
-    return fwd, fwd_bwd
+    return fwd, harness.fwd_bwd(fwd)
 
 
 def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
@@ -173,12 +132,8 @@ def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
         index, count = prepare_index(index, count, plan, seq)
         return dkdv_worklist(index, count, kv_block=kv_block, rows=plan.dkdv_rows, seq_len=seq)
 
-    build_c, _ = compile_fn(build, index, count)
+    build_c, _ = compile_timed(build, index, count)
     return harness.time_fn(build_c, index, count, warmup=1, iters=3)["median_ms"]
-
-
-def attention_flops(seq, heads, head_dim, keys_per_query):
-    return 4.0 * seq * heads * head_dim * keys_per_query  # forward; fwd+bwd is 3.5x
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,22 +167,6 @@ def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block, kv_valid=N
     return out, lse, rows
 
 
-def check_sparse(fwd_c, fwd_bwd_c, q, k, v, do, index, count, *, q_tile, kv_block, full):
-    """Relative errors of the compiled functions against the reference (full, or sampled query tiles)."""
-    if full:
-        ref_f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block)
-        ref_o, ref_vjp = jax.vjp(ref_f, q, k, v)
-        ref_g = ref_vjp(do)
-        o, grads = fwd_bwd_c(q, k, v, index, count, do)
-        errs = {"o": harness.rel_error(o, ref_o)}
-        errs.update({n: harness.rel_error(g, rg) for n, g, rg in zip(("dq", "dk", "dv"), grads, ref_g)})
-        return {"mode": "full", **errs}
-    tiles = jnp.asarray(np.random.default_rng(0).choice(q.shape[1] // q_tile, min(4, q.shape[1] // q_tile), replace=False))
-    ref_rows, rows = sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block)
-    o = fwd_c(q, k, v, index, count)
-    return {"mode": "sampled 4 tiles x all heads", "o": harness.rel_error(o[0, rows], ref_rows)}
-
-
 def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
     """On sampled tiles: agreement with an exact (fp32 'highest') top-k, and whether the picks are a top-k."""
     b, s, h, r = q_lr.shape
@@ -253,20 +192,20 @@ def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
 def run_size(seq, cfg, budget, tunings, interpret, out):
     h, d, q_tile = cfg["heads"], cfg["head_dim"], cfg["q_tile"]
     iters = cfg["iters"]
-    q, k, v, do = qkv_do(jax.random.key(seq), seq, h, d)
+    q, k, v, do = harness.random_qkv(jax.random.key(seq), seq, h, d)
     dense_impl = "cudnn" if harness.on_gpu() else "xla"
     dense_fwd, dense_fwd_bwd = dense_fns(dense_impl)
     entry = {"seq": seq, "dense_impl": dense_impl}
     try:
-        f_c, _ = compile_fn(dense_fwd, q, k, v)
-        fb_c, _ = compile_fn(dense_fwd_bwd, q, k, v, do)
+        f_c, _ = compile_timed(dense_fwd, q, k, v)
+        fb_c, _ = compile_timed(dense_fwd_bwd, q, k, v, do)
         entry["dense_fwd_ms"] = harness.time_fn(f_c, q, k, v, warmup=1, iters=iters)["median_ms"]
         entry["dense_fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, do, warmup=1, iters=iters)["median_ms"]
-        flops = 3.5 * attention_flops(seq, h, d, seq)
+        flops = ATTENTION_FWD_BWD * attention_flops(seq, h, d, seq)
         entry["dense_tflops"] = flops / entry["dense_fwd_bwd_ms"] / 1e9
         del f_c, fb_c
     except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
-        entry["dense_error"] = error_text(e)
+        entry["dense_error"] = error_text(e, trace=True)
     out["dense"].append(entry)
     dense_ms = entry.get("dense_fwd_bwd_ms")
     q_lr, k_lr = lowrank_inputs(jax.random.key(seq + 1), seq, h, cfg["rank"])
@@ -288,20 +227,14 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
         cap = max(i.shape[-1] for i, _ in selections.values())
         selections = {sp: (pad_to(i, cap), c) for sp, (i, c) in selections.items()}
         tuning = tunings.get(kv_block, for_device()[0])
-        fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
-        idx0, cnt0 = selections[cfg["sparsities"][0]]
         base = {"seq": seq, "kv_block": kv_block, "capacity_K": cap}
         try:
-            fwd_c, t_f = compile_fn(fwd, q, k, v, idx0, cnt0)
-            fwd_bwd_c, t_fb = compile_fn(fwd_bwd, q, k, v, idx0, cnt0, do)
-            base["compile_s"] = t_f + t_fb
-            check = check_sparse(fwd_c, fwd_bwd_c, q, k, v, do, idx0, cnt0, q_tile=q_tile, kv_block=kv_block,
-                                 full=seq <= cfg["full_check_max"])
-            tol = 2e-2
-            base["check"] = check
-            base["correct"] = all(v_ < tol for k_, v_ in check.items() if k_ != "mode")
+            fwd_c, fwd_bwd_c, part = checked_pair(q_tile, kv_block, tuning, interpret, inputs=(q, k, v, do, None),
+                                                  selection=selections[cfg["sparsities"][0]],
+                                                  full=seq <= cfg["full_check_max"])
+            base.update(part)
         except Exception as e:  # noqa: BLE001
-            out["runs"].append({**base, "error": error_text(e)})
+            out["runs"].append({**base, "error": error_text(e, trace=True)})
             continue
         if not base["correct"]:
             out["runs"].append({**base, "error": "failed the reference check; not timed"})
@@ -314,7 +247,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
             flops = attention_flops(seq, h, d, keys_per_query)
             row = {**base, "selection": label, "kept_fraction": keys_per_query / seq, "fwd_ms": f_ms,
                    "bwd_ms": fb_ms - f_ms, "fwd_bwd_ms": fb_ms, "fwd_tflops": flops / f_ms / 1e9,
-                   "fwd_bwd_tflops": 3.5 * flops / fb_ms / 1e9, **(extra or {})}
+                   "fwd_bwd_tflops": ATTENTION_FWD_BWD * flops / fb_ms / 1e9, **(extra or {})}
             if dense_ms:
                 row["speedup_vs_dense"] = dense_ms / fb_ms
                 row["tflops_vs_dense"] = row["fwd_bwd_tflops"] / entry["dense_tflops"]
@@ -330,7 +263,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                 if sp == cfg["select_sparsities"][0]:
                     row["worklist_ms"] = time_worklist(*selections[sp], q_tile, kv_block, tuning, seq, d)
             except Exception as e:  # noqa: BLE001
-                out["runs"].append({**base, "target_sparsity": sp, "error": error_text(e)})
+                out["runs"].append({**base, "target_sparsity": sp, "error": error_text(e, trace=True)})
 
         # Selection by lowrank_topk, then the same compiled attention on its output.
         for sp in cfg["select_sparsities"]:
@@ -343,7 +276,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                 select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
                                            block_reduce="mean", tuning=tunings.get("select", for_device()[1]),
                                            interpret=interpret)
-                sel_c, t_c = compile_fn(select, q_lr, k_lr)
+                sel_c, t_c = compile_timed(select, q_lr, k_lr)
                 ids = sel_c(q_lr, k_lr)
                 sel_row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
                                                tiles=sample_tiles))
@@ -353,7 +286,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                 sel_row["select_output_bytes"] = int(mem.output_size_in_bytes) if mem else None
                 if kv_block > 1 and sp == cfg["select_sparsities"][0] and budget.left() > 30:
                     naive = functools.partial(lowrank_topk_reference, top_k=top_k, q_tile=q_tile, kv_block=kv_block)
-                    naive_c, _ = compile_fn(naive, q_lr, k_lr)
+                    naive_c, _ = compile_timed(naive, q_lr, k_lr)
                     sel_row["naive_select_ms"] = harness.time_fn(naive_c, q_lr, k_lr, warmup=1, iters=2)["median_ms"]
                     nmem = naive_c.memory_analysis()
                     sel_row["naive_temp_bytes"] = int(nmem.temp_size_in_bytes) if nmem else None
@@ -364,7 +297,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                     sel_row["attention_fwd_bwd_ms"] = att["fwd_bwd_ms"]
                     sel_row["select_share_of_attention"] = sel_row["select_ms"] / att["fwd_bwd_ms"]
             except Exception as e:  # noqa: BLE001
-                sel_row["error"] = error_text(e)
+                sel_row["error"] = error_text(e, trace=True)
             out["selection"].append(sel_row)
         del fwd_c, fwd_bwd_c
 
@@ -393,13 +326,13 @@ def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, select_tuning, dense_ms, budg
                 count = jnp.full(ids.shape[:3], top_k, jnp.int32)
                 return fwd_bwd(q, k, v, ids, count, do)
 
-            step_c, _ = compile_fn(step, q, k, v, q_lr, k_lr, do)
+            step_c, _ = compile_timed(step, q, k, v, q_lr, k_lr, do)
             row["select_fwd_bwd_ms"] = harness.time_fn(step_c, q, k, v, q_lr, k_lr, do, warmup=1,
                                                        iters=cfg["iters"])["median_ms"]
             if dense_ms:
                 row["speedup_vs_dense"] = dense_ms / row["select_fwd_bwd_ms"]
         except Exception as e:  # noqa: BLE001
-            row["error"] = error_text(e)
+            row["error"] = error_text(e, trace=True)
         out["headline"].append(row)
 
 
@@ -408,7 +341,7 @@ def tuning_sweep(cfg, interpret, out, budget):
     selection; returns the fastest per kernel ({64: ..., 1: ..., "select": ...})."""
     seq, q_tile = cfg["sweep_seq"], cfg["q_tile"]
     h, d = cfg["heads"], cfg["head_dim"]
-    q, k, v, do = qkv_do(jax.random.key(5), seq, h, d)
+    q, k, v, do = harness.random_qkv(jax.random.key(5), seq, h, d)
     base = for_device()[0]
     candidates = {64: [base, dataclasses.replace(base, rows_per_step=128, fwd_warps=8, dq_warps=8)],
                   1: [base, dataclasses.replace(base, dkdv_rows=32)]}
@@ -426,12 +359,12 @@ def tuning_sweep(cfg, interpret, out, budget):
             row = {"kv_block": kv_block, "tuning": str(tuning)}
             try:
                 _, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret)
-                fb_c, _ = compile_fn(fwd_bwd, q, k, v, idx, cnt, do)
+                fb_c, _ = compile_timed(fwd_bwd, q, k, v, idx, cnt, do)
                 row["fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, idx, cnt, do, warmup=1, iters=3)["median_ms"]
                 if best_ms is None or row["fwd_bwd_ms"] < best_ms:
                     best[kv_block], best_ms = tuning, row["fwd_bwd_ms"]
             except Exception as e:  # noqa: BLE001
-                row["error"] = error_text(e)
+                row["error"] = error_text(e, trace=True)
             out["tuning_sweep"].append(row)
     # Selection kernel: token level (the expensive case), 90%.
     q_lr, k_lr = lowrank_inputs(jax.random.key(7), seq, h, cfg["rank"])
@@ -446,12 +379,12 @@ def tuning_sweep(cfg, interpret, out, budget):
         try:
             select = functools.partial(lowrank_topk_pallas, top_k=seq // 10, q_tile=q_tile, kv_block=1,
                                        block_reduce="mean", tuning=tuning, interpret=interpret)
-            sel_c, _ = compile_fn(select, q_lr, k_lr)
+            sel_c, _ = compile_timed(select, q_lr, k_lr)
             row["select_ms"] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=3)["median_ms"]
             if best_ms is None or row["select_ms"] < best_ms:
                 best["select"], best_ms = tuning, row["select_ms"]
         except Exception as e:  # noqa: BLE001
-            row["error"] = error_text(e)
+            row["error"] = error_text(e, trace=True)
         out["tuning_sweep"].append(row)
     out["tuning_used"] = {str(kb): str(t) for kb, t in best.items()}
     return best
@@ -473,15 +406,17 @@ def padded_kv_valid(grid, tile, kv_block):
     return jnp.asarray(per_block[None], jnp.int32), len(real) * size, int(real.sum())
 
 
-def checked_pair(cfg, q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False, full=False,
+def checked_pair(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False, full=False,
                  inputs=None, selection=None):
-    """Compile fwd and fwd+bwd of one variant and check them against the reference. -> (fwd_c, fwd_bwd_c, row)."""
+    """Compile fwd and fwd+bwd of one variant and check them against the reference (the whole call, or
+    sampled query tiles) on `inputs` (q, k, v, do, dlse) and `selection` (index, count).
+    -> (fwd_c, fwd_bwd_c, {"compile_s", "check", "correct"})."""
     q, k, v, do, dlse = inputs
     idx, cnt = selection
     fwd, fwd_bwd = sparse_fns(q_tile, kv_block, tuning, interpret, kv_valid=kv_valid, with_lse=with_lse)
     cot = (do, dlse) if with_lse else do
-    fwd_c, t_f = compile_fn(fwd, q, k, v, idx, cnt)
-    fwd_bwd_c, t_fb = compile_fn(fwd_bwd, q, k, v, idx, cnt, cot)
+    fwd_c, t_f = compile_timed(fwd, q, k, v, idx, cnt)
+    fwd_bwd_c, t_fb = compile_timed(fwd_bwd, q, k, v, idx, cnt, cot)
     row = {"compile_s": t_f + t_fb}
     if full:
         def ref(q, k, v):
@@ -519,7 +454,7 @@ def time_pair(fwd_c, fwd_bwd_c, inputs, selection, iters, with_lse):
 
 
 def extra_inputs(key, seq, cfg):
-    q, k, v, do = qkv_do(key, seq, cfg["heads"], cfg["head_dim"])
+    q, k, v, do = harness.random_qkv(key, seq, cfg["heads"], cfg["head_dim"])
     dlse = jax.random.normal(jax.random.fold_in(key, 1), (1, cfg["heads"], seq), jnp.float32)
     return q, k, v, do, dlse
 
@@ -536,7 +471,7 @@ def compare_variants(cfg, interpret, seq, kv_block, selection, inputs, variant, 
             row["error"] = f"time budget before {name}"
             return row
         try:
-            fwd_c, fwd_bwd_c, part = checked_pair(cfg, q_tile, kv_block, tuning, interpret, full=full, inputs=inputs,
+            fwd_c, fwd_bwd_c, part = checked_pair(q_tile, kv_block, tuning, interpret, full=full, inputs=inputs,
                                                   selection=selection, **opts)
             if part["correct"]:
                 part["fwd_ms"], part["fwd_bwd_ms"] = time_pair(fwd_c, fwd_bwd_c, inputs, selection,
@@ -545,7 +480,7 @@ def compare_variants(cfg, interpret, seq, kv_block, selection, inputs, variant, 
             row[name] = part
             del fwd_c, fwd_bwd_c
         except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
-            row[name] = {"error": error_text(e)}
+            row[name] = {"error": error_text(e, trace=True)}
     if len(timed) == 2:
         for key in ("fwd", "fwd_bwd"):
             row[f"{key}_ratio"] = timed["variant"][f"{key}_ms"] / timed["baseline"][f"{key}_ms"]
@@ -583,7 +518,7 @@ def run_padded(cfg, interpret, out, budget):
         for name, valid in (("select_ms", None), ("select_padded_ms", kv_valid)):
             select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
                                        block_reduce="mean", tuning=for_device()[1], interpret=interpret, kv_valid=valid)
-            sel_c, _ = compile_fn(select, q_lr, k_lr)
+            sel_c, _ = compile_timed(select, q_lr, k_lr)
             ids = sel_c(q_lr, k_lr)
             if valid is not None:
                 ref = lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, kv_valid=valid)
@@ -593,7 +528,7 @@ def run_padded(cfg, interpret, out, budget):
             sel[name] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=cfg["extra_iters"])["median_ms"]
         sel["select_ratio"] = sel["select_padded_ms"] / sel["select_ms"]
     except Exception as e:  # noqa: BLE001
-        sel["error"] = error_text(e)
+        sel["error"] = error_text(e, trace=True)
     out["padded"].append(sel)
 
 
@@ -609,39 +544,29 @@ def run_lse(cfg, interpret, out, budget):
         out["lse"].append(row)
 
 
-MOSAIC_TAG = "MOSAIC_RESULT "
-
-
 def mosaic_check_main():
-    """Child process: the Mosaic GPU forward at S=32k, kv_block=64, 90% against the Triton one; prints one
-    JSON line (experiments/bench_sparse_mgpu.py measures that path in full)."""
+    """Child process: the Mosaic GPU forward at S=32k, kv_block=64, 90% against the Triton one, answered to
+    try_mosaic_gpu (experiments/bench_sparse_mgpu.py measures that path in full)."""
     result = {}
     try:
         from experiments import bench_sparse_mgpu  # noqa: PLC0415
 
         seq, kv_block, heads, head_dim = 32768, 64, FULL["heads"], FULL["head_dim"]
-        q, k, v, _ = qkv_do(jax.random.key(9), seq, heads, head_dim)
+        q, k, v, _ = harness.random_qkv(jax.random.key(9), seq, heads, head_dim)
         idx, cnt = random_selection(jax.random.key(10), seq=seq, heads=heads, q_tile=64, group=kv_block, keep=0.1)
         result = {"seq": seq, "kv_block": kv_block, "device": harness.device_info()}
         result.update(bench_sparse_mgpu.forward_vs_triton(q, k, v, idx, cnt))
     except Exception as e:  # noqa: BLE001
-        result.update(ok=False, error=error_text(e))
-    print(MOSAIC_TAG + json.dumps(result, default=float), flush=True)
+        result.update(ok=False, error=error_text(e, trace=True))
+    harness.answer(result)
 
 
 def try_mosaic_gpu(timeout_s):
     """Runs mosaic_check_main in a child process (before this one claims the GPU), so that a crash or a
     barrier deadlock in the experimental kernel costs at most timeout_s and never the benchmark."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.3")
-    try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--mosaic-check"], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"no answer within {timeout_s} s (deadlock, hang or slow compile)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MOSAIC_TAG)]
-    if not lines:
-        return {"ok": False, "error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
-    return json.loads(lines[-1][len(MOSAIC_TAG):])
+    result = harness.in_child("experiments.bench_sparse_attention", ["--mosaic-check"], timeout_s,
+                              env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"})
+    return result if "ok" in result else {"ok": False, **result}
 
 
 def goals(out):
@@ -682,7 +607,7 @@ def main():
     mosaic = try_mosaic_gpu(cfg["mosaic_timeout_s"]) if main_rows and not args.quick else None  # before we hold the GPU
     interpret = not harness.on_gpu()
     start = time.perf_counter()
-    budget = Budget(cfg["budget_s"])
+    budget = budget_from_now(cfg["budget_s"])
     out = {"config": {k_: v_ for k_, v_ in cfg.items()}, "sections": sections, "generation": generation(),
            "dense": [], "runs": [], "selection": [], "headline": [], "tuning_sweep": [], "padded": [], "lse": [],
            "skipped": []}
@@ -695,7 +620,7 @@ def main():
                 out["skipped"].append(f"S={seq}: time budget")
                 continue
             run_size(seq, cfg, budget, tunings, interpret, out)
-    extra_budget = Budget(cfg["extra_budget_s"])
+    extra_budget = budget_from_now(cfg["extra_budget_s"])
     if "padded" in sections:
         run_padded(cfg, interpret, out, extra_budget)
     if "lse" in sections:

@@ -17,60 +17,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import time
-import traceback
 
-TAG = "BENCH_RESULT "
+import jax  # imported, not started: the parent process never touches the GPU, its children do
+import jax.numpy as jnp
+import numpy as np
+
+from dsv_jax.model.flops import ATTENTION_FWD_BWD, attention_flops
+from experiments import harness
+from experiments.harness import error_text
+
 HEADS, HEAD_DIM, Q_TILE, KV_BLOCK = 16, 128, 64, 64
-
-
-def _jax():
-    import jax  # noqa: PLC0415 (the parent process never touches the GPU)
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    return jax, jnp
 
 
 def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=Q_TILE, kv_block=KV_BLOCK, seed=0):
     """q, k, v, cotangent (bf16 normal) and a uniformly random selection (ascending ids, full counts)."""
-    jax, jnp = _jax()
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q, k, v, w = (jax.random.normal(k_, (1, seq, heads, head_dim), jnp.bfloat16) for k_ in ks[:4])
-    tiles, blocks = seq // q_tile, seq // kv_block
-    keep = max(1, round((1.0 - sparsity) * blocks))
-    scores = jax.random.uniform(ks[4], (1, heads, tiles, blocks))
-    index = jnp.sort(jax.lax.top_k(scores, keep)[1], axis=-1).astype(jnp.int32)
-    count = jnp.full((1, heads, tiles), keep, jnp.int32)
+    k_qkv, k_sel = jax.random.split(jax.random.key(seed))
+    q, k, v, w = harness.random_qkv(k_qkv, seq, heads, head_dim)
+    index, count = harness.random_selection(k_sel, seq=seq, heads=heads, q_tile=q_tile, kv_block=kv_block,
+                                            keep=1.0 - sparsity, local_share=0.0)
     return q, k, v, w, index, count
 
 
 def timed(fn, *args, reps=7, min_ms=200.0):
-    """Median / min / max ms per call: each repetition queues n calls back to back and blocks once, n
-    chosen so that a repetition lasts about min_ms (the device stays busy; host overhead is amortised)."""
-    jax, _ = _jax()
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    n = max(1, min(200, int(min_ms / one)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e3 / n)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "calls": n * reps}
+    """harness.time_fn: ms per call on the device, median of `reps` repetitions of ~min_ms each."""
+    return harness.time_fn(fn, *args, warmup=1, iters=reps, min_ms=min_ms)
 
 
 def attention_fns(impl, index, count, **options):
     """(fwd(q, k, v), fwd_bwd(q, k, v, w)) of one implementation, jitted."""
-    jax, jnp = _jax()
     if impl == "cudnn":
         attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")  # noqa: E731
     elif impl == "triton":
@@ -86,24 +61,17 @@ def attention_fns(impl, index, count, **options):
         def attend(q, k, v):
             return sparse_attention_mgpu(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK, tuning=options)
 
-    def fwd_bwd(q, k, v, w):
-        o, vjp = jax.vjp(attend, q, k, v)
-        return vjp(w.astype(o.dtype))
-
-    return jax.jit(attend), jax.jit(fwd_bwd)
+    return jax.jit(attend), jax.jit(harness.fwd_bwd(attend))
 
 
 def check(seq, sparsity, options):
     """Relative errors of o, dq, dk, dv of the Mosaic GPU path against the reference, at this size."""
-    jax, jnp = _jax()
-    import numpy as np  # noqa: PLC0415
-
     from pallas_kernels.sparse_attention import sparse_attention_reference  # noqa: PLC0415
 
     q, k, v, w, index, count = inputs(seq, sparsity, seed=1)
     fwd, fwd_bwd = attention_fns("mgpu", index, count, **options)
     o = np.asarray(fwd(q, k, v), np.float64)
-    grads = [np.asarray(g, np.float64) for g in fwd_bwd(q, k, v, w)]
+    grads = [np.asarray(g, np.float64) for g in fwd_bwd(q, k, v, w)[1]]
 
     @jax.jit
     def reference(q, k, v, w, index, count):  # one head: [1, S, 1, D]
@@ -130,7 +98,6 @@ def check(seq, sparsity, options):
 def dense_masked_reference(q, k, v, index, count, kv_valid, *, q_tile, kv_block, sm_scale):
     """(o, lse) of block-sparse attention with per-block valid keys, as one dense masked softmax in
     float32 (small shapes only: [B, H, S, S]). Rows with no valid key: o = 0, lse = -inf."""
-    jax, jnp = _jax()
     b, s, h, d = q.shape
     blocks = s // kv_block
     live = jnp.arange(index.shape[-1]) < count[..., None]
@@ -158,9 +125,6 @@ SMALL_CASES = [  # (q_tile, kv_block, D, masked): both list modes of every kerne
 def small_check():
     """The compiled kernels at S=1536, H=2 against dense_masked_reference: random counts including empty
     tiles, random kv_valid including empty blocks, lse with its cotangent. Errors per case."""
-    jax, jnp = _jax()
-    import numpy as np  # noqa: PLC0415
-
     from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu  # noqa: PLC0415
 
     b, s, h = 1, 1536, 2
@@ -205,7 +169,7 @@ def small_check():
                             for n in ["o", "lse", "dq", "dk", "dv"])
         except Exception as e:  # noqa: BLE001
             row["ok"] = False
-            row["error"] = f"{type(e).__name__}: {e}"[:1500] + "".join(traceback.format_exception(e))[-1500:]
+            row["error"] = error_text(e, trace=True)
         rows.append(row)
     return rows
 
@@ -213,14 +177,13 @@ def small_check():
 def forward_vs_triton(q, k, v, index, count):
     """Forward of the Mosaic GPU path against the Triton path on given inputs (q_tile, kv_block 64):
     relative error of o, then both timed (for experiments/bench_sparse_attention.py)."""
-    from experiments import harness  # noqa: PLC0415
-
     mgpu, _ = attention_fns("mgpu", index, count)
     triton, _ = attention_fns("triton", index, count)
     err = harness.rel_error(mgpu(q, k, v), triton(q, k, v))
     out = {"ok": bool(err < 1e-2), "o_rel_err_vs_triton": err}
     if out["ok"]:
-        flops = 4.0 * q.shape[0] * q.shape[2] * q.shape[1] * float(count.mean()) * KV_BLOCK * q.shape[3]
+        b, seq, heads, head_dim = q.shape
+        flops = attention_flops(seq, heads, head_dim, float(count.mean()) * KV_BLOCK, b)
         for name, fn in [("mgpu", mgpu), ("triton", triton)]:
             out[f"{name}_fwd_ms"] = timed(fn, q, k, v)["median_ms"]
             out[f"{name}_fwd_tflops"] = flops / out[f"{name}_fwd_ms"] / 1e9
@@ -233,7 +196,6 @@ def parts(q, k, v, w, index, count, options):
     dK/dV 4 products; the forward 2)."""
     import dataclasses  # noqa: PLC0415
 
-    jax, jnp = _jax()
     from pallas_kernels import sparse_attention_mgpu as mgpu  # noqa: PLC0415
     from pallas_kernels import sparse_attention_mgpu_bwd as bwd  # noqa: PLC0415
     from pallas_kernels import sparse_attention_mgpu_fwd as fwd  # noqa: PLC0415
@@ -268,7 +230,6 @@ def parts(q, k, v, w, index, count, options):
 
 def measure(job):
     """Child process: one job, returns a dict (never raises)."""
-    jax, _ = _jax()
     out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     try:
         if job["impl"] == "small_check":
@@ -289,27 +250,20 @@ def measure(job):
         out["fwd"] = timed(fwd, q, k, v)
         out["fwd_bwd"] = timed(fwd_bwd, q, k, v, w)
         out["time_s"] = time.perf_counter() - t0
-        flops = 4.0 * q.shape[0] * HEADS * seq * kept * HEAD_DIM
+        flops = attention_flops(seq, HEADS, HEAD_DIM, kept, q.shape[0])
         out["kept_keys"] = kept
         out["fwd_tflops"] = flops / out["fwd"]["median_ms"] / 1e9
-        out["fwd_bwd_tflops"] = 3.5 * flops / out["fwd_bwd"]["median_ms"] / 1e9
+        out["fwd_bwd_tflops"] = ATTENTION_FWD_BWD * flops / out["fwd_bwd"]["median_ms"] / 1e9
     except Exception as e:  # noqa: BLE001 (the answer is the error)
-        out["error"] = (f"{type(e).__name__}: {e}"[:1500] + "\n" + "".join(traceback.format_exception(e))[-2500:])
+        out["error"] = error_text(e, trace=True)
     return out
 
 
 def run_child(job, timeout_s):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "experiments.bench_sparse_mgpu", "--job", json.dumps(job)]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"job": job, "error": f"no answer within {timeout_s:.0f} s (deadlock, hang or slow compile)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(TAG)]
-    if not lines:
-        return {"job": job, "error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}"}
-    result = json.loads(lines[-1][len(TAG):])
+    result = harness.in_child("experiments.bench_sparse_mgpu", ["--job", json.dumps(job)], timeout_s)
+    if "error" in result and "job" not in result:  # no answer
+        return {"job": job, **result}
     result["wall_s"] = time.perf_counter() - t0
     return result
 
@@ -371,32 +325,29 @@ def main():
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        print(TAG + json.dumps(measure(json.loads(args.job)), default=float), flush=True)
+        harness.answer(measure(json.loads(args.job)))
         return
 
-    start = time.perf_counter()
+    budget = harness.Budget(args.budget_s)
     results, skipped = [], []
     for job in plan(args.seqs, args.sparsities, json.loads(args.variants), not args.no_small_check,
                     not args.check_first_sparsity_only):
-        left = args.budget_s - (time.perf_counter() - start)
-        if left < 30:
+        if not budget.allows(30):
             skipped.append(job)
             continue
-        results.append(run_child(job, min(args.job_timeout_s, left)))
+        results.append(run_child(job, min(args.job_timeout_s, budget.left())))
         r = results[-1]
-        print(f"[{time.perf_counter() - start:5.0f} s] {json.dumps(job)}: "
+        print(f"[{budget.elapsed():5.0f} s] {json.dumps(job)}: "
               f"{r.get('error', '').splitlines()[0][:200] if 'error' in r else 'ok'}", flush=True)
-
-    from experiments import harness  # noqa: PLC0415 (imports jax: only now, after the children ran)
 
     rows = summarise(results)
     path = harness.write_results("bench_sparse_mgpu", {
         "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "q_tile": Q_TILE,
                    "kv_block": KV_BLOCK, "selection": "uniform random blocks, full counts", "seqs": args.seqs,
                    "sparsities": args.sparsities, "variants": json.loads(args.variants),
-                   "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x", "timing": "median of 7 repetitions, each "
-                   "n back-to-back calls blocked once (~200 ms)"},
-        "results": results, "summary": rows, "skipped": skipped, "wall_s": time.perf_counter() - start})
+                   "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x", "timing": "harness.time_fn: median of 7 "
+                   "repetitions, each n back-to-back calls blocked once (~200 ms)"},
+        "results": results, "summary": rows, "skipped": skipped, "wall_s": budget.elapsed()})
     for r in results:
         if "error" in r:
             print(f"\nERROR {json.dumps(r['job'])}:\n{r['error'][-1200:]}")

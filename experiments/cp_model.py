@@ -1,7 +1,7 @@
 """Modelled step time of context parallelism for the DSV paper's setups, from single-GPU kernel times.
 
-    PYTHONPATH=. python experiments/cp_model.py            # H200: measure kernels (~1-2 min), then model
-    PYTHONPATH=. python experiments/cp_model.py --quick    # CPU: tiny measurements, modelled kernel rates
+    python -m experiments.cp_model            # H200: measure kernels (~1-2 min), then model
+    python -m experiments.cp_model --quick    # CPU: tiny measurements, modelled kernel rates
 
 1. Measure on this GPU (B=1, H=16, D=128, bf16): cuDNN dense attention fwd and fwd+bwd at a few S;
    block-sparse attention at sparsity 0.9 through `pallas_kernels.sparse_attention(impl="auto")`
@@ -10,7 +10,8 @@
 2. Model the 2.7B DiT (32 blocks, 16 heads x 128) at 130k-520k tokens on 32-128 H200s (8 per node,
    NVLink 4 = 450 GB/s per direction per GPU, 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU):
    per block, attention under each strategy (compute of the slowest device + exposed communication,
-   `dsv_jax.parallel.planner`) + linear layers; full attention vs sparsity 0.9 with heterogeneous heads.
+   `dsv_jax.parallel.planner`) + linear layers (their FLOPs from `dsv_jax.model.flops`, at the measured
+   matmul rate); full attention vs sparsity 0.9 with heterogeneous heads.
 3. Report the planner's choices, ratios side by side with the paper's (2.1-3.02x over full attention;
    1.41x from rebalancing in its 4-GPU artifact), and the goals: selective SCP moves <= (1 - s) of the
    ring's remote K/V bytes; rebalancing removes >= 80% of the straggler excess on skewed heads.
@@ -21,21 +22,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import harness
+from dsv_jax.config import get_config
+from dsv_jax.model.flops import ATTENTION_FWD_BWD, attention_flops, forward_flops
 from dsv_jax.parallel.comm import context_bytes
 from dsv_jax.parallel.hcp import balance_heads_host
-from dsv_jax.parallel.planner import FWD_BWD_OVER_FWD, Hardware, KernelModel, Workload, candidate_cost, plan_attention
+from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention
+from experiments import harness
 
-HEADS, HEAD_DIM, HIDDEN, DEPTH, MLP_RATIO = 16, 128, 2048, 32, 3.5  # the 2.7B preset
+MODEL = get_config("2.7b").model  # the modelled DiT
+HEADS, HEAD_DIM, HIDDEN, DEPTH = MODEL.heads, MODEL.head_dim, MODEL.hidden, MODEL.depth
 # Heterogeneous heads with mean sparsity 0.9: four dense-ish heads next to each other (the case that
 # hurts an in-order head split most), twelve very sparse ones.
 SKEWED = (0.6, 0.7, 0.8, 0.85) + (0.9541666666666667,) * 12
@@ -46,16 +46,12 @@ PAPER = {"speedup_over_full_attention": [2.1, 3.02], "rebalancing_speedup_4gpu_a
 
 # -- 1. kernel measurements -------------------------------------------------------------------
 
-def _qkv(s, dtype, seed=0, heads=HEADS):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    return tuple(jax.random.normal(k, (1, s, heads, HEAD_DIM), dtype) for k in ks)
+def _qkv(s, dtype):
+    return harness.random_qkv(jax.random.key(0), s, HEADS, HEAD_DIM, dtype)
 
 
 def _fwd_bwd(f):
-    def run(q, k, v, do):
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(do)
-    return jax.jit(run)
+    return jax.jit(harness.fwd_bwd(f))
 
 
 def measure_dense(sizes, backend, dtype, iters):
@@ -67,32 +63,18 @@ def measure_dense(sizes, backend, dtype, iters):
         err = harness.rel_error(jax.jit(f)(q, k, v)[:, :1024], ref)
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
-        flops = 4 * s * s * HEADS * HEAD_DIM
+        flops = attention_flops(s, HEADS, HEAD_DIM, s)
         rows.append({"seq_len": s, "fwd_ms": fwd, "fwd_bwd_ms": both, "rel_error": err,
-                     "fwd_bwd_tflops": FWD_BWD_OVER_FWD * flops / both / 1e9})
+                     "fwd_bwd_tflops": ATTENTION_FWD_BWD * flops / both / 1e9})
     return rows
 
 
-def random_selection(s, sparsity, q_tile=64, kv_block=64, seed=0, heads=HEADS, local_share=0.5):
-    """A block selection keeping (1 - s_h) of the blocks of head h: `local_share` of them a window
-    around the tile, the rest random far blocks (video attention's mix of neighbourhood and global keys)."""
-    rng = np.random.default_rng(seed)
-    nb, tiles = s // kv_block, s // q_tile
-    s_h = np.broadcast_to(np.asarray(sparsity, np.float64), (heads,))
-    counts = np.maximum(1, np.round((1 - s_h) * nb)).astype(np.int32)
-    k_max = int(counts.max())
-    idx = np.zeros((1, heads, tiles, k_max), np.int32)
-    for h in range(heads):
-        c = counts[h]
-        near = min(int(round(c * local_share)), nb)
-        for t in range(tiles):
-            centre = t * q_tile // kv_block
-            window = (centre + np.arange(near) - near // 2) % nb
-            rest = np.setdiff1d(np.arange(nb), window)
-            far = rng.choice(rest, c - near, replace=False)
-            idx[0, h, t, :c] = np.sort(np.concatenate([window, far]))
-    cnt = np.broadcast_to(counts[None, :, None], (1, heads, tiles)).astype(np.int32)
-    return jnp.asarray(idx), jnp.asarray(cnt)
+def random_selection(s, sparsity, local_share=0.5):
+    """A block selection (64-token tiles and blocks) keeping (1 - s_h) of the blocks of head h: `local_share`
+    of them the blocks around the tile, the rest random far blocks (video attention's mix of neighbourhood
+    and global keys)."""
+    return harness.random_selection(jax.random.key(0), seq=s, heads=HEADS, q_tile=64, kv_block=64,
+                                    keep=1.0 - np.asarray(sparsity, np.float64), local_share=local_share)
 
 
 def needed_fraction(idx, cnt, n, q_tile=64, kv_block=64):
@@ -136,9 +118,9 @@ def measure_sparse(sizes, sparsity, dtype, iters):
         err = harness.rel_error(out, ref)
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
-        kept = 4 * s * s * HEADS * HEAD_DIM * (1 - sparsity)
+        kept = attention_flops(s, HEADS, HEAD_DIM, s * (1 - sparsity))
         rows.append({"seq_len": s, "sparsity": sparsity, "fwd_ms": fwd, "fwd_bwd_ms": both, "impl": impl,
-                     "note": note, "rel_error": err, "fwd_bwd_tflops_kept": FWD_BWD_OVER_FWD * kept / both / 1e9})
+                     "note": note, "rel_error": err, "fwd_bwd_tflops_kept": ATTENTION_FWD_BWD * kept / both / 1e9})
     return rows
 
 
@@ -153,20 +135,21 @@ def measure_ring_block(sizes, dtype, iters):
     for s in sizes:
         q, k, v, do = _qkv(s, dtype)
         one = GroupAxis("cp_seq", 1)
-        body = lambda q, k, v: scp.ring_attention(q, k, v, None, None, None, one, HEAD_DIM ** -0.5, 1024, 64, 64)
+        body = lambda q, k, v: scp.ring_attention(  # -> (o, lse): the output
+            q, k, v, None, None, None, one, HEAD_DIM ** -0.5, 1024, 64, 64)[0]
         f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), check_vma=False)
         err = harness.rel_error(jax.jit(f)(q, k, v), jax.nn.dot_product_attention(q, k, v))
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
         rows.append({"seq_len": s, "fwd_ms": fwd, "fwd_bwd_ms": both, "rel_error": err,
-                     "fwd_bwd_tflops": FWD_BWD_OVER_FWD * 4 * s * s * HEADS * HEAD_DIM / both / 1e9})
+                     "fwd_bwd_tflops": ATTENTION_FWD_BWD * attention_flops(s, HEADS, HEAD_DIM, s) / both / 1e9})
     return rows
 
 
 def measure_matmul(tokens, dtype, iters):
     """fwd+bwd of the MLP's first matmul [tokens, hidden] x [hidden, 3.5 hidden]: the linear layers' rate."""
     ks = jax.random.split(jax.random.key(1), 3)
-    width = int(HIDDEN * MLP_RATIO)
+    width = int(HIDDEN * MODEL.mlp_ratio)
     x = jax.random.normal(ks[0], (tokens, HIDDEN), dtype)
     w = jax.random.normal(ks[1], (HIDDEN, width), dtype)
     dy = jax.random.normal(ks[2], (tokens, width), dtype)
@@ -188,14 +171,17 @@ class Setup:
     gpus: int
 
 
-def linear_s(tokens_per_gpu, tflops, recompute=True):
-    """Linear layers of one block per GPU: QKV + out (4 h^2), cross-attention q + out (2 h^2), MLP (7 h^2)."""
-    per_token_fwd = 2 * (4 + 2 + 2 * MLP_RATIO) * HIDDEN ** 2
+def linear_s(tokens, gpus, tflops, recompute=True):
+    """Linear layers of one block per GPU (self and cross attention projections, MLP; the embeddings and
+    conditioning spread over the blocks): their forward FLOPs (dsv_jax.model.flops) on one sample of
+    `tokens` tokens (latents tokens / 4096 x 128 x 128 at patch 1x2x2) x 3 (+1 recomputed), at `tflops`."""
+    linear = forward_flops(get_config("2.7b"), (tokens // 4096, 128, 128))["linear"]
     passes = 3 + (1 if recompute else 0)
-    return tokens_per_gpu * per_token_fwd * passes / (tflops * 1e12)
+    return linear / DEPTH / gpus * passes / (tflops * 1e12)
 
 
-def selection_s(w: Workload, hcp, scp_deg, hw_tflops=659.0, copy_tbps=2.8, rank=16):
+def selection_s(w: Workload, hcp, scp_deg, hw_tflops=harness.H200_BF16_TFLOPS, copy_tbps=harness.H200_COPY_TBPS,
+                rank=16):
     """Fused low-rank top-k per block per GPU: tile proxies x all low-rank keys, one pass over the scores."""
     tiles, nb, heads = w.seq_len // scp_deg // w.q_tile, w.seq_len // w.kv_block, w.heads // hcp
     flops = 2 * tiles * w.seq_len * rank * heads
@@ -204,7 +190,7 @@ def selection_s(w: Workload, hcp, scp_deg, hw_tflops=659.0, copy_tbps=2.8, rank=
 
 def model_setup(setup: Setup, km: KernelModel, hw: Hardware, linear_tflops: float, memory_cap: float):
     n, s = setup.gpus, setup.tokens
-    lin = linear_s(s // n, linear_tflops)
+    lin = linear_s(s, n, linear_tflops)
     rows = []
 
     def row(label, kind, cost, sparse):

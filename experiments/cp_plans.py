@@ -13,39 +13,24 @@ per step in attention (forward, backward and the remat forward), next to the den
 
 from __future__ import annotations
 
-import os
+from experiments.quick_cpu import use_cpu
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=32").strip()
+use_cpu(devices=32, fast_compile=False)  # before jax starts: 32 fake CPU devices (nothing here is timed)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from dsv_jax.config import get_config  # noqa: E402
-from dsv_jax.dsv.controller import DSVController  # noqa: E402
 from dsv_jax.dsv.plan import AttentionPlan  # noqa: E402
 from dsv_jax.model.tokens import grid_shape, token_layout  # noqa: E402
 from dsv_jax.parallel.comm import context_bytes  # noqa: E402
 from dsv_jax.parallel.mesh import make_mesh  # noqa: E402
 from dsv_jax.parallel.policy import ContextPolicy  # noqa: E402
 from experiments import harness  # noqa: E402
+from experiments.training import stage2_controller  # noqa: E402
 
 SHAPES = {"64k": (16, 128, 128), "128k": (32, 128, 128)}  # latents; patch 1x2x2 -> T x 64 x 64 tokens
 KEEP = {"uniform 0.1": (0.1,) * 16, "skewed, mean 0.1": (0.4, 0.3, 0.2, 0.15) + (0.0458333,) * 12}
 RUNG = 0.15  # the ladder rung that holds the largest uniform keep ratio; skewed heads need 0.5
-
-
-def stage2_controller(cfg, shape, keep_heads):
-    """A controller in stage 2 whose blocks all keep `keep_heads` (per head) on `shape`."""
-    ctl = DSVController(cfg)
-    ctl.stage, ctl.switch_step = 2, 0
-    depth = cfg.model.depth
-    rung = ctl.rung_for(max(keep_heads))
-    ctl.shapes["x".join(map(str, shape))] = {
-        "sparsity": np.tile(1.0 - np.asarray(keep_heads), (depth, 1)).tolist(), "recall_curve": [None] * depth,
-        "rungs": [rung] * depth, "profiles": 1}
-    return ctl
 
 
 def dense_bytes(cfg, seq_len, devices) -> dict[str, float]:

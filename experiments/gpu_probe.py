@@ -1,23 +1,23 @@
 """One-shot probe of the GPU machine: versions, the foundation training on the GPU, a 2.7B train step
-at 16k tokens with cuDNN attention, and whether Pallas' Triton and Mosaic GPU lowerings run."""
+at 16k tokens with cuDNN attention, and whether Pallas' Triton and Mosaic GPU lowerings run.
+
+    python -m experiments.gpu_probe
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import os
 import subprocess
 import sys
 import time
-import traceback
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from dsv_jax.config import get_config
 from experiments import harness
+from experiments.training import time_train_step
 
 
 def versions():
@@ -55,30 +55,10 @@ def mosaic_attention():
 
 
 def step_2p7b(seq_frames=16):
-    from flax import nnx
-    from dsv_jax.config import get_config
-    from dsv_jax.train.step import abstract_model, init_state, make_train_step
-
-    cfg = get_config("2.7b", ["text.max_len=64"])
-    graphdef, _ = abstract_model(cfg)
-    state = jax.jit(lambda: init_state(cfg))()
-    step = jax.jit(make_train_step(cfg, graphdef, "auto"), donate_argnums=(0,))
-    b, (t, h, w) = 1, (seq_frames, 64, 64)
-    batch = {"latents": jax.random.normal(jax.random.key(0), (b, t, h, w, 16)),
-             "text_ids": jnp.ones((b, 64), jnp.int32), "text_mask": jnp.ones((b, 64), bool)}
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batch, jnp.float32(1e-4)).compile()
-    compile_s = time.perf_counter() - t0
-    times = []
-    for i in range(6):
-        t0 = time.perf_counter()
-        state, m = compiled(state, batch, jnp.float32(1e-4))
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    tokens = b * t * (h // 2) * (w // 2)
-    med = float(np.median(times[2:]))
-    return {"tokens": tokens, "compile_s": compile_s, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
-            "loss": float(m["loss"]), "peak_bytes": harness.peak_memory_bytes()}
+    """The 2.7B preset's train step at seq_frames x 64 x 64 latents (16k tokens): median of 4 steps after 2."""
+    r = time_train_step(get_config("2.7b", ["text.max_len=64"]), (seq_frames, 64, 64), 4, warmup=2)
+    return {"tokens": r["tokens"], "compile_s": r["compile_s"], "step_ms": 1e3 * r["step_s"],
+            "tokens_per_s": r["tokens_per_s"], "loss": r["loss"], "peak_bytes": harness.peak_memory_bytes()}
 
 
 def main():
@@ -91,7 +71,7 @@ def main():
         try:
             res[name] = fn()
         except Exception as e:
-            res[name] = {"error": f"{type(e).__name__}: {e}"[:3000], "trace": traceback.format_exc()[-3000:]}
+            res[name] = {"error": harness.error_text(e, trace=True)}
         print(name, round(time.perf_counter() - t0, 1), "s:", str(res[name])[:800], flush=True)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "dsv_jax", "train", "--config", "tiny", "--workdir", "/tmp/tiny",

@@ -1,28 +1,53 @@
-"""Shared measuring code of the benchmark scripts: timing, bandwidth, memory, results files.
+"""How the experiments measure: timing, time budgets, random inputs, errors, results files and plots.
+(experiments/training.py: the train steps and study setups they share.)
 
-Method (see experiments/results/RESULTS.md): warm up, block on results, median of several runs on
-fresh random data, correctness against the reference before timing, FLOPs/bytes against ceilings.
+Run every script from the repository root as `python -m experiments.NAME` (`--quick`: tiny sizes on the CPU).
+
+Method (see experiments/results/RESULTS.md): warm up, block on results, median of several runs,
+correctness against the reference before timing, FLOPs (dsv_jax.model.flops, the library's one count)
+and bytes against the measured ceilings.
+
+Timing on the device. `time_fn` times kernels and other short programs by what the device spends, not by
+the host's dispatch: a repetition queues n calls back to back and blocks once at its end, so the device runs
+them one after the other without waiting on the host (call i + 1 is dispatched while call i runs) and
+(end - start) / n is the device's time per call. n is sized from a blocked call so that a repetition lasts
+about `min_ms`; a call longer than that runs alone (n = 1), where the ~0.1 ms of dispatch and
+synchronisation is lost in the call. Where n > 1, `blocking_median_ms` is the median of single blocked calls
+(host dispatch + device + sync, as earlier results were timed), for comparison. Why not CUDA events: jax
+0.10 / 0.11 has no API for them; its profiler (jax.profiler.trace, ProfileData) records device times, but
+per XLA op and stream in a trace file to parse, while back-to-back calls give the same time per call for
+anything longer than the gap between two launches. The method needs calls to run in order, as they do on a
+GPU stream; the CPU of --quick runs may overlap them, and its times only show that the code runs. Train
+steps (seconds each) are timed one by one, each blocked on (training.run_steps).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import experiments
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-# Ceilings measured on the H200 (DESIGN.md); benchmarks also measure their own copy bandwidth.
+# Ceilings measured on the H200 (experiments/results/RESULTS.md); benchmarks also measure their own copy bandwidth.
 H200_BF16_TFLOPS = 659.0  # bf16 matmul 8192^3
 H200_COPY_TBPS = 2.8  # elementwise copy, read + write
 
+
+# -- the machine and the results files -------------------------------------------------------------------
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
@@ -34,25 +59,173 @@ def device_info() -> dict[str, Any]:
             "device_count": jax.device_count(), "python": platform.python_version()}
 
 
-def block(x):
-    return jax.block_until_ready(x)
+def write_results(name: str, payload: dict[str, Any], directory: str | None = None) -> str:
+    """Write experiments/results/<name>.json (or <directory>/<name>.json), and a copy into $OUT if set."""
+    directory = directory or RESULTS_DIR
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.json")
+    out_dir = os.environ.get("OUT")  # the device tool brings $OUT back
+    payload = {"name": name, "env": device_info(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    text = json.dumps(payload, indent=2, default=float)
+    with open(path, "w") as f:
+        f.write(text)
+    if out_dir:
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+            f.write(text)
+    return path
 
 
-def time_fn(fn: Callable, *args, warmup: int = 2, iters: int = 10, make_args: Callable | None = None) -> dict:
-    """Median / min / max wall time (ms) of fn(*args), blocking on the result each run.
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
 
-    make_args(i), if given, supplies fresh inputs for run i (generated outside the timed region)."""
-    for i in range(warmup):
-        block(fn(*(make_args(i) if make_args else args)))
+    widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[plots]'): no plots")
+        return None
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Save and close `fig` at `path`, and a copy into $OUT when set (the device tool brings it back)."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi)
+    out = os.environ.get("OUT")
+    if out and os.path.abspath(os.path.dirname(path)) != os.path.abspath(out):
+        fig.savefig(os.path.join(out, os.path.basename(path)), dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def error_text(e: BaseException, trace: bool = False) -> str:
+    """An exception for a results file: its type and message (1500 characters at most), and with `trace`
+    the last 1500 characters of its traceback."""
+    text = f"{type(e).__name__}: {e}"[:1500]
+    return text + "\n" + "".join(traceback.format_exception(e))[-1500:] if trace else text
+
+
+# -- measuring in a child process -------------------------------------------------------------------------
+
+CHILD_TAG = "EXPERIMENT_RESULT "
+
+
+def answer(result: dict[str, Any]) -> None:
+    """A child process's answer to `in_child`: one tagged JSON line on stdout."""
+    print(CHILD_TAG + json.dumps(result, default=float), flush=True)
+
+
+def in_child(module: str, args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `python -m module *args` with a time limit and return what it `answer`ed, or {"error": ...}: a
+    crash or a deadlock there (e.g. of an experimental kernel) costs at most timeout_s, never the caller."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer within {timeout_s:.0f} s (deadlock, hang or slow compile)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]
+    if not lines:
+        return {"error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}"}
+    return json.loads(lines[-1][len(CHILD_TAG):])
+
+
+# -- time budgets -----------------------------------------------------------------------------------------
+
+class Budget:
+    """A wall-clock budget of `seconds` (None: unlimited) counted from `start` (time.time(); default: the
+    process start, experiments.STARTED), of which `reserve` seconds are kept for writing the results.
+    Work is planned against `left()`; what does not fit is skipped with `skip_reason`'s reason recorded."""
+
+    def __init__(self, seconds: float | None, *, reserve: float = 0.0, start: float | None = None):
+        self.seconds, self.reserve = seconds, reserve
+        self.start = experiments.STARTED if start is None else start
+        self.expired = False  # set by whoever stops the work early (e.g. a timer)
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def left(self) -> float:
+        """Seconds left before the reserve (infinite without a budget, 0 once expired)."""
+        if self.expired:
+            return 0.0
+        return math.inf if self.seconds is None else self.seconds - self.reserve - self.elapsed()
+
+    def allows(self, seconds: float) -> bool:
+        """Whether work of about `seconds` fits (never once expired)."""
+        return not self.expired and self.left() >= seconds
+
+    def skip_reason(self, estimate: float, fits: bool | None = None) -> str | None:
+        """None when work of about `estimate` seconds fits, else the reason to skip it. `fits` overrides the
+        decision (e.g. process 0's, which every process of a multi-process run must follow)."""
+        if self.allows(estimate) if fits is None else fits:
+            return None
+        return f"budget: needs ~{estimate:.0f} s, {max(self.left(), 0):.0f} s left"
+
+
+# -- timing -----------------------------------------------------------------------------------------------
+
+def time_fn(fn: Callable, *args, warmup: int = 2, iters: int = 10, min_ms: float = 20.0, max_calls: int = 200,
+            agree: Callable[[int], int] = int) -> dict:
+    """Device time per call of fn(*args) in ms (see the module docstring): median / min / max / spread over
+    `iters` repetitions of n back-to-back calls, n sized so that a repetition lasts about min_ms (by one
+    blocked call after at least one warm-up call); `agree` makes n the same on every process of a
+    multi-process run (their collectives must match). With n > 1 also blocking_median_ms."""
+    for _ in range(max(warmup, 1)):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = (time.perf_counter() - t0) * 1e3
+    n = agree(max(1, min(max_calls, int(min_ms / max(one, 1e-3)))))
     times = []
-    for i in range(iters):
-        a = make_args(warmup + i) if make_args else args
-        block(a)
+    for _ in range(iters):
         t0 = time.perf_counter()
-        block(fn(*a))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "spread_pct": 100.0 * (max(times) - min(times)) / statistics.median(times), "runs": iters}
+        out = None
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / n)
+    med = statistics.median(times)
+    result = {"median_ms": med, "min_ms": min(times), "max_ms": max(times),
+              "spread_pct": 100.0 * (max(times) - min(times)) / med, "runs": iters, "calls_per_run": n}
+    if n > 1:
+        single = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            single.append((time.perf_counter() - t0) * 1e3)
+        result["blocking_median_ms"] = statistics.median(single)
+    return result
+
+
+def compile_timed(fn: Callable, *args) -> tuple[Any, float]:
+    """jit(fn) lowered for `args` and compiled: (executable, seconds)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def fwd_bwd(fn: Callable, n_diff: int | None = None) -> Callable:
+    """fn's forward and backward in one call: run(*args, cotangent) -> (out, gradients of the first n_diff
+    args (default: all)); the cotangent takes the output's dtypes."""
+    def run(*a):
+        n = len(a) - 1 if n_diff is None else n_diff
+        out, vjp = jax.vjp(lambda *d: fn(*d, *a[n:-1]), *a[:n])
+        return out, vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), a[-1], out))
+
+    return run
 
 
 def copy_bandwidth_tbps(n_bytes: int = 2 << 30) -> float:
@@ -82,61 +255,30 @@ def rel_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def write_results(name: str, payload: dict[str, Any], directory: str | None = None) -> str:
-    """Write experiments/results/<name>.json (or <directory>/<name>.json), and a copy into $OUT if set."""
-    directory = directory or RESULTS_DIR
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{name}.json")
-    out_dir = os.environ.get("OUT")  # the device tool brings $OUT back
-    payload = {"name": name, "env": device_info(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
-    text = json.dumps(payload, indent=2, default=float)
-    with open(path, "w") as f:
-        f.write(text)
-    if out_dir:
-        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-            f.write(text)
-    return path
+# -- random inputs ----------------------------------------------------------------------------------------
+
+def random_qkv(key, seq: int, heads: int, head_dim: int, dtype=jnp.bfloat16, n: int = 4, batch: int = 1):
+    """n standard-normal arrays [batch, seq, heads, head_dim]: q, k, v and an output cotangent."""
+    return tuple(jax.random.normal(k, (batch, seq, heads, head_dim), dtype) for k in jax.random.split(key, n))
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-    widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns}
-    print("  ".join(c.ljust(widths[c]) for c in columns))
-    for r in rows:
-        print("  ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in columns))
-
-
-# -- the training setup of the quality and sparsity studies (one place for both) ------------------------
-# quality_parity.py (issue 4: moving shapes; issue 17: photos) and sparsity_emergence.py train on one
-# bucket of the embedded data at a given number of tokens per sample, patch 1x2x2, from the tiny preset.
-
-# latent (T, H, W) of the bucket with this many tokens per sample at patch 1x2x2 (the first two: --quick)
-STUDY_SHAPES = {256: (4, 16, 16), 512: (4, 16, 32), 16384: (16, 64, 64), 32768: (16, 64, 128),
-                65536: (16, 128, 128)}
-STUDY_MODELS = {
-    # issue 4's quality-parity model: 4 blocks of 4 heads x 64 (hidden 256)
-    "shapes": ["model.hidden=256", "model.heads=4", "model.depth=4", "model.text_dim=64"],
-    # issue 17's model on photos: 8 blocks of 12 heads x 64 (hidden 768), 109M parameters
-    "photos": ["model.hidden=768", "model.heads=12", "model.depth=8", "model.text_dim=256", "text.max_len=20"],
-}
-QUICK_MODEL = ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16", "text.hash_buckets=8",
-               "model.remat=false"]
-
-
-def study_overrides(setup: str, tokens: int, *, quick: bool, tokens_per_batch: int | None = None) -> list[str]:
-    """Model and data overrides of a study `setup` ("shapes" | "photos") at one bucket of `tokens` tokens per
-    sample, with tokens_per_batch (default 2 x tokens: two samples a step) under equal-token batching."""
-    if setup not in STUDY_MODELS:
-        raise ValueError(f"unknown setup {setup!r}: choose from {sorted(STUDY_MODELS)}")
-    if tokens not in STUDY_SHAPES:
-        raise ValueError(f"no study shape for {tokens} tokens per sample: choose from {sorted(STUDY_SHAPES)}")
-    t, h, w = STUDY_SHAPES[tokens]
-    if quick:
-        model = QUICK_MODEL + ["model.tile=[2,4,4]", f"text.max_len={20 if setup == 'photos' else 8}"]
-    else:
-        model = STUDY_MODELS[setup] + ["model.tile=[4,4,4]"]  # 64-token 3D tiles: the kernels' KV block
-    source = "photos" if setup == "photos" else "synthetic"
-    return model + ["model.patch=[1,2,2]", f"data.source={source}", f"data.buckets=[[{t},{h},{w}]]",
-                    "data.bucket_weights=[1]", f"data.tokens_per_batch={tokens_per_batch or 2 * tokens}"]
+def random_selection(key, *, seq: int, heads: int, q_tile: int, kv_block: int, keep, local_share: float = 0.5):
+    """A KV-block selection as DSV's kernels take it. Per head h and query tile: round(keep_h x blocks)
+    blocks (at least one), `local_share` of them the blocks nearest the tile and the rest random far ones
+    (video attention's mix of neighbourhood and global keys; local_share 0: uniformly random). keep: one
+    ratio, or one per head. Returns (index int32 [1, H, tiles, K], ascending in each list's first count
+    entries, K the largest count; count int32 [1, H, tiles])."""
+    tiles, blocks = seq // q_tile, seq // kv_block
+    keep = jnp.broadcast_to(jnp.asarray(keep, jnp.float32), (heads,))
+    count = jnp.clip(jnp.round(keep * blocks), 1, blocks).astype(jnp.int32)  # [H]
+    near = jnp.round(count * local_share).astype(jnp.int32)[:, None, None]  # [H, 1, 1]
+    centre = ((jnp.arange(tiles) * q_tile + q_tile // 2) // kv_block)[None, :, None]  # [1, T, 1]
+    first = jnp.clip(centre - near // 2, 0, blocks - near)
+    ids = jnp.arange(blocks)
+    local = (ids >= first) & (ids < first + near)  # [H, T, blocks]
+    score = jnp.where(local, 2.0, jax.random.uniform(key, local.shape))  # the local blocks rank first
+    cap = int(jnp.max(count))
+    top = jax.lax.top_k(score, cap)[1].astype(jnp.int32)
+    index = jnp.sort(jnp.where(jnp.arange(cap) < count[:, None, None], top, blocks), axis=-1)
+    index = jnp.where(index == blocks, 0, index)  # past the count: any valid id
+    return index[None], jnp.broadcast_to(count[:, None], (heads, tiles))[None]

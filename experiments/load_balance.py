@@ -1,7 +1,7 @@
 """AdaptiveLoad load balancing: equal-token vs dual-constraint batching on a mixed image/video set.
 
-    PYTHONPATH=. python experiments/load_balance.py            # H200: 0.8B width, 8 layers (~4-5 min)
-    PYTHONPATH=. python experiments/load_balance.py --quick    # CPU: a tiny model, well under a minute
+    python -m experiments.load_balance            # H200: 0.8B width, 8 layers (~4-5 min)
+    python -m experiments.load_balance --quick    # CPU: a tiny model, well under a minute
 
 The data: a joint image + video mix modelled on public statistics (no files are read: batches are
 drawn from the modelled distribution; grain is not needed). Videos follow Panda-70M's clip lengths
@@ -25,38 +25,35 @@ Method, in one run:
    paper's setting (each of G data-parallel ranks draws its own bucket; a step waits for the slowest
    rank): tokens/s and compute imbalance 1 - mean/max over ranks.
    (b) Measured: both modes' steps interleaved in blocks on one device, every program compiled
-   before timing (a compile counter must stay 0): step-time CV, tokens/s, compiled peak memory per
-   mode, device peak, OOMs.
+   before timing (a compile counter must stay 0): step-time CV, tokens/s, model TFLOP/s (dense-equivalent
+   FLOPs of dsv_jax.model.flops) and their share of the bf16 ceiling, compiled peak memory per mode, device
+   peak, OOMs.
 """
 
 from __future__ import annotations
+
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
 import argparse
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if __name__ == "__main__" and "--quick" in sys.argv:  # CPU smoke run: compile fast (before jax is
-    # imported; not when imported by another script, e.g. bench_multigpu part 3)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from dsv_jax.config import get_config  # noqa: E402
-from dsv_jax.data.bucketing import BatchRule  # noqa: E402
-from dsv_jax.data.cost_model import (CostModel, balance_target, fit_cost_model, predict_schedule,  # noqa: E402
-                                     step_time_cv)
-from dsv_jax.train.compiles import CompileCounter  # noqa: E402
-from dsv_jax.train.shape_bench import StepBench, is_oom  # noqa: E402
-from dsv_jax.train.trainer import enable_compilation_cache  # noqa: E402
-from experiments.harness import (H200_BF16_TFLOPS, RESULTS_DIR, peak_memory_bytes, print_table,  # noqa: E402
-                                 write_results)
+from dsv_jax.config import get_config
+from dsv_jax.data.bucketing import BatchRule
+from dsv_jax.data.cost_model import CostModel, balance_target, fit_cost_model, predict_schedule, step_time_cv
+from dsv_jax.model.flops import parameter_count, train_step_flops
+from dsv_jax.train.compiles import CompileCounter
+from dsv_jax.train.shape_bench import StepBench, is_oom
+from dsv_jax.train.trainer import enable_compilation_cache
+from experiments.harness import (H200_BF16_TFLOPS, RESULTS_DIR, peak_memory_bytes, print_table, pyplot,
+                                 save_figure, write_results)
+from experiments.training import QUICK_MODEL
 
 PANDA70M_MEAN_CLIP_S = 167_000 * 3600 / 70.7e6  # = 8.5 s
 DURATION_SIGMA = 0.8  # assumption: log-normal spread of clip lengths
@@ -117,13 +114,7 @@ def predicted_per_rank(model: CostModel, shares, batch, seq, ranks: int, steps: 
             "compute_imbalance": float(np.mean(1 - t.mean(axis=1) / step)), "step_cv": step_time_cv(step)}
 
 
-def model_flops(n_params: int, depth: int, hidden: int, b: int, s: int) -> float:
-    """Training FLOPs of one step: 6 N per token for the weights, fwd+bwd attention 3.5 x 4 B S^2 D."""
-    return 6.0 * n_params * b * s + 14.0 * depth * b * s * s * hidden
-
-
-QUICK_OVERRIDES = ("model.hidden=32", "model.heads=2", "model.depth=1", "model.text_dim=16", "model.patch=[1,2,2]",
-                   "text.max_len=8", "text.hash_buckets=8", "parallel.fsdp=1", "model.remat=false")
+QUICK_OVERRIDES = (*QUICK_MODEL, "model.depth=1", "model.patch=[1,2,2]", "text.max_len=8", "parallel.fsdp=1")
 
 
 def make_config(quick: bool, preset: str = "0.8b", depth: int = 8, overrides=()):
@@ -131,10 +122,6 @@ def make_config(quick: bool, preset: str = "0.8b", depth: int = 8, overrides=())
     if quick:
         return get_config("tiny", [*QUICK_OVERRIDES, *overrides])
     return get_config(preset, [f"model.depth={depth}", "parallel.fsdp=1", *overrides])
-
-
-def param_count(bench: StepBench) -> int:
-    return sum(x.size for x in jax.tree.leaves(bench.abstract_state.params))
 
 
 def equal_batches(bench: StepBench, seq, m_mem: int) -> np.ndarray:
@@ -203,14 +190,15 @@ def measure_modes(bench: StepBench, buckets, seq, modes: dict, batches: dict, n_
     is called after every block with the summary so far. Returns (measured per mode, compiles during
     the timed steps, losses after every block)."""
     cfg = bench.cfg
-    n_params = param_count(bench)
     shares = np.array([b.share for b in buckets])
     rng = np.random.default_rng(seed)
     schedule = {name: rng.choice(len(buckets), size=n_steps, p=step_frequencies(shares, bb))
                 for name, bb in modes.items()}
     times = {name: [] for name in modes}
     tokens = {name: 0 for name in modes}
-    flops = {name: 0.0 for name in modes}
+    flops = {name: 0.0 for name in modes}  # dense-equivalent model FLOPs (dsv_jax.model.flops)
+    step_flops = {(int(b), bk.shape): train_step_flops(cfg, bk.shape, int(b))["dense_equiv"]
+                  for bb in modes.values() for b, bk in zip(bb, buckets)}
     ooms = {name: 0 for name in modes}
     used = {name: set() for name in modes}
     losses = []
@@ -248,7 +236,7 @@ def measure_modes(bench: StepBench, buckets, seq, modes: dict, batches: dict, n_
                         bench.reset_state()
                         continue
                     tokens[name] += b * int(seq[k])
-                    flops[name] += model_flops(n_params, cfg.model.depth, cfg.model.hidden, b, int(seq[k]))
+                    flops[name] += step_flops[(b, shape)]
             losses.append(float(bench.last_metrics["loss"]))
             if on_block is not None:
                 on_block(summary())
@@ -282,7 +270,7 @@ def main():
     seq = np.array([bench.seq_len(b.shape) for b in buckets])
     m_mem = args.mem_tokens or 4 * int(seq.max())
     eq_b = equal_batches(bench, seq, m_mem)
-    n_params = param_count(bench)
+    n_params = parameter_count(cfg)
     print(f"{cfg.name} depth {cfg.model.depth} hidden {cfg.model.hidden} ({n_params / 1e6:.0f}M params) on "
           f"{jax.devices()[0].device_kind}; M_mem = {m_mem} tokens")
 
@@ -363,13 +351,8 @@ def main():
 
 
 def plot(payload: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no matplotlib: no plot; pip install 'dsv-jax[plots]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for name, m in payload["measured"].items():
@@ -390,10 +373,7 @@ def plot(payload: dict, path: str) -> None:
               title="dual rule over target step times (predicted)")
     ax[2].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    if os.environ.get("OUT"):
-        fig.savefig(os.path.join(os.environ["OUT"], os.path.basename(path)), dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Quality parity: the same model and seeds trained with full, window (WA-M) and DSV attention.
 
-    PYTHONPATH=. python experiments/quality_parity.py --workdir /tmp/qp    # GPU: ~12-13 min for the six runs
-    PYTHONPATH=. python experiments/quality_parity.py --workdir /tmp/qp --runs dsv --keep   # one run, others kept
-    PYTHONPATH=. python experiments/quality_parity.py --quick              # CPU: tiny sizes, proves the script works
+    python -m experiments.quality_parity --workdir /tmp/qp    # GPU: ~12-13 min for the six runs
+    python -m experiments.quality_parity --workdir /tmp/qp --runs dsv --keep   # one run, others kept
+    python -m experiments.quality_parity --quick              # CPU: tiny sizes, proves the script works
     # issue 17: the sparsity study's setup (photos, 109M model) at the S where it shows sparsity
-    PYTHONPATH=. python experiments/quality_parity.py --setup photos --tokens 16384 --workdir /tmp/qp17 \
+    python -m experiments.quality_parity --setup photos --tokens 16384 --workdir /tmp/qp17 \
         --runs full,full_seed1,window,dsv --name quality_parity_photos
 
-Data (--setup, experiments/harness.py: the setups this script shares with sparsity_emergence.py): the
+Data (--setup, experiments/training.py: the setups this script shares with sparsity_emergence.py): the
 embedded moving-shapes dataset (shapes, issue 4's runs: hidden 256 x 4 blocks) or photos (the
 sparsity study's 109M model), at one long bucket (GPU: latents 16 x 64 x 64, patch 1x2x2 -> 16 x 32 x 32
 = 16384 tokens in 256 3D tiles of 4x4x4 = 64 tokens, the kernels' benchmarked tile; 2 samples per step),
@@ -49,6 +49,8 @@ Departures from the paper, and why (also in RESULTS.md):
 
 from __future__ import annotations
 
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
 import argparse
 import json
 import os
@@ -57,15 +59,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-if "--quick" in sys.argv:  # CPU, and XLA's cheapest compile (the quick run is mostly compilation)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-
-import numpy as np  # noqa: E402
-
-from experiments.harness import RESULTS_DIR, device_info, print_table, study_overrides, write_results  # noqa: E402
+from experiments.harness import RESULTS_DIR, device_info, print_table, write_results
+from experiments.training import study_overrides
 
 # name -> (attention, model seed, run-specific overrides)
 RUNS = {"full": ("auto", 0, []), "full_seed1": ("auto", 1, []), "window": ("window", 0, []), "dsv": ("dsv", 0, []),

@@ -1,7 +1,7 @@
 """Attention sparsity of a trained model (the DSV paper's observations), as JSON + plots.
 
-    PYTHONPATH=. python experiments/sparsity_analysis.py --workdir runs/quality/dsv [--shape 8,64,64]
-    PYTHONPATH=. python experiments/sparsity_analysis.py --quick    # trains a tiny model on the CPU first
+    python -m experiments.sparsity_analysis --workdir runs/quality/dsv [--shape 8,64,64]
+    python -m experiments.sparsity_analysis --quick    # trains a tiny model on the CPU first
 
 For held-out batches at fixed noise levels t, every block's exact attention rows of sampled queries
 (every dsv.query_stride-th token) give, per block and head:
@@ -26,6 +26,8 @@ experiments/results/sparsity_analysis/.
 
 from __future__ import annotations
 
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
 import argparse
 import dataclasses
 import functools
@@ -33,17 +35,12 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-if "--quick" in sys.argv:  # CPU, and XLA's cheapest compile (the quick run is mostly compilation)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments.harness import print_table, write_results  # noqa: E402
+from experiments.harness import RESULTS_DIR, print_table, pyplot, save_figure, write_results
+from experiments.training import study_overrides
 
 AXES = ("t", "h", "w")
 
@@ -114,13 +111,8 @@ def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, se
 
 
 def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[plots]'): no plots")
+    plt = pyplot()
+    if plt is None:
         return []
     from dsv_jax.dsv.profiler import TOP_FRACTIONS
 
@@ -139,9 +131,7 @@ def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{prefix}_top_key_mass.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, f"{prefix}_top_key_mass.png")))
 
     fig, axes = plt.subplots(1, len(ts), figsize=(3.6 * len(ts) + 1, 3.4), squeeze=False, layout="constrained")
     for ax, t in zip(axes[0], ts):
@@ -153,9 +143,7 @@ def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
         ax.set_ylabel("block")
         ax.set_title(f"sparsity, t = {t}")
     fig.colorbar(im, ax=axes[0].tolist())
-    paths.append(os.path.join(out_dir, f"{prefix}_sparsity_block_head.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, f"{prefix}_sparsity_block_head.png")))
 
     t = ts[len(ts) // 2]
     dist = per_t[t]["critical_distance"].mean(axis=1)  # [depth, 3]
@@ -169,9 +157,7 @@ def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
     ax.set_title(f"critical KV distance, t = {t}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{prefix}_critical_distance.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, f"{prefix}_critical_distance.png")))
 
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS
 
@@ -191,9 +177,7 @@ def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
     axes[0][0].set_ylabel(f"recall (attention mass kept), t = {t}")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{prefix}_recall_curves.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, f"{prefix}_recall_curves.png")))
     return paths
 
 
@@ -202,11 +186,9 @@ def quick_workdir() -> str:
     from dsv_jax.train.trainer import train
 
     workdir = tempfile.mkdtemp(prefix="sparsity_analysis_")
-    cfg = get_config("tiny", ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16",
-                              "model.patch=[1,2,2]", "text.max_len=8", "text.hash_buckets=8",
-                              "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]", "data.tokens_per_batch=512",
-                              "train.steps=4", "train.sample_at_end=false", "train.eval_batches=1",
-                              "attention=dsv", "dsv.stage1_steps=2", "dsv.threshold=0.2", "dsv.profile_every=2"])
+    cfg = get_config("tiny", study_overrides("shapes", 256, quick=True) + [
+        "train.steps=4", "train.sample_at_end=false", "train.eval_batches=1", "attention=dsv", "dsv.stage1_steps=2",
+        "dsv.threshold=0.2", "dsv.profile_every=2"])
     train(cfg, workdir, progress=False)
     return workdir
 
@@ -257,7 +239,7 @@ def main(argv=None) -> int:
     print_table(rows, ["t", "block", "sparsity", "sparsity_mean", "top10%_mass", "dist_t", "dist_h", "dist_w",
                        "recall", "keep95_tokens", "keep95_blocks", "keep95_exact", "keep95_predictor"])
     out_dir = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="sparsity_plots_") if args.quick else os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", "sparsity_analysis"))
+        RESULTS_DIR, "sparsity_analysis"))
     os.makedirs(out_dir, exist_ok=True)
     run_name = os.path.basename(os.path.abspath(workdir))
     prefix = ("quick" if args.quick else run_name) + (f"_kv{args.kv_block}" if args.kv_block else "")

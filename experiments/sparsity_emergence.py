@@ -4,20 +4,20 @@ at several sequence lengths.
 
     # one H200 in one 10-minute call (jax 0.11.2): 16k and 32k tokens, 500 steps in rounds of 100; stops
     # cleanly at the budget (checkpoint, JSON, plots; also copied to $OUT):
-    PYTHONPATH=. python experiments/sparsity_emergence.py --workdir runs/emergence --budget-s 540
+    python -m experiments.sparsity_emergence --workdir runs/emergence --budget-s 540
     # a later call on the same machine continues from the checkpoints and records in runs/emergence, e.g.
     # more steps, or 64k tokens (its own run; the JSON keeps every S and fits at the last common step):
-    PYTHONPATH=. python experiments/sparsity_emergence.py --workdir runs/emergence --steps 1000 --budget-s 540
-    PYTHONPATH=. python experiments/sparsity_emergence.py --workdir runs/emergence --tokens 65536 --steps 200 \
+    python -m experiments.sparsity_emergence --workdir runs/emergence --steps 1000 --budget-s 540
+    python -m experiments.sparsity_emergence --workdir runs/emergence --tokens 65536 --steps 200 \
         --budget-s 540
     # CPU, tiny sizes (~25 s of CPU with warm compile caches, ~90 s cold; the CI test):
-    PYTHONPATH=. python experiments/sparsity_emergence.py --quick
+    python -m experiments.sparsity_emergence --quick
 
 Expected GPU time (estimated from bench_e2e's 2.7B step times scaled to this model, not yet measured):
 ~0.2 s a step at 16k (2 samples), ~0.35 s at 32k (1 sample), ~1.2 s at 64k; two train-step compiles
 (with and without profiling) and one analysis compile per S; a checkpoint per round and S.
 
-Setup (experiments/harness.py, shared with quality_parity.py --setup photos): data.source=photos (real
+Setup (experiments/training.py, shared with quality_parity.py --setup photos): data.source=photos (real
 photographs under camera pans and zooms, cut-out objects moving over them; data/photos.py) at one bucket
 per sequence length S: 16 x 64 x 64 (S = 16k tokens at patch 1x2x2), 16 x 64 x 128 (32k),
 16 x 128 x 128 (64k); a DiT of 8 blocks x 12 heads x 64 (hidden 768, 109M parameters), 3D tiles of
@@ -51,6 +51,8 @@ keep = a * S^b). --quick writes *_quick.* files (git-ignored).
 
 from __future__ import annotations
 
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
 import argparse
 import json
 import logging
@@ -62,31 +64,26 @@ import tempfile
 import threading
 import time
 
-START = time.monotonic()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
 
-if "--quick" in sys.argv:  # CPU, and XLA's cheapest compile (the quick run is mostly compilation)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments.harness import RESULTS_DIR, device_info, print_table, study_overrides, write_results  # noqa: E402
+from experiments.harness import RESULTS_DIR, Budget, device_info, print_table, pyplot, save_figure, write_results
+from experiments.training import study_overrides
 
 THETAS = (0.9, 0.95)
 KINDS = ("tokens", "blocks", "rule", "predictor")
 
 
-class Budget:
-    """Wall-clock budget of the whole script (from its start). When `reserve` seconds are left, SIGTERM
-    makes a running Trainer save and stop at its next step; the study then writes what it has."""
+class StopAtBudget(Budget):
+    """The budget of the whole script (harness.Budget, from the process start). When only `reserve` seconds
+    are left, SIGTERM makes a running Trainer save and stop at its next step; the study then writes what it
+    has."""
 
     def __init__(self, seconds: float | None, reserve: float):
-        self.seconds, self.reserve, self.expired = seconds, reserve, False
+        super().__init__(seconds, reserve=reserve)
         signal.signal(signal.SIGTERM, self._on_term)  # outside Trainer.run: just remember it
         if seconds is not None:
-            timer = threading.Timer(max(0.0, seconds - reserve - self.elapsed()), self._fire)
+            timer = threading.Timer(max(0.0, self.left()), self._fire)
             timer.daemon = True
             timer.start()
 
@@ -98,16 +95,6 @@ class Budget:
         while True:  # again every few seconds: one that lands in a compile, before Trainer.run listens, is lost
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
-
-    @staticmethod
-    def elapsed() -> float:
-        return time.monotonic() - START
-
-    def allows(self, seconds: float) -> bool:
-        """Whether work of about `seconds` fits before the reserve."""
-        if self.expired:
-            return False
-        return self.seconds is None or self.elapsed() + seconds <= self.seconds - self.reserve
 
 
 def config_for(args, tokens: int):
@@ -193,13 +180,8 @@ def summarise(runs: dict) -> dict:
 
 
 def plot(runs: dict, summary: dict, out_dir: str, suffix: str) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[plots]'): no plots")
+    plt = pyplot()
+    if plt is None:
         return []
     paths = []
     fig, axes = plt.subplots(len(THETAS), len(KINDS), figsize=(3.4 * len(KINDS), 3.0 * len(THETAS)), sharey=True,
@@ -224,9 +206,7 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str) -> list[str]:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("keep ratio vs training step (solid: mean over blocks and heads; dashed: sparsest block)")
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"sparsity_emergence_steps{suffix}.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, os.path.join(out_dir, f"sparsity_emergence_steps{suffix}.png")))
 
     if summary and len(summary["tokens"]) >= 1:
         fig, axes = plt.subplots(1, len(THETAS), figsize=(4.6 * len(THETAS), 3.6), squeeze=False)
@@ -247,12 +227,7 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str) -> list[str]:
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"sparsity_emergence_tokens{suffix}.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    out = os.environ.get("OUT")
-    for p in paths if out else []:
-        shutil.copy(p, out)
+        paths.append(save_figure(fig, os.path.join(out_dir, f"sparsity_emergence_tokens{suffix}.png")))
     return paths
 
 
@@ -289,7 +264,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    budget = Budget(args.budget_s, args.reserve_s)
+    budget = StopAtBudget(args.budget_s, args.reserve_s)
     workdir = args.workdir or (tempfile.mkdtemp(prefix="sparsity_emergence_") if quick else
                                os.path.join("runs", "sparsity_emergence"))
     os.makedirs(workdir, exist_ok=True)
@@ -320,7 +295,7 @@ def main(argv=None) -> int:
             json.dump(runs, f)
         summary = summarise(runs)
         path = write_results(name, {"device": device_info(), "args": vars(args), "parameters": params,
-                                    "wall_s": Budget.elapsed(), "budget_expired": budget.expired,
+                                    "wall_s": budget.elapsed(), "budget_expired": budget.expired,
                                     "summary": summary, "runs": runs}, args.results_dir)
         return path, summary
 
@@ -335,7 +310,7 @@ def main(argv=None) -> int:
                     need = (target - step) * tm["step_s"] + tm["overhead_s"] if tm["step_s"] else 0.0
                     if not budget.allows(need):
                         halted = True
-                        print(f"budget: S={s} stays at step {step} ({Budget.elapsed():.0f} s used, the next "
+                        print(f"budget: S={s} stays at step {step} ({budget.elapsed():.0f} s used, the next "
                               f"{target - step} steps need ~{need:.0f} s)", flush=True)
                     else:
                         t0 = time.perf_counter()
@@ -367,7 +342,7 @@ def main(argv=None) -> int:
                       f"{h['0.95']['blocks'][0]:.3f} rule {h['0.95']['rule'][0]:.3f} predictor "
                       f"{h['0.95'].get('predictor', (float('nan'),))[0]:.3f}; controller: "
                       f"{run['records'][str(step)]['controller']['sparse_blocks']} sparse blocks "
-                      f"({Budget.elapsed():.0f} s)", flush=True)
+                      f"({budget.elapsed():.0f} s)", flush=True)
                 save()
     finally:
         for trainer in trainers.values():
@@ -392,7 +367,7 @@ def main(argv=None) -> int:
             fits = {k: (f"{v['b']:.3f}" if v else "-") for k, v in summary["fit"][theta].items()}
             print(f"keep@{theta} ~ S^b at step {summary['step']}: {fits}")
     plots = plot(runs, summary, args.results_dir, suffix)
-    print("wrote", path, *plots, f"({Budget.elapsed():.0f} s{', budget reached' if budget.expired else ''})")
+    print("wrote", path, *plots, f"({budget.elapsed():.0f} s{', budget reached' if budget.expired else ''})")
     if quick and not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

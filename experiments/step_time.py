@@ -1,11 +1,12 @@
 """Median train-step time of one preset and attention variant, through the library's stable API only.
 
-    PYTHONPATH=. python experiments/step_time.py --preset 2.7b-mmdit --latents 64,64,64 --attention dsv0.9
+    python -m experiments.step_time --preset 2.7b-mmdit --latents 64,64,64 --attention dsv0.9
     PYTHONPATH=OLD_CHECKOUT python experiments/step_time.py ...     # the same step on an older library
 
 It uses only what every version of the library since the DSV controller has (get_config, init_state,
-the trainer's batch_spec / lower_train_step, DSVController), so one command times a change before and
-after (experiments/results/RESULTS.md: MMDiT's sparse merge). Random latents and caption ids, B = 1,
+the trainer's batch_spec / lower_train_step, DSVController), and nothing of experiments/ (which an older
+checkout may lack: run by its path, the script takes the library from PYTHONPATH), so one command times a
+change before and after (experiments/results/RESULTS.md: MMDiT's sparse merge). Random latents and caption ids, B = 1,
 one warm-up step, then the median of --steps; the state is donated from step to step. Prints one JSON
 line and appends it to --out when given.
 """
@@ -18,17 +19,15 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from dsv_jax.config import get_config  # noqa: E402
-from dsv_jax.dsv.controller import DSVController  # noqa: E402
-from dsv_jax.parallel.mesh import make_mesh, state_shardings  # noqa: E402
-from dsv_jax.train.step import abstract_model, init_state  # noqa: E402
-from dsv_jax.train.trainer import batch_spec, lower_train_step  # noqa: E402
+from dsv_jax.config import get_config
+from dsv_jax.dsv.controller import DSVController
+from dsv_jax.parallel.mesh import make_mesh, state_shardings
+from dsv_jax.train.step import abstract_model, init_state
+from dsv_jax.train.trainer import batch_spec, lower_train_step
 
 
 def stage2(cfg, shape, sparsity: float):
@@ -43,6 +42,7 @@ def stage2(cfg, shape, sparsity: float):
 
 
 def main() -> None:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # read when jax's backend starts, below
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="2.7b-mmdit")
     p.add_argument("--latents", default="64,64,64", help="latent T,H,W")

@@ -1,4 +1,4 @@
-"""experiments/bench_multigpu.py end to end on fake CPU devices (subprocesses: the script sets up jax itself)."""
+"""`python -m experiments.bench_multigpu` end to end on fake CPU devices (subprocesses: it sets up jax itself)."""
 
 import json
 import math
@@ -13,7 +13,7 @@ def run_bench(tmp_path, *args, devices=2, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
     env.pop("OUT", None)  # no copy into the device tool's output folder
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_multigpu.py"), "--quick",
+    r = subprocess.run([sys.executable, "-m", "experiments.bench_multigpu", "--quick",
                         "--results-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

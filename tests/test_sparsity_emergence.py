@@ -1,4 +1,4 @@
-"""experiments/sparsity_emergence.py: the study end to end on tiny settings (CPU, subprocesses: a fresh
+"""`python -m experiments.sparsity_emergence`: the study end to end on tiny settings (CPU, subprocesses: a fresh
 run, a rerun that resumes from its checkpoints, a budget that stops it at once), and its summary."""
 
 import json
@@ -16,7 +16,7 @@ def run_study(tmp_path, *args, timeout=400):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("OUT", None)  # no copy into the device tool's output folder
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a GPU machine (conftest's 8 fake devices are for tests)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sparsity_emergence.py"), "--quick",
+    r = subprocess.run([sys.executable, "-m", "experiments.sparsity_emergence", "--quick",
                         "--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path / "work"), *args],
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

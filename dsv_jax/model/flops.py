@@ -64,6 +64,17 @@ def peak_flops(device_kind: str, platform: str = "gpu") -> float | None:
     return next((peak for name, peak in PEAK_BF16_FLOPS if name.lower() in device_kind.lower()), None)
 
 
+# An attention's forward and backward over its forward: the backward recomputes the scores (flash
+# attention), so 1 + 2.5 products of the forward's two.
+ATTENTION_FWD_BWD = 3.5
+
+
+def attention_flops(seq: float, heads: int, head_dim: int, keys_per_query: float, batch: int = 1) -> float:
+    """FLOPs of one attention forward: q k^T and p v over `keys_per_query` keys for each of `seq` queries
+    (x ATTENTION_FWD_BWD for forward and backward)."""
+    return 4.0 * batch * seq * heads * head_dim * keys_per_query
+
+
 def layout_of(cfg: Config, shape: Sequence[int]):
     return token_layout(grid_shape(tuple(shape), cfg.model.patch), cfg.model.tile)
 
@@ -101,7 +112,7 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
     else:
         block_linear = 2 * b * s * c * 6 * c + 2 * b * lt * c * 2 * c + 2 * b * s * c * f * 2
         text_attention = 4 * b * s * lt * c
-    video_dense = 4 * b * s * s * c
+    video_dense = attention_flops(s, m.heads, m.head_dim, s, b)
     out = {"linear": cond + embed + depth * block_linear,
            "video_attention": float(video_dense * _per_block(kept, depth).sum()),
            "video_attention_dense": depth * video_dense,
@@ -119,7 +130,8 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
 
 def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: float | Sequence[float] = 1.0,
                      predictor: bool | None = None, selection: bool | None = None) -> dict[str, float]:
-    """{"dense_equiv", "work"} FLOPs of one train step (see the module docstring), plus the forward's parts.
+    """{"dense_equiv", "work"} FLOPs of one train step (see the module docstring), the video attention's
+    share of the work ("work_video_attention"), and the forward's parts.
     predictor: whether the step trains DSV predictors (default: attention=dsv); selection: whether it
     selects KV blocks (default: some block attends sparsely, i.e. any kept < 1)."""
     predictor = cfg.predictor_rank > 0 if predictor is None else predictor
@@ -128,9 +140,11 @@ def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept:
         selection = bool(np.any(_per_block(kept, cfg.model.depth) < 1))
     r = 1.0 if cfg.model.remat else 0.0
     dense = 3 * (fwd["linear"] + fwd["video_attention_dense"] + fwd["text_attention"])
-    work = ((3 + r) * (fwd["linear"] + fwd["text_attention"]) + (3.5 + r) * fwd["video_attention"]
+    work = ((3 + r) * (fwd["linear"] + fwd["text_attention"]) + (ATTENTION_FWD_BWD + r) * fwd["video_attention"]
             + (3 + r) * fwd["predictor"] + (1 + r) * fwd["selection"] * selection)
-    return {"dense_equiv": dense, "work": work, **{f"forward_{k}": v for k, v in fwd.items()}}
+    return {"dense_equiv": dense, "work": work,
+            "work_video_attention": (ATTENTION_FWD_BWD + r) * fwd["video_attention"],
+            **{f"forward_{k}": v for k, v in fwd.items()}}
 
 
 def kept_fractions(cfg: Config, shape: Sequence[int], plans: Any, inputs: dict | None = None) -> list[float]:

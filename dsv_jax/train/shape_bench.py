@@ -30,8 +30,8 @@ from dsv_jax.config import Config
 from dsv_jax.data.bucketing import BatchRule, equal_token_batch_size
 from dsv_jax.data.cost_model import CostModel, balance_target, fit_cost_model
 from dsv_jax.data.feed import tokens_per_sample
-from dsv_jax.parallel.mesh import data_parallel_size, make_mesh, state_shardings
-from dsv_jax.train.step import abstract_model, init_state
+from dsv_jax.parallel.mesh import data_parallel_size, make_mesh
+from dsv_jax.train.step import abstract_model, create_state, state_layout
 from dsv_jax.train.trainer import batch_spec, compile_train_step
 
 log = logging.getLogger(__name__)
@@ -49,17 +49,14 @@ class StepBench:
         self.mesh = make_mesh(cfg.parallel, devices)
         self.dp = data_parallel_size(self.mesh)
         self.graphdef, _ = abstract_model(cfg)
-        abstract = jax.eval_shape(lambda: init_state(cfg))
-        self.state_sharding = state_shardings(abstract, self.mesh)
-        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                           abstract, self.state_sharding)
+        self.abstract_state, self.state_sharding = state_layout(cfg, self.mesh)
         self.reset_state()
         self._compiled: dict[tuple, Any] = {}
         self._rng = np.random.default_rng(cfg.data.seed)
 
     def reset_state(self) -> None:
         """A fresh train state (also after a step that failed with its donated state)."""
-        self.state = jax.jit(lambda: init_state(self.cfg), out_shardings=self.state_sharding)()
+        self.state = create_state(self.cfg, self.state_sharding)
 
     def seq_len(self, shape) -> int:
         return tokens_per_sample(shape, self.cfg.model.patch)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from dsv_jax.config import Config
 from dsv_jax.model.t2v import TextToVideo
+from dsv_jax.parallel.mesh import state_shardings
 from dsv_jax.train.loss import flow_matching_loss, fixed_t_loss
 from dsv_jax.train.optimizer import make_train_optimizer, param_labels, scale_updates
 
@@ -38,6 +39,20 @@ def init_state(cfg: Config) -> TrainState:
                       opt_state=make_train_optimizer(cfg).init(params),
                       rng=jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
                       skipped=jnp.zeros((), jnp.int32))
+
+
+def state_layout(cfg: Config, mesh) -> tuple[Any, Any]:
+    """(abstract state, shardings) of cfg's train state on `mesh`, nothing allocated. The abstract state
+    (ShapeDtypeStructs that carry the shardings) is what steps are lowered against and checkpoints
+    restore into."""
+    abstract = jax.eval_shape(lambda: init_state(cfg))
+    sharding = state_shardings(abstract, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding), sharding
+
+
+def create_state(cfg: Config, sharding) -> TrainState:
+    """A fresh train state, built inside jit straight into its shardings (never whole on one device)."""
+    return jax.jit(lambda: init_state(cfg), out_shardings=sharding)()
 
 
 def _norm(tree, labels=None, want="main"):

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from dsv_jax.config import Config, ConfigError
 from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
 from dsv_jax.dsv.policy import make_policy
-from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh, state_shardings
+from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh
 from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
@@ -36,7 +36,7 @@ from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
-from dsv_jax.train.step import TrainState, abstract_model, init_state, make_train_step
+from dsv_jax.train.step import TrainState, abstract_model, create_state, make_train_step, state_layout
 
 log = logging.getLogger("dsv_jax")
 
@@ -175,10 +175,7 @@ class Trainer:
                               process_count=jax.process_count())
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
         self.graphdef, abstract_params = abstract_model(cfg)
-        abstract = jax.eval_shape(lambda: init_state(cfg))
-        self.state_sharding = state_shardings(abstract, self.mesh)
-        self.abstract_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_sharding)
+        self.abstract_state, self.state_sharding = state_layout(cfg, self.mesh)
         # What every block's attention runs at each step: a static policy or the DSV controller, on the
         # context axis when the sequence of a sample spans several devices
         self.policy = make_policy(cfg)
@@ -202,7 +199,7 @@ class Trainer:
                 self.policy.load_state_dict(saved)
             log.info("resumed from step %d in %s", latest, self.checkpointer.directory)
         else:
-            self.state = jax.jit(lambda: init_state(cfg), out_shardings=self.state_sharding)()
+            self.state = create_state(cfg, self.state_sharding)
         self.start_step = int(self.state.step)
         if self.is_main:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
