@@ -455,13 +455,14 @@ def test_controller_keeps_what_the_recall_target_needs():
 # -- training: the CLI reaches stage 2; a restore mid stage 2 continues identically -------------------
 
 DSV_RUN = ["attention=dsv", "dsv.rank=4", "dsv.stage1_steps=3", "dsv.profile_every=2", "dsv.threshold=0.2",
-           "dsv.ladder=[0.5,1.0]", "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]", "model.patch=[1,2,2]",
+           "dsv.ladder=[0.5,1.0]", "data.buckets=[[4,16,20]]", "data.bucket_weights=[1]", "model.patch=[1,2,2]",
            "model.arch=mmdit", "model.adaln=single", "train.ckpt_every=5", "train.steps=7"]
 
 
 def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_path):
     """`dsv-jax train attention=dsv` (MMDiT: sparse video-video, dense text) switches after the configured
-    stage-1 steps and logs it; a run stopped at step 5 (stage 2) and resumed gives the same steps."""
+    stage-1 steps and logs it; a run stopped at step 5 (stage 2) and resumed gives the same steps. The
+    bucket's token grid (4, 8, 10) does not divide into 2x4x4 tiles: stage 2 runs sparse on padded tiles."""
     from dsv_jax.train.metrics import read_metrics
     from dsv_jax.train.trainer import Trainer, train
 
@@ -481,16 +482,16 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     from dsv_jax.export import export, load_model
 
     loaded = load_model(export(wd, str(tmp_path / "model")))
-    plans = loaded.attention_for((4, 16, 16))[0]
+    plans = loaded.attention_for((4, 16, 20))[0]
     assert loaded.dsv_state["stage"] == 2 and len(plans) == 2 and all(p.sparse for p in plans)
     with open(tmp_path / "model" / "export.json") as f:
-        assert json.load(f)["attention"] == {"4x16x16": [f"dsv keep<={p.keep:g}" for p in plans]}
+        assert json.load(f)["attention"] == {"4x16x20": [f"dsv keep<={p.keep:g}" for p in plans]}
 
     cfg = small_config(*DSV_RUN)
     train(cfg, str(tmp_path / "split"), stop_at=5, progress=False)
     trainer = Trainer(cfg, str(tmp_path / "split"), progress=False)
     assert trainer.policy.stage == 2 and trainer.policy.switch_step == 3 and int(trainer.state.step) == 5
-    curves = trainer.policy.state_dict()["shapes"]["4x16x16"]["recall_curve"]  # profiled in training
+    curves = trainer.policy.state_dict()["shapes"]["4x16x20"]["recall_curve"]  # profiled in training
     assert all(c is not None and np.isfinite(c).all() for c in curves), curves
     trainer.close()
     train(cfg, str(tmp_path / "split"), progress=False)
