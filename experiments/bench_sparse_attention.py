@@ -41,7 +41,7 @@ from experiments.harness import compile_timed, error_text
 from pallas_kernels.lowrank_topk import lowrank_topk_reference
 from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
 from pallas_kernels.sparse_attention import sparse_attention_reference
-from pallas_kernels.sparse_attention_triton import Plan, prepare_index, sparse_attention_pallas
+from pallas_kernels.sparse_attention_triton import LaunchConfig, prepare_index, sparse_attention_pallas
 from pallas_kernels.sparse_index import dkdv_worklist
 from pallas_kernels.tuning import for_device, generation
 
@@ -125,7 +125,7 @@ def dense_fns(implementation):
 
 def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
     """The dK/dV work list alone (part of the backward): how much of the backward the index transpose costs."""
-    plan = Plan(q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0, tuning=tuning,
+    plan = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0, tuning=tuning,
                 interpret=True)
 
     def build(index, count):

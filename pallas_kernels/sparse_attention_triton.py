@@ -49,7 +49,7 @@ M_FLOOR = -1e29  # start of the running max: exp2(MASK_VALUE - M_FLOOR) == 0, an
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class LaunchConfig:
     """Static geometry of one call (hashable: it is a nondiff argument of the custom_vjp)."""
 
     q_tile: int
@@ -109,11 +109,11 @@ def _params(warps, stages):
 # KV walk shared by the forward and dQ kernels
 
 
-def _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan: Plan):
+def _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, launch: LaunchConfig):
     """K, V rows [rows_per_step, Dp] of loop step `step` and the mask of live rows (None: all live).
     A row is live if its entry is < count and (with valid_ref, the key_valid row flags) a valid key."""
-    rows, kvb = plan.step_rows, plan.kv_block
-    if plan.contiguous:
+    rows, kvb = launch.step_rows, launch.kv_block
+    if launch.contiguous:
         first = step * rows
         block = idx_ref[lax.div(first, kvb)]
         start = pl.multiple_of(block * kvb + lax.rem(first, kvb), rows)
@@ -129,8 +129,8 @@ def _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan: Plan):
     return k_ref[row, :], v_ref[row, :], live
 
 
-def _num_steps(count, plan: Plan):
-    return lax.div(count * plan.kv_block + plan.step_rows - 1, plan.step_rows)
+def _num_steps(count, launch: LaunchConfig):
+    return lax.div(count * launch.kv_block + launch.step_rows - 1, launch.step_rows)
 
 
 def _split_valid(refs, masked: bool):
@@ -138,16 +138,16 @@ def _split_valid(refs, masked: bool):
     return (refs[0], refs[1:]) if masked else (None, refs)
 
 
-def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, *refs, plan: Plan, masked: bool):
+def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, *refs, launch: LaunchConfig, masked: bool):
     valid_ref, (o_ref, lse_ref) = _split_valid(refs, masked)
     count = count_ref[pl.program_id(0)]
     q = q_ref[...]
     qt, dp = q.shape
-    qk_scale = plan.sm_scale * LOG2E
+    qk_scale = launch.sm_scale * LOG2E
 
     def body(step, carry):
         acc, m_prev, l_prev = carry
-        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan)
+        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, launch)
         s = plgpu.dot(q, k, trans_b=True) * qk_scale
         if live is not None:
             s = jnp.where(live[None, :], s, MASK_VALUE)
@@ -160,35 +160,35 @@ def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, *refs, plan: Plan, mask
 
     init = (jnp.zeros((qt, dp), jnp.float32), jnp.full((qt,), M_FLOOR, jnp.float32),
             jnp.zeros((qt,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, _num_steps(count, plan), body, init)
+    acc, m, l = lax.fori_loop(0, _num_steps(count, launch), body, init)
     empty = l == 0.0  # no valid key (all masked, or kv_count == 0): o = 0, lse = +inf (backward's p = 0)
     l = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l))
 
 
-def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: Plan,
+def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, launch: LaunchConfig,
                masked: bool):
     valid_ref, (dq_ref,) = _split_valid(refs, masked)
     count = count_ref[pl.program_id(0)]
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    qk_scale = plan.sm_scale * LOG2E
+    qk_scale = launch.sm_scale * LOG2E
 
     def body(step, dq):
-        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, plan)
+        k, v, live = _kv_step(step, count, idx_ref, k_ref, v_ref, valid_ref, launch)
         p = jnp.exp2(plgpu.dot(q, k, trans_b=True) * qk_scale - lse[:, None])
         if live is not None:
             p = jnp.where(live[None, :], p, 0.0)
         ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-    dq = lax.fori_loop(0, _num_steps(count, plan), body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
+    dq = lax.fori_loop(0, _num_steps(count, launch), body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * launch.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int, masked: bool):
-    if plan.masked_dkdv:
+def _dkdv_kernel(starts_ref, order_ref, *refs, launch: LaunchConfig, pairs_per_tile: int, masked: bool):
+    if launch.masked_dkdv:
         masks_ref, *refs = refs
     else:
         masks_ref = None
@@ -197,8 +197,8 @@ def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int, 
     block = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     rows = k.shape[0]
-    qt = plan.q_tile
-    qk_scale = plan.sm_scale * LOG2E
+    qt = launch.q_tile
+    qk_scale = launch.sm_scale * LOG2E
     if masks_ref is not None:
         row_ids = lax.broadcasted_iota(jnp.int32, (rows,), 0)
         word_of_row, bit_of_row = lax.div(row_ids, MASK_BITS), lax.rem(row_ids, MASK_BITS)
@@ -225,7 +225,7 @@ def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int, 
     if valid_ref is not None:  # invalid key rows: their own column of p was never masked; drop it here
         keep = (valid_ref[...] != 0)[:, None]
         dk, dv = jnp.where(keep, dk, 0.0), jnp.where(keep, dv, 0.0)
-    dk_ref[...] = (dk * plan.sm_scale).astype(dk_ref.dtype)
+    dk_ref[...] = (dk * launch.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -233,8 +233,8 @@ def _dkdv_kernel(starts_ref, order_ref, *refs, plan: Plan, pairs_per_tile: int, 
 # pallas_call wrappers (inputs already padded and sanitized). key_valid: None, or int32 [B, S] row flags.
 
 
-def _tile_specs(plan: Plan, s: int, dp: int, n_sel: int, tiles: int):
-    qt = plan.q_tile
+def _tile_specs(launch: LaunchConfig, s: int, dp: int, n_sel: int, tiles: int):
+    qt = launch.q_tile
     count = pl.BlockSpec((None, None, tiles), lambda t, b, h: (b, h, 0))
     index = pl.BlockSpec((None, None, None, n_sel), lambda t, b, h: (b, h, t, 0))
     q_tile = pl.BlockSpec((None, qt, None, dp), lambda t, b, h: (b, t, h, 0))
@@ -250,21 +250,21 @@ def _with_valid(in_specs, args, key_valid, spec):
     return [*in_specs, spec], [*args, key_valid]
 
 
-def _forward(q, k, v, index, count, plan: Plan, key_valid=None):
+def _forward(q, k, v, index, count, launch: LaunchConfig, key_valid=None):
     """(o, lse) with lse [B, H, S] in base 2 (+inf where a row has no valid key)."""
     b, s, h, dp = q.shape
     tiles, n_sel = index.shape[2], index.shape[3]
-    count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(plan, s, dp, n_sel, tiles)
+    count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(launch, s, dp, n_sel, tiles)
     in_specs, args = _with_valid([count_s, index_s, tile_s, whole_s, whole_s], [count, index, q, k, v], key_valid,
                                  pl.BlockSpec((None, s), lambda t, b, h: (b, 0)))
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, plan=plan, masked=key_valid is not None),
+        functools.partial(_fwd_kernel, launch=launch, masked=key_valid is not None),
         grid=(tiles, b, h),
         in_specs=in_specs,
         out_specs=[tile_s, stat_s],
         out_shape=[result_type(q.shape, q.dtype, q), result_type((b, h, s), jnp.float32, q)],
-        compiler_params=_params(plan.tuning.fwd_warps, plan.tuning.fwd_stages),
-        interpret=plan.interpret,
+        compiler_params=_params(launch.tuning.fwd_warps, launch.tuning.fwd_stages),
+        interpret=launch.interpret,
         name="sparse_attention_fwd",
     )(*args)
 
@@ -276,32 +276,32 @@ def _row_term(o, do, dlse=None):
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def _backward(q, k, v, index, count, o, lse, do, plan: Plan):
+def _backward(q, k, v, index, count, o, lse, do, launch: LaunchConfig):
     """dq, dk, dv of the output alone (no lse cotangent, no padded keys); lse in base 2 as _forward's."""
-    return _backward_from_delta(q, k, v, index, count, lse, do, _row_term(o, do), plan)
+    return _backward_from_delta(q, k, v, index, count, lse, do, _row_term(o, do), launch)
 
 
-def _backward_from_delta(q, k, v, index, count, lse, do, delta, plan: Plan, key_valid=None):
+def _backward_from_delta(q, k, v, index, count, lse, do, delta, launch: LaunchConfig, key_valid=None):
     b, s, h, dp = q.shape
     tiles, n_sel = index.shape[2], index.shape[3]
     masked = key_valid is not None
-    count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(plan, s, dp, n_sel, tiles)
+    count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(launch, s, dp, n_sel, tiles)
     in_specs, args = _with_valid([count_s, index_s, tile_s, whole_s, whole_s, tile_s, stat_s, stat_s],
                                  [count, index, q, k, v, do, lse, delta], key_valid,
                                  pl.BlockSpec((None, s), lambda t, b, h: (b, 0)))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan, masked=masked),
+        functools.partial(_dq_kernel, launch=launch, masked=masked),
         grid=(tiles, b, h),
         in_specs=in_specs,
         out_specs=tile_s,
         out_shape=result_type(q.shape, q.dtype, q),
-        compiler_params=_params(plan.tuning.dq_warps, plan.tuning.dq_stages),
-        interpret=plan.interpret,
+        compiler_params=_params(launch.tuning.dq_warps, launch.tuning.dq_stages),
+        interpret=launch.interpret,
         name="sparse_attention_dq",
     )(*args)
 
-    rows = plan.dkdv_rows
-    order, starts, masks, pairs_per_tile = dkdv_worklist(index, count, kv_block=plan.kv_block, rows=rows, seq_len=s)
+    rows = launch.dkdv_rows
+    order, starts, masks, pairs_per_tile = dkdv_worklist(index, count, kv_block=launch.kv_block, rows=rows, seq_len=s)
     n_pairs = order.shape[-1]
     row_blocks = s // rows
     starts_s = pl.BlockSpec((None, None, row_blocks + 1), lambda j, b, h: (b, h, 0))
@@ -316,13 +316,13 @@ def _backward_from_delta(q, k, v, index, count, lse, do, delta, plan: Plan, key_
     in_specs, args = _with_valid(in_specs + [whole, own, own, whole, stat, stat], args + [q, k, v, do, lse, delta],
                                  key_valid, pl.BlockSpec((None, rows), lambda j, b, h: (b, j)))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, plan=plan, pairs_per_tile=pairs_per_tile, masked=masked),
+        functools.partial(_dkdv_kernel, launch=launch, pairs_per_tile=pairs_per_tile, masked=masked),
         grid=(row_blocks, b, h),
         in_specs=in_specs,
         out_specs=[own, own],
         out_shape=[result_type(k.shape, k.dtype, q), result_type(v.shape, v.dtype, q)],
-        compiler_params=_params(plan.tuning.dkdv_warps, plan.tuning.dkdv_stages),
-        interpret=plan.interpret,
+        compiler_params=_params(launch.tuning.dkdv_warps, launch.tuning.dkdv_stages),
+        interpret=launch.interpret,
         name="sparse_attention_dkdv",
     )(*args)
     return dq, dk, dv
@@ -338,12 +338,12 @@ _backward_sharded = partitioned_over_batch_and_heads(
     _backward, _QKV + _SEL + ("bshd", _ROWS, "bshd"), ("bshd",) * 3)  # (o, lse, do): the Mosaic GPU path's
 
 
-def _forward_masked(q, k, v, index, count, key_valid, plan: Plan):
-    return _forward(q, k, v, index, count, plan, key_valid)
+def _forward_masked(q, k, v, index, count, key_valid, launch: LaunchConfig):
+    return _forward(q, k, v, index, count, launch, key_valid)
 
 
-def _backward_masked(q, k, v, index, count, lse, do, delta, key_valid, plan: Plan):
-    return _backward_from_delta(q, k, v, index, count, lse, do, delta, plan, key_valid)
+def _backward_masked(q, k, v, index, count, lse, do, delta, key_valid, launch: LaunchConfig):
+    return _backward_from_delta(q, k, v, index, count, lse, do, delta, launch, key_valid)
 
 
 _forward_masked_sharded = partitioned_over_batch_and_heads(_forward_masked, _QKV + _SEL + (_KEYS,), ("bshd", _ROWS))
@@ -353,16 +353,16 @@ _backward_delta_masked_sharded = partitioned_over_batch_and_heads(
     _backward_masked, _QKV + _SEL + (_ROWS, "bshd", _ROWS, _KEYS), ("bshd",) * 3)
 
 
-def _run_forward(q, k, v, index, count, key_valid, plan: Plan):
+def _run_forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
     if key_valid is None:
-        return _forward_sharded(q, k, v, index, count, plan)
-    return _forward_masked_sharded(q, k, v, index, count, key_valid, plan)
+        return _forward_sharded(q, k, v, index, count, launch)
+    return _forward_masked_sharded(q, k, v, index, count, key_valid, launch)
 
 
-def _run_backward(q, k, v, index, count, key_valid, lse, do, delta, plan: Plan):
+def _run_backward(q, k, v, index, count, key_valid, lse, do, delta, launch: LaunchConfig):
     if key_valid is None:
-        return _backward_delta_sharded(q, k, v, index, count, lse, do, delta, plan)
-    return _backward_delta_masked_sharded(q, k, v, index, count, lse, do, delta, key_valid, plan)
+        return _backward_delta_sharded(q, k, v, index, count, lse, do, delta, launch)
+    return _backward_delta_masked_sharded(q, k, v, index, count, lse, do, delta, key_valid, launch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -376,33 +376,33 @@ def natural_lse(lse2):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attend(q, k, v, index, count, key_valid, plan: Plan, with_lse: bool):
-    o, lse2 = _run_forward(q, k, v, index, count, key_valid, plan)
+def _attend(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
+    o, lse2 = _run_forward(q, k, v, index, count, key_valid, launch)
     return (o, natural_lse(lse2)) if with_lse else o
 
 
-def _attend_fwd(q, k, v, index, count, key_valid, plan: Plan, with_lse: bool):
-    o, lse2 = _run_forward(q, k, v, index, count, key_valid, plan)
+def _attend_fwd(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
+    o, lse2 = _run_forward(q, k, v, index, count, key_valid, launch)
     out = (o, natural_lse(lse2)) if with_lse else o
     return out, (q, k, v, index, count, key_valid, o, lse2)
 
 
-def _attend_bwd(plan: Plan, with_lse: bool, res, cotangent):
+def _attend_bwd(launch: LaunchConfig, with_lse: bool, res, cotangent):
     q, k, v, index, count, key_valid, o, lse2 = res
     do, dlse = cotangent if with_lse else (cotangent, None)
     delta = _row_term(o, do, dlse)
-    dq, dk, dv = _run_backward(q, k, v, index, count, key_valid, lse2, do, delta, plan)
+    dq, dk, dv = _run_backward(q, k, v, index, count, key_valid, lse2, do, delta, launch)
     return dq, dk, dv, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def prepare_index(kv_index, kv_count, plan: Plan, seq_len: int):
+def prepare_index(kv_index, kv_count, launch: LaunchConfig, seq_len: int):
     """Sanitized kv_index padded to whole loop steps, and clipped counts."""
-    index, count = sanitize_index(kv_index, kv_count, seq_len // plan.kv_block)
+    index, count = sanitize_index(kv_index, kv_count, seq_len // launch.kv_block)
     n_sel = index.shape[-1]
-    pad = plan.padded_count(n_sel) - n_sel
+    pad = launch.padded_count(n_sel) - n_sel
     if pad:
         index = jnp.pad(index, ((0, 0), (0, 0), (0, 0), (0, pad)))
     return index, count
@@ -426,14 +426,14 @@ def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm
         raise ValueError(f"the Pallas kernels need one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     d = q.shape[-1]
     dp = padded_head_dim(d)
-    plan = Plan(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=d, sm_scale=float(sm_scale),
+    launch = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=d, sm_scale=float(sm_scale),
                 tuning=tuning, interpret=interpret)
-    index, count = prepare_index(kv_index, kv_count, plan, q.shape[1])
+    index, count = prepare_index(kv_index, kv_count, launch, q.shape[1])
     key_valid = None if kv_valid is None else key_row_flags(kv_valid, kv_block)
     if dp != d:
         pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    out = _attend(q, k, v, index, count, key_valid, plan, bool(return_lse))
+    out = _attend(q, k, v, index, count, key_valid, launch, bool(return_lse))
     o, lse = out if return_lse else (out, None)
     o = o[..., :d] if dp != d else o
     return (o, lse) if return_lse else o

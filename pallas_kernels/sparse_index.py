@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 MASK_BITS = 32  # one int32 mask word covers 32 key rows
 
@@ -110,19 +109,3 @@ def _fold_rows(kv_index, live, *, kv_block, rows, row_blocks):
         masks.append(jnp.where(has_pair, total - before, 0))
     b, h, tiles, _ = kv_index.shape
     return pair_block, jnp.stack(masks, axis=-1).reshape(b, h, tiles * pairs_per_tile, len(masks))
-
-
-def dkdv_worklist_numpy(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int):
-    """The same lists built by loops (for tests): {(b, h, row block): [(tile, selected rows mask), ...]}."""
-    kv_index, kv_count = np.asarray(kv_index), np.asarray(kv_count)
-    out = {}
-    b, h, tiles, _ = kv_index.shape
-    for bi in range(b):
-        for hi in range(h):
-            for t in range(tiles):
-                for blk in kv_index[bi, hi, t, : kv_count[bi, hi, t]]:
-                    for row in range(blk * kv_block, (blk + 1) * kv_block):
-                        key = (bi, hi, row // rows)
-                        lst = out.setdefault(key, {})
-                        lst[t] = lst.get(t, 0) | (1 << (row % rows))
-    return {k: sorted(v.items()) for k, v in out.items()}

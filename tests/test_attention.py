@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv_jax.attention import attention, available_backends, merge_attention, register_backend, resolve_backend
+from dsv_jax.attention import (attention, available_backends, merge_attention, register_backend, resolve_backend,
+                               unregister_backend)
 
 
 def naive(q, k, v, kv_lens=None, scale=None):
@@ -49,10 +50,14 @@ def test_registered_backend_reaches_call_sites():
         calls.append(factor)
         return factor * attention(q, k, v, backend="xla", kv_lens=kv_lens, sm_scale=sm_scale)
 
-    q, k, v = qkv()
-    out = attention(q, k, v, backend="test_double", factor=3.0)
-    np.testing.assert_allclose(out, 3.0 * naive(q, k, v), atol=1e-5)
-    assert calls == [3.0]
+    try:
+        q, k, v = qkv()
+        out = attention(q, k, v, backend="test_double", factor=3.0)
+        np.testing.assert_allclose(out, 3.0 * naive(q, k, v), atol=1e-5)
+        assert calls == [3.0]
+    finally:
+        unregister_backend("test_double")
+    assert "test_double" not in available_backends()
 
 
 # -- log-sum-exp output and merging ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dsv_jax.attention import attention
 from dsv_jax.config import ParallelConfig
 from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_kv_blocks, selective_capacity
 from dsv_jax.parallel.comm import _subjaxprs, collective_bytes, context_bytes
-from dsv_jax.parallel.hcp import balance_heads, balance_heads_host, device_loads
+from dsv_jax.parallel.hcp import balance_heads, balance_heads_host
 from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention
 from pallas_kernels.lowrank_topk import lowrank_topk_reference
 from pallas_kernels.sparse_attention import sparse_attention_reference
@@ -28,6 +28,14 @@ QT = KB = 16  # query tile and KV block: 16 tiles/blocks over the sequence
 NB = S // KB
 PER_HEAD_K = (1, 2, 3, 5, 7, 9, 12, 15)  # heterogeneous per-head sparsity: 0.94 .. 0.06
 ATOL = 3e-5
+
+
+
+def device_loads(loads, perm, degree: int) -> np.ndarray:
+    """Load of each device under an assignment from `balance_heads` ."""
+    loads, perm = np.asarray(loads, np.float64), np.asarray(perm)
+    return np.concatenate([loads, [0.0]])[perm].reshape(degree, -1).sum(axis=1)
+
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,25 @@ from pallas_kernels import sparse_attention_triton as triton_attn
 from pallas_kernels.lowrank_topk import lowrank_topk, lowrank_topk_reference
 from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
 from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
-from pallas_kernels.sparse_index import dkdv_worklist, dkdv_worklist_numpy, sanitize_index
+from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning, TopkTuning
 
+
+
+def dkdv_worklist_numpy(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int):
+    """The dK/dV work lists built by loops, to check `dkdv_worklist`: {(b, h, row block): [(tile, selected rows mask), ...]}."""
+    kv_index, kv_count = np.asarray(kv_index), np.asarray(kv_count)
+    out = {}
+    b, h, tiles, _ = kv_index.shape
+    for bi in range(b):
+        for hi in range(h):
+            for t in range(tiles):
+                for blk in kv_index[bi, hi, t, : kv_count[bi, hi, t]]:
+                    for row in range(blk * kv_block, (blk + 1) * kv_block):
+                        key = (bi, hi, row // rows)
+                        lst = out.setdefault(key, {})
+                        lst[t] = lst.get(t, 0) | (1 << (row % rows))
+    return {k: sorted(v.items()) for k, v in out.items()}
 
 def random_selection(key, b, h, tiles, num_blocks, n_sel):
     """Ascending distinct ids per tile, random counts in 1..n_sel, garbage (out of range too) past the count."""
@@ -295,7 +311,7 @@ def test_kernels_lower_to_triton_for_gpu():
         return traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
 
     for kv_block, n_sel in [(1, 65), (16, 7), (64, 3)]:
-        plan = triton_attn.Plan(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
+        plan = triton_attn.LaunchConfig(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
                                 tuning=SparseAttentionTuning(), interpret=False)
         idx = jax.ShapeDtypeStruct((1, 2, 8, plan.padded_count(n_sel)), jnp.int32)
         cnt = jax.ShapeDtypeStruct((1, 2, 8), jnp.int32)

@@ -12,7 +12,9 @@ results over disjoint key sets exactly.
 from __future__ import annotations
 
 from dsv_jax.attention.merge import merge_attention
-from dsv_jax.attention.registry import attention, available_backends, register_backend, resolve_backend
+from dsv_jax.attention.registry import (attention, available_backends, register_backend, resolve_backend,
+                                        unregister_backend)
 from dsv_jax.attention import dense as _dense  # noqa: F401  (registers "xla" and "cudnn")
 
-__all__ = ["attention", "available_backends", "merge_attention", "register_backend", "resolve_backend"]
+__all__ = ["attention", "available_backends", "merge_attention", "register_backend", "resolve_backend",
+           "unregister_backend"]

@@ -14,7 +14,7 @@ class Backend(Protocol):
 
 
 _BACKENDS: dict[str, Backend] = {}
-_AUTO_RULES: list[Callable[[jax.Array], str | None]] = []
+_AUTO_RULES: dict[str, Callable[[jax.Array], str | None]] = {}  # by backend, in registration order
 
 
 def register_backend(name: str, *, auto_rule: Callable[[jax.Array], str | None] | None = None):
@@ -23,10 +23,16 @@ def register_backend(name: str, *, auto_rule: Callable[[jax.Array], str | None] 
     def wrap(fn: Backend) -> Backend:
         _BACKENDS[name] = fn
         if auto_rule is not None:
-            _AUTO_RULES.append(auto_rule)
+            _AUTO_RULES[name] = auto_rule
         return fn
 
     return wrap
+
+
+def unregister_backend(name: str) -> None:
+    """Remove backend `name` (and its auto rule): a plugin or test that registered one cleans up."""
+    _BACKENDS.pop(name, None)
+    _AUTO_RULES.pop(name, None)
 
 
 def available_backends() -> list[str]:
@@ -35,7 +41,7 @@ def available_backends() -> list[str]:
 
 def resolve_backend(backend: str, q: jax.Array) -> str:
     if backend == "auto":
-        for rule in _AUTO_RULES:
+        for rule in _AUTO_RULES.values():
             name = rule(q)
             if name is not None:
                 return name

@@ -105,12 +105,6 @@ def balance_heads_host(loads, degree: int, rebalance: bool = True, slots: int | 
     return [sorted(i for i in np.flatnonzero(owner == j).tolist() if i < h) for j in range(degree)]
 
 
-def device_loads(loads, perm, degree: int) -> np.ndarray:
-    """Load of each device under an assignment from `balance_heads` (host-side, for metrics and tests)."""
-    loads, perm = np.asarray(loads, np.float64), np.asarray(perm)
-    return np.concatenate([loads, [0.0]])[perm].reshape(degree, -1).sum(axis=1)
-
-
 def head_loads_from_counts(kv_count) -> jax.Array:
     """Work per head of a sparse selection: selected blocks summed over batch and query tiles."""
     return jnp.sum(kv_count.astype(jnp.float32), axis=(0, 2))

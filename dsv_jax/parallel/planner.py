@@ -166,7 +166,10 @@ class Cost:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
+    """Where one block's attention runs on the context axis: HCP degree x SCP degree and the SCP strategy,
+    with the cost that chose it (and the other candidates, for reports)."""
+
     hcp: int
     scp: int
     scp_strategy: str
@@ -274,7 +277,7 @@ def factorisations(devices: int, heads: int) -> list[tuple[int, int]]:
 
 def plan_attention(w: Workload, devices: int, hardware: Hardware | None = None, kernels: KernelModel | None = None,
                    *, memory_cap: float | None = None, rebalance: bool = True,
-                   strategies: tuple[str, ...] | None = None) -> Plan:
+                   strategies: tuple[str, ...] | None = None) -> Placement:
     """The fastest factorisation of `devices` for this block; ties go to fewer bytes, then more HCP."""
     hw, km = hardware or Hardware(), kernels or KernelModel()
     if strategies is None:
@@ -295,13 +298,7 @@ def plan_attention(w: Workload, devices: int, hardware: Hardware | None = None, 
                          f"for S={w.seq_len}; the smallest needs {least.memory_bytes:.3g} B "
                          f"(HCP {least.hcp} x SCP {least.scp} {least.scp_strategy})")
     best = min(fitting, key=lambda c: (round(c.time_s, 12), c.bytes_sent, -c.hcp, c.hcp_slots))
-    return Plan(best.hcp, best.scp, best.scp_strategy, best, tuple(cands))
-
-
-def plan_blocks(workloads, devices: int, hardware: Hardware | None = None, kernels: KernelModel | None = None,
-                **kw) -> list[Plan]:
-    """One plan per block (blocks differ in head sparsity, hence in their best factorisation)."""
-    return [plan_attention(w, devices, hardware, kernels, **kw) for w in workloads]
+    return Placement(best.hcp, best.scp, best.scp_strategy, best, tuple(cands))
 
 
 def default_plan(*, seq_len, heads, head_dim, batch, devices, sparse, sparsity=None, dtype_bytes=2):

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from dsv_jax.config import Config, ConfigError
 from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
+from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh
 from dsv_jax.parallel.policy import ContextPolicy, check_context
@@ -251,6 +252,13 @@ class Trainer:
                 for k, v in batch.items()}
 
     # -- loop -------------------------------------------------------------------------------
+    @property
+    def controller(self):
+        """The DSV controller (stage, decisions, per-bucket rungs) when attention=dsv, else None; under
+        context parallelism it is the policy that ContextPolicy wraps."""
+        policy = getattr(self.policy, "inner", self.policy)
+        return policy if isinstance(policy, DSVController) else None
+
     def run(self, stop_at: int | None = None) -> list[dict[str, Any]]:
         """Train until cfg.train.steps (or `stop_at`, or a signal). Returns the logged records."""
         cfg = self.cfg

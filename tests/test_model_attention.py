@@ -1,0 +1,48 @@
+"""The block glue (dsv_jax/model/attention.py): sparse plans in DiT and MMDiT, padded layouts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv_jax.dsv.plan import AttentionPlan
+from tests.dsv_helpers import dsv_model, model_inputs
+
+
+@pytest.mark.parametrize("arch", ["dit", "mmdit"])
+@pytest.mark.parametrize("latent", [(4, 16, 24), (3, 20, 28)], ids=["unpadded", "padded"])
+def test_model_with_sparse_plans_selecting_everything_equals_dense(arch, latent, monkeypatch):
+    """Every block kept: the sparse path (DiT: sparse kernel; MMDiT: sparse kernel on video keys with
+    log-sum-exp, merged with the dense text part) equals dense attention, forward and gradients. The
+    padded latent's token grid (3, 5, 7) does not divide into 2x2x2 tiles: its edge tiles are partly
+    padding, masked in the kernels by kv_valid and in dense attention by a key mask."""
+    from dsv_jax.dsv import backend
+
+    calls = []
+    kernel = backend.sparse_attention
+    monkeypatch.setattr(backend, "sparse_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    model = dsv_model(arch, patch=(1, 4, 4), tile=(2, 2, 2))
+    x, t, text, mask = model_inputs(latent)
+    everything = AttentionPlan(mode="dsv", sparse=True, keep=1.0, profile=True)
+    inputs = {"keep": jnp.ones((2, 2))}
+
+    def loss(model, attention, inputs=None):
+        out, aux = model(x, t, text, mask, attention=attention, attention_inputs=inputs, return_aux=True)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), (out, aux)
+
+    (_, (dense, _)), g_dense = nnx.value_and_grad(loss, has_aux=True)(model, "xla")
+    (_, (out, aux)), g_sparse = nnx.value_and_grad(loss, has_aux=True)(model, [everything, everything], inputs)
+    np.testing.assert_allclose(out, dense, atol=3e-5)
+    for a, b in zip(jax.tree.leaves(g_sparse), jax.tree.leaves(g_dense)):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-3)
+    np.testing.assert_allclose(aux["recall"], 1.0, atol=1e-5)  # every block selected: all mass inside
+    assert aux["sparsity"].shape == (2, 2) and np.all((aux["sparsity"] >= 0) & (aux["sparsity"] < 1))
+    # the sparse kernel ran for the video keys (MMDiT: with lse), with kv_valid on the padded layout
+    assert calls and all((c.get("kv_valid") is not None) == (latent == (3, 20, 28)) for c in calls)
+    assert all(c.get("return_lse", False) == (arch == "mmdit") for c in calls)
+    # a real selection (half the blocks) changes the output
+    half = AttentionPlan(mode="dsv", sparse=True, keep=0.5)
+    sparse = model(x, t, text, mask, attention=half, attention_inputs=inputs)
+    assert 1e-4 < float(jnp.abs(sparse - dense).max())
+
