@@ -144,7 +144,7 @@ from dsv_jax.attention import attention  # noqa: E402
 from dsv_jax.config import ParallelConfig, get_config  # noqa: E402
 from dsv_jax.data.cost_model import predict_schedule  # noqa: E402
 from dsv_jax.model.flops import parameter_count, train_step_flops  # noqa: E402
-from dsv_jax.parallel import ContextPlan, context_attention, make_mesh, select_kv_blocks, selective_capacity  # noqa: E402
+from dsv_jax.parallel import ContextAttention, context_attention, make_mesh, select_kv_blocks, selective_capacity  # noqa: E402
 from dsv_jax.parallel.comm import collective_bytes, context_bytes  # noqa: E402
 from dsv_jax.parallel.planner import Hardware, KernelModel, Workload, candidate_cost, plan_attention  # noqa: E402
 from experiments import harness  # noqa: E402
@@ -268,7 +268,8 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
         sparsity = tuple(float(1 - x) for x in keep)
         dense_w = Workload(seq_len=s, heads=heads, head_dim=head_dim, q_tile=tile, kv_block=tile, recompute_forward=False)
         sparse_w = dataclasses.replace(dense_w, head_sparsity=sparsity)
-        plan_d, plan_s = plan_attention(dense_w, n, kernels=km), plan_attention(sparse_w, n, kernels=km)
+        dense_place = plan_attention(dense_w, n, kernels=km)
+        sparse_place = plan_attention(sparse_w, n, kernels=km)
         ulysses_slots = None
         if heads % n == 0:  # the planner's best head-slot count for pure HCP
             costs = [candidate_cost(sparse_w, n, 1, "allgather", Hardware(), km, slots=m)
@@ -279,19 +280,21 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
         if heads % n == 0:
             variants.append(("ulysses", False, dict(strategy="ulysses")))
         variants += [("ring", False, dict(strategy="ring")), ("allgather", False, dict(strategy="allgather")),
-                     (f"hybrid-planned {plan_d.hcp}x{plan_d.scp} {plan_d.scp_strategy}", False,
-                      dict(strategy="hybrid", degrees=(plan_d.hcp, plan_d.scp), scp=plan_d.scp_strategy))]
+                     (f"hybrid-planned {dense_place.hcp}x{dense_place.scp} {dense_place.scp_strategy}", False,
+                      dict(strategy="hybrid", degrees=(dense_place.hcp, dense_place.scp),
+                           scp=dense_place.scp_strategy))]
         if heads % n == 0:
             variants += [("ulysses, heads in order", True, dict(strategy="ulysses", head_perm=None)),
                          ("ulysses, rebalanced", True, dict(strategy="ulysses")),
                          (f"ulysses, rebalanced, {ulysses_slots} slots", True,
                           dict(strategy="ulysses", hcp_slots=ulysses_slots))]
         variants += [("allgather", True, dict(strategy="allgather")), ("selective", True, dict(strategy="selective"))]
-        hp = dict(strategy="hybrid", degrees=(plan_s.hcp, plan_s.scp), scp=plan_s.scp_strategy,
-                  hcp_slots=plan_s.hcp_slots if plan_s.hcp > 1 else None)
-        slots_note = f", {plan_s.hcp_slots} slots" if plan_s.hcp > 1 else ""
-        variants.append((f"hybrid-planned {plan_s.hcp}x{plan_s.scp} {plan_s.scp_strategy}{slots_note}", True, hp))
-        if plan_s.hcp > 1:
+        hp = dict(strategy="hybrid", degrees=(sparse_place.hcp, sparse_place.scp), scp=sparse_place.scp_strategy,
+                  hcp_slots=sparse_place.hcp_slots if sparse_place.hcp > 1 else None)
+        slots_note = f", {sparse_place.hcp_slots} slots" if sparse_place.hcp > 1 else ""
+        variants.append((f"hybrid-planned {sparse_place.hcp}x{sparse_place.scp} {sparse_place.scp_strategy}"
+                         f"{slots_note}", True, hp))
+        if sparse_place.hcp > 1:
             variants.append(("hybrid-planned, heads in order", True, {**hp, "head_perm": None, "hcp_slots": None}))
 
         refs = None
@@ -369,7 +372,7 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
 # -- part 2: training with context parallelism -------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class DSVStylePlan(ContextPlan):
+class DSVStyleAttention(ContextAttention):
     """Sparse context-parallel attention for the benchmark: each head keeps its top (1 - s_h) KV blocks
     scored by the first `rank` dims of q and k (stop-gradient; stands in for DSV's learned predictor)."""
 
@@ -379,7 +382,7 @@ class DSVStylePlan(ContextPlan):
 
     def __call__(self, q, k, v, *, kv_lens=None, sm_scale=None, **options):
         if kv_lens is not None:
-            raise ValueError("DSVStylePlan needs token grids without padding (kv_lens=None)")
+            raise ValueError("DSVStyleAttention needs token grids without padding (kv_lens=None)")
         nb = q.shape[1] // self.tile
         top_k = tuple(max(1, round((1 - s) * nb)) for s in self.head_sparsity)
         q_lr, k_lr = (jax.lax.stop_gradient(x[..., :self.rank]) for x in (q, k))
@@ -429,10 +432,10 @@ def bench_training(mesh, quick, steps, tokens, rows, save):
     step_est = est["train_step"] if "train_step" in est else flops_step_s(cfg, latent, 1, n)
     say(f"  {cfg.name}: {n_params / 1e9:.2f}B params, latents {'x'.join(map(str, latent))} = {tokens} tokens, "
         f"{steps} timed steps per variant; estimates: compile {compile_est:.0f} s, step {step_est:.1f} s")
-    plans = {"full (cuDNN / XLA inside CP)": ContextPlan(mesh, "hybrid"),
-             "DSV-style sparse": DSVStylePlan(mesh, "hybrid", head_sparsity=sparsity, tile=tile,
-                                              options=(("capacity", 0.5),))}
-    for name, plan in plans.items():
+    backends = {"full (cuDNN / XLA inside CP)": ContextAttention(mesh, "hybrid"),
+                "DSV-style sparse": DSVStyleAttention(mesh, "hybrid", head_sparsity=sparsity, tile=tile,
+                                                      options=(("capacity", 0.5),))}
+    for name, backend in backends.items():
         row = {"variant": name, "tokens": tokens, "latent": list(latent), "devices": n, "preset": cfg.name}
         reason = over_budget(compile_est + (steps + 1) * step_est, f"part 2 {name}")
         if reason:
@@ -440,7 +443,7 @@ def bench_training(mesh, quick, steps, tokens, rows, save):
             save()
             continue
         try:  # progress after the compile, the warm-up and every step: a run cut short shows where its time went
-            r = time_train_step(cfg, latent, steps, attention=plan, mesh=mesh, lr=1e-5,
+            r = time_train_step(cfg, latent, steps, attention=backend, mesh=mesh, lr=1e-5,
                                 on_event=lambda what, sec, name=name: say(f"  {clock()} {name}: {what} {sec:.3f} s"))
             row.update(compile_s=r["compile_s"], warmup_s=r["warmup_s"], step_s=r["step_s"],
                        step_times_s=r["step_times_s"], tokens_per_s=r["tokens_per_s"], loss=r["loss"],

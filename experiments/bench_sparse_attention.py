@@ -26,6 +26,8 @@ tiles forward), and write rows to the "padded" and "lse" lists of the JSON with 
 
 from __future__ import annotations
 
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
 import argparse
 import dataclasses
 import functools
@@ -125,12 +127,12 @@ def dense_fns(implementation):
 
 def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
     """The dK/dV work list alone (part of the backward): how much of the backward the index transpose costs."""
-    plan = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0, tuning=tuning,
-                interpret=True)
+    launch = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0,
+                          tuning=tuning, interpret=True)
 
     def build(index, count):
-        index, count = prepare_index(index, count, plan, seq)
-        return dkdv_worklist(index, count, kv_block=kv_block, rows=plan.dkdv_rows, seq_len=seq)
+        index, count = prepare_index(index, count, launch, seq)
+        return dkdv_worklist(index, count, kv_block=kv_block, rows=launch.dkdv_rows, seq_len=seq)
 
     build_c, _ = compile_timed(build, index, count)
     return harness.time_fn(build_c, index, count, warmup=1, iters=3)["median_ms"]
@@ -299,7 +301,8 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
             except Exception as e:  # noqa: BLE001
                 sel_row["error"] = error_text(e, trace=True)
             out["selection"].append(sel_row)
-        del fwd_c, fwd_bwd_c
+        # free this kv_block's executables before the next one compiles (time_sparse holds them too)
+        fwd_c = fwd_bwd_c = time_sparse = None
 
         if (seq, kv_block) == HEADLINE and harness.on_gpu():
             headline(q, k, v, do, q_lr, k_lr, cfg, tuning, tunings.get("select", for_device()[1]), dense_ms,

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsv_jax.model.flops import ATTENTION_FWD_BWD
 from dsv_jax.parallel.comm import context_bytes
 from dsv_jax.parallel.hcp import balance_heads_host
-
-FWD_BWD_OVER_FWD = 3.5  # attention fwd + bwd FLOPs over fwd FLOPs (DESIGN.md)
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class KernelModel:
     dense: tuple[tuple[float, float, float], ...] = ()
     sparse: tuple[tuple[float, float, float, float], ...] = ()
     ring_block: tuple[tuple[float, float, float], ...] = ()  # the ring's plain-JAX block with LSE
-    dense_tflops: float = 585.0  # used where nothing is measured (cuDNN on the H200, DESIGN.md)
+    dense_tflops: float = 585.0  # used where nothing is measured: cuDNN on the H200 (docs/architecture.md)
     sparse_efficiency: float = 0.6  # sparse kernel FLOP rate over dense, where nothing is measured
     source: str = "modelled"
 
@@ -84,15 +83,15 @@ class KernelModel:
         if kind == "dense":
             for s, _, fb in self.dense:
                 work = s * s * self.heads * self.head_dim
-                out.append((work, 4 * FWD_BWD_OVER_FWD * work, fb * 1e-3))
+                out.append((work, 4 * ATTENTION_FWD_BWD * work, fb * 1e-3))
         elif kind == "ring":
             for s, _, fb in self.ring_block:
                 work = s * s * self.heads * self.head_dim
-                out.append((work, 4 * FWD_BWD_OVER_FWD * work, fb * 1e-3))
+                out.append((work, 4 * ATTENTION_FWD_BWD * work, fb * 1e-3))
         else:
             for s, sp, _, fb in self.sparse:
                 work = s * s * self.heads * self.head_dim * (1 - sp)
-                out.append((work, 4 * FWD_BWD_OVER_FWD * work, fb * 1e-3))
+                out.append((work, 4 * ATTENTION_FWD_BWD * work, fb * 1e-3))
         return out
 
     def attention_s(self, q_len, k_len, head_keep, head_dim, *, kind="dense", forward_only=False) -> float:
@@ -109,8 +108,8 @@ class KernelModel:
             rate = self._rate(self._rows("ring"), kept, self._rate(self._rows("dense"), kept, dense_rate))
         else:
             rate = self._rate(self._rows("dense"), kept, dense_rate)
-        t = 4 * FWD_BWD_OVER_FWD * kept / rate
-        return t / FWD_BWD_OVER_FWD if forward_only else t
+        t = 4 * ATTENTION_FWD_BWD * kept / rate
+        return t / ATTENTION_FWD_BWD if forward_only else t
 
 
 @dataclass(frozen=True)
@@ -209,7 +208,6 @@ def _link_time(nbytes, group: int, stride: int, hw: Hardware, pattern: str) -> f
 def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardware, km: KernelModel, *,
                    rebalance: bool = True, memory_cap: float | None = None, slots: int | None = None) -> Cost:
     """Cost of one candidate; slots: head slots per HCP device (sparse; default heads / hcp)."""
-    n = hcp * scp
     keep = w.keep
     sparse = w.sparse
     slots = w.heads // hcp if slots is None else slots
@@ -218,7 +216,7 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
     # an empty slot is a zero head selecting one block per tile
     loads = tuple(float(np.sum(keep[g])) + (slots - len(g)) / nb for g in groups)
     q_len = w.seq_len // scp
-    passes = 1 + (1 / FWD_BWD_OVER_FWD if w.recompute_forward else 0)  # fwd + bwd (+ recomputed fwd)
+    passes = 1 + (1 / ATTENTION_FWD_BWD if w.recompute_forward else 0)  # fwd + bwd (+ recomputed fwd)
 
     # Compute of each HCP group (SCP peers of a group hold the same heads and equal query counts).
     def group_compute(g):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsv_jax.config import Config, ConfigError
+from dsv_jax.config import Config
 from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
 from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.policy import make_policy
@@ -37,7 +37,7 @@ from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
-from dsv_jax.train.step import TrainState, abstract_model, create_state, make_train_step, state_layout
+from dsv_jax.train.step import abstract_model, create_state, make_train_step, state_layout
 
 log = logging.getLogger("dsv_jax")
 
