@@ -1,6 +1,7 @@
 """Benchmarks and studies of dsv-jax; run each from the repository root as `python -m experiments.NAME`.
 
-Shared pieces: experiments/harness.py (timing, budgets, inputs, train steps, results files) and
+Shared pieces: experiments/harness.py (timing, time budgets, random inputs, error text, results files, tables,
+plots, a measurement in a child process), experiments/training.py (train steps and the studies' setups) and
 experiments/quick_cpu.py (the CPU set-up of --quick runs). Results: experiments/results/.
 """
 

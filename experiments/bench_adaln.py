@@ -284,7 +284,7 @@ def main():
     name = "bench_adaln" + ("_quick" if args.quick else "")
     if args.sections != DEFAULT_SECTIONS:
         name += "_" + "_".join(sorted(sections))
-    harness.write_results(name, results)
+    print("wrote", harness.write_results(name, results))
 
 
 def summarize(results, headline):

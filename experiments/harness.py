@@ -112,9 +112,12 @@ def save_figure(fig, path: str, dpi: int = 120) -> str:
 
 def error_text(e: BaseException, trace: bool = False) -> str:
     """An exception for a results file: its type and message (1500 characters at most), and with `trace`
-    the last 1500 characters of its traceback."""
+    the last 1500 characters of where it was raised (the traceback's frames only: a long message, as jax's
+    lowering errors have, would otherwise fill them again)."""
     text = f"{type(e).__name__}: {e}"[:1500]
-    return text + "\n" + "".join(traceback.format_exception(e))[-1500:] if trace else text
+    if not trace:
+        return text
+    return text + "\nTraceback (most recent call last):\n" + "".join(traceback.format_tb(e.__traceback__))[-1500:]
 
 
 # -- measuring in a child process -------------------------------------------------------------------------

@@ -348,8 +348,6 @@ def main():
     print(f"wrote {path}")
 
 
-
-
 def plot(payload: dict, path: str) -> None:
     plt = pyplot()
     if plt is None:

@@ -1,5 +1,8 @@
-"""experiments/harness.py: the selections, budget, vjp wrapper and device timing the benchmarks share."""
+"""experiments/harness.py, quick_cpu.py and training.py: what the benchmarks share (selections, budgets, the vjp
+wrapper, device timing, error text, results files, tables, child processes, the CPU set-up, study setups)."""
 
+import json
+import os
 import time
 
 import jax
@@ -7,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import harness
+from dsv_jax.config import get_config
+from dsv_jax.data.feed import tokens_per_sample
+from experiments import harness, quick_cpu, training
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("local_share", [0.0, 0.5, 1.0])
@@ -65,3 +72,77 @@ def test_time_fn_queues_short_calls_back_to_back():
     assert 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"] and t["blocking_median_ms"] > 0
     slow = harness.time_fn(lambda: time.sleep(0.02), warmup=1, iters=2, min_ms=5.0)
     assert slow["calls_per_run"] == 1 and slow["median_ms"] >= 20 and "blocking_median_ms" not in slow
+
+
+def test_error_text_keeps_the_type_and_cuts_long_messages():
+    try:
+        raise ValueError("x" * 5000)
+    except ValueError as e:
+        short, long = harness.error_text(e), harness.error_text(e, trace=True)
+    assert short.startswith("ValueError: xxx") and len(short) == 1500
+    assert long.startswith(short) and "Traceback" in long and "raise ValueError" in long
+
+
+def test_write_results_adds_the_environment_and_copies_into_out(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    path = harness.write_results("probe_quick", {"rows": [1.5]}, str(tmp_path / "results"))
+    assert path == str(tmp_path / "results" / "probe_quick.json")
+    saved = json.loads(open(path).read())
+    assert saved["name"] == "probe_quick" and saved["rows"] == [1.5]
+    assert saved["env"]["backend"] == "cpu" and saved["env"]["device_count"] == jax.device_count()
+    assert (out / "probe_quick.json").read_text() == open(path).read()
+
+
+def test_print_table_aligns_columns_and_rounds_floats(capsys):
+    harness.print_table([{"name": "a", "ms": 1.23456}, {"name": "longer", "ms": 10.0, "extra": 1}], ["name", "ms"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["name    ms  ", "a       1.23", "longer  10  "]
+
+
+CHILDREN = {
+    "child_answers": "from experiments import harness\nprint('noise')\nharness.answer({'ok': True, 'x': 2.5})\n",
+    "child_crashes": "import sys\nsys.exit('boom')\n",
+    "child_hangs": "import time\ntime.sleep(60)\n",
+}
+
+
+def test_in_child_returns_the_answer_or_why_there_is_none(tmp_path):
+    for name, code in CHILDREN.items():
+        (tmp_path / f"{name}.py").write_text(code)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]), "JAX_PLATFORMS": "cpu"}
+    assert harness.in_child("child_answers", [], 120, env=env) == {"ok": True, "x": 2.5}
+    crashed = harness.in_child("child_crashes", [], 60, env=env)
+    assert crashed["error"].startswith("child exited 1: ") and "boom" in crashed["error"]
+    hung = harness.in_child("child_hangs", [], 1, env=env)
+    assert hung == {"error": "no answer within 1 s (deadlock, hang or slow compile)"}
+
+
+def test_use_cpu_sets_the_platform_and_flags_once(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    quick_cpu.use_cpu(devices=4)
+    quick_cpu.use_cpu(devices=8)  # a second call keeps the first device count and adds nothing
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4 "
+                                       "--xla_backend_optimization_level=0")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    quick_cpu.use_cpu(fast_compile=False)  # a platform set by the caller stays
+    assert os.environ["JAX_PLATFORMS"] == "cuda" and os.environ["XLA_FLAGS"] == ""
+
+
+@pytest.mark.parametrize("setup", ["shapes", "photos"])
+def test_study_overrides_build_the_bucket_of_the_asked_tokens(setup):
+    for quick, tokens in ((True, 256), (True, 512), (False, 16384)):
+        cfg = get_config("tiny", training.study_overrides(setup, tokens, quick=quick))
+        (bucket,) = cfg.data.buckets
+        assert tokens_per_sample(bucket, cfg.model.patch) == tokens
+        assert cfg.data.tokens_per_batch == 2 * tokens and cfg.data.source == ("photos" if setup == "photos"
+                                                                                 else "synthetic")
+        assert cfg.model.hidden == (32 if quick else {"shapes": 256, "photos": 768}[setup])
+    with pytest.raises(ValueError, match="unknown setup"):
+        training.study_overrides("faces", 256, quick=True)
+    with pytest.raises(ValueError, match="no study shape for 300 tokens"):
+        training.study_overrides(setup, 300, quick=True)
