@@ -261,7 +261,9 @@ def main(argv=None) -> int:
     args.lr = args.lr or (1e-3 if quick else 5e-4)
     for s in tokens:  # bad input fails here, before any compile
         config_for(args, s)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # force: orbax logs while it is imported (through experiments.training's trainer import), which gives the
+    # root logger a WARNING handler first, and the trainer's INFO lines (e.g. "resumed from step") would be lost
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     budget = StopAtBudget(args.budget_s, args.reserve_s)
