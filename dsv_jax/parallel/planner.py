@@ -209,7 +209,6 @@ def _link_time(nbytes, group: int, stride: int, hw: Hardware, pattern: str) -> f
 def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardware, km: KernelModel, *,
                    rebalance: bool = True, memory_cap: float | None = None, slots: int | None = None) -> Cost:
     """Cost of one candidate; slots: head slots per HCP device (sparse; default heads / hcp)."""
-    n = hcp * scp
     keep = w.keep
     sparse = w.sparse
     slots = w.heads // hcp if slots is None else slots
