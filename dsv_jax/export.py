@@ -77,7 +77,6 @@ def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = No
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
-
     from flax import nnx
 
     from dsv_jax.model.flops import parameter_count

@@ -33,14 +33,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
+
 try:  # the Triton lowering is deprecated: without it the XLA reference runs (see pallas_kernels.lowering)
     from jax.experimental.pallas import triton as plgpu
 except ImportError:
     plgpu = None
 
-from pallas_kernels.lowering import log_fallback, triton_missing
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.lowering import log_fallback, triton_missing
 
 # ----------------------------------------------------------------------------------------------------
 # Reference (plain JAX): the definition the kernels are tested against.

@@ -17,7 +17,7 @@ log = logging.getLogger("dsv_jax")
 def triton_missing() -> str | None:
     """None if `jax.experimental.pallas.triton` imports, else why."""
     try:
-        import jax.experimental.pallas.triton  # noqa: F401, PLC0415
+        import jax.experimental.pallas.triton  # noqa: F401
     except ImportError as e:
         return f"jax {_jax_version()} has no Pallas Triton lowering ({e})"
     return None
@@ -30,6 +30,6 @@ def log_fallback(kernel: str, path: str, reason: str) -> None:
 
 
 def _jax_version() -> str:
-    import jax  # noqa: PLC0415
+    import jax
 
     return jax.__version__

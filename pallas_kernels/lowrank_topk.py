@@ -115,8 +115,8 @@ def lowrank_topk(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mea
     if impl == "xla" or (impl == "auto" and not on_gpu) or missing:
         return lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
                                       kv_valid=kv_valid)
-    from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas  # noqa: PLC0415
-    from pallas_kernels.tuning import for_device  # noqa: PLC0415
+    from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
+    from pallas_kernels.tuning import for_device
 
     return lowrank_topk_pallas(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
                                tuning=for_device()[1], interpret=not on_gpu, kv_valid=kv_valid)

@@ -30,8 +30,8 @@ CONSUMERS = 2
 def import_plgpu():
     """jax.experimental.pallas.mosaic_gpu, or an ImportError naming what is missing."""
     try:
-        import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 (optional, heavy)
-    except Exception as e:  # noqa: BLE001 (any failure means the path is unavailable)
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+    except Exception as e:
         raise ImportError(f"jax.experimental.pallas.mosaic_gpu is unavailable ({type(e).__name__}: {e})") from e
     return plgpu
 
@@ -234,6 +234,6 @@ class AttentionConfig:
     def interpret_params(self):
         if not self.interpret:
             return None
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         return InterpretGPUParams()

@@ -27,7 +27,7 @@ def partitioned_over_batch_and_heads(call, operands: tuple[str, ...], results: t
     def shardings(mesh, arg_shapes):
         spec = getattr(arg_shapes[0].sharding, "spec", None)  # q's: [B, S, H, D]
         b, h = (None, None) if spec is None else ((*spec, None, None, None)[0], (*spec, None, None, None)[2])
-        named = lambda layouts: tuple(NamedSharding(mesh, _spec(lay, b, h)) for lay in layouts)  # noqa: E731
+        named = lambda layouts: tuple(NamedSharding(mesh, _spec(lay, b, h)) for lay in layouts)
         out = named(results)
         return named(operands), out if len(out) > 1 else out[0]
 

@@ -111,7 +111,7 @@ def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", devi
     device = device or jax.devices()[0]
     reasons = []
     if device.platform == "gpu":
-        from pallas_kernels import sparse_attention_mgpu as mgpu  # noqa: PLC0415 (GPU-only path)
+        from pallas_kernels import sparse_attention_mgpu as mgpu
 
         reason = mgpu.available(device) or mgpu.supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
         if reason is None:
@@ -121,7 +121,7 @@ def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", devi
         return "xla", [f"device {device.device_kind!r} is not a GPU"]
     reason = triton_missing()
     if reason is None:
-        from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415
+        from pallas_kernels import sparse_attention_triton as triton_path
 
         reason = triton_path.supported(q_tile, kv_block)
         if reason is None and not q.dtype == k.dtype == v.dtype:
@@ -151,13 +151,13 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
                                           sm_scale=sm_scale, kv_valid=kv_valid, return_lse=return_lse)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if path == "mgpu":
-        from pallas_kernels import sparse_attention_mgpu  # noqa: PLC0415
+        from pallas_kernels import sparse_attention_mgpu
 
         return sparse_attention_mgpu.sparse_attention_mgpu(q, k, v, kv_index, kv_count, q_tile=q_tile,
                                                            kv_block=kv_block, sm_scale=scale, kv_valid=kv_valid,
                                                            return_lse=return_lse)
-    from pallas_kernels import sparse_attention_triton as triton_path  # noqa: PLC0415
-    from pallas_kernels.tuning import for_device  # noqa: PLC0415
+    from pallas_kernels import sparse_attention_triton as triton_path
+    from pallas_kernels.tuning import for_device
 
     return triton_path.sparse_attention_pallas(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                                sm_scale=scale, tuning=for_device()[0],

@@ -66,7 +66,7 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
 def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False) -> AttentionConfig:
     """The deepest rings that fit in SMEM (3 stages at most in the forward, 2 in the backward; 1 KiB
     left for barriers and alignment)."""
-    from pallas_kernels import sparse_attention_mgpu_fwd as fwd  # noqa: PLC0415
+    from pallas_kernels import sparse_attention_mgpu_fwd as fwd
 
     cfg = AttentionConfig(q_tile=q_tile, kv_block=kv_block, head_dim=head_dim, sm_scale=float(sm_scale),
                           masked=masked, fwd_stages=3, bwd_stages=2, interpret=interpret)
@@ -80,7 +80,7 @@ def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interp
 
 
 def _forward(*arrays):
-    from pallas_kernels.sparse_attention_mgpu_fwd import forward  # noqa: PLC0415
+    from pallas_kernels.sparse_attention_mgpu_fwd import forward
 
     *arrays, cfg = arrays
     q, k, v, index, count = arrays[:5]
@@ -89,7 +89,7 @@ def _forward(*arrays):
 
 
 def _backward(*arrays):
-    from pallas_kernels import sparse_attention_mgpu_bwd as bwd  # noqa: PLC0415
+    from pallas_kernels import sparse_attention_mgpu_bwd as bwd
 
     *arrays, cfg = arrays
     if cfg.masked:
@@ -169,9 +169,9 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
                           return_lse=False, tuning=None, interpret=False):
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
-    fields ({"fwd_stages": 3, "bwd_stages": 2, "tiles_fastest": True}). interpret=True simulates the kernels on a CPU (jax's GPU
-    interpreter: slow, for tests; its products are plain dots)."""
-    from pallas_kernels.sparse_attention import check_sparse_inputs  # noqa: PLC0415
+    fields ({"fwd_stages": 3, "bwd_stages": 2, "tiles_fastest": True}). interpret=True simulates the kernels
+    on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
+    from pallas_kernels.sparse_attention import check_sparse_inputs
 
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
     reason = supported(q, k, v, q_tile=q_tile, kv_block=kv_block)

@@ -19,8 +19,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_common import (CONSUMERS, LOG2E, ROWS, AttentionConfig, Group, Ops, compiler_params,
-                                        import_plgpu, kernel_call, produce, swizzled)
+from pallas_kernels.mgpu_common import (
+    CONSUMERS,
+    LOG2E,
+    ROWS,
+    AttentionConfig,
+    Group,
+    Ops,
+    compiler_params,
+    import_plgpu,
+    kernel_call,
+    produce,
+    swizzled,
+)
 from pallas_kernels.sparse_index import result_type
 
 _PAIR = CONSUMERS * ROWS
@@ -136,7 +147,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         if not masked:
             refs = refs[:8] + (None,) + refs[8:]
         ring = lists * stages
-        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)  # noqa: E731
+        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
             (wide(CONSUMERS), wide(CONSUMERS), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
@@ -256,7 +267,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
         if not masked:
             refs = refs[:8] + (None,) + refs[8:]
         ring = lists * stages
-        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)  # noqa: E731
+        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
             (wide(CONSUMERS), wide(CONSUMERS), wide(ring), wide(ring), plgpu.SMEM((ring, ROWS), jnp.float32),

@@ -19,8 +19,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_common import (CONSUMERS, LOG2E, ROWS, AttentionConfig, Group, Ops, compiler_params,
-                                        import_plgpu, kernel_call, produce, schedule_round, swizzled)
+from pallas_kernels.mgpu_common import (
+    CONSUMERS,
+    LOG2E,
+    ROWS,
+    AttentionConfig,
+    Group,
+    Ops,
+    compiler_params,
+    import_plgpu,
+    kernel_call,
+    produce,
+    schedule_round,
+    swizzled,
+)
 from pallas_kernels.sparse_index import result_type
 
 

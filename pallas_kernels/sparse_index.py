@@ -94,7 +94,7 @@ def _fold_rows(kv_index, live, *, kv_block, rows, row_blocks):
     runs_so_far = jnp.cumsum(ends.astype(jnp.int32), axis=-1)
     pairs_per_tile = min(n_sel, row_blocks)
     wanted = jnp.arange(1, pairs_per_tile + 1, dtype=jnp.int32)
-    find = lambda c: jnp.searchsorted(c, wanted, side="left").astype(jnp.int32)  # noqa: E731
+    find = lambda c: jnp.searchsorted(c, wanted, side="left").astype(jnp.int32)
     end_pos = jnp.vectorize(find, signature="(k)->(p)")(runs_so_far)  # [.., P]; n_sel where no such run
     has_pair = end_pos < n_sel
     end_pos = jnp.minimum(end_pos, n_sel - 1)

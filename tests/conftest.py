@@ -6,7 +6,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     # Optimisation level 0 halves XLA:CPU compile time; tests run small programs where it does not matter.
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0".strip()
+    fake_devices = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = f"{flags} {fake_devices}".strip()
 
 import pytest  # noqa: E402
 

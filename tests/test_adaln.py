@@ -7,11 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import adaln
-from pallas_kernels.adaln import (BlockSizes, adaln_modulate, adaln_modulate_pallas, adaln_modulate_reference,
-                                  gated_residual_adaln, gated_residual_adaln_pallas, gated_residual_adaln_reference)
+from pallas_kernels.adaln import (
+    BlockSizes,
+    adaln_modulate,
+    adaln_modulate_pallas,
+    adaln_modulate_reference,
+    gated_residual_adaln,
+    gated_residual_adaln_pallas,
+    gated_residual_adaln_reference,
+)
 
 # Relative (norm) error allowed against the reference. bf16: the reference rounds intermediate
 # cotangents to bf16 where the kernel keeps fp32, so the two differ by a few bf16 ulps.

@@ -23,7 +23,7 @@ from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import make_mesh
 from dsv_jax.parallel.policy import ContextPolicy
 from dsv_jax.train.loss import flow_matching_loss
-from dsv_jax.train.step import init_state, abstract_model
+from dsv_jax.train.step import abstract_model, init_state
 from tests.conftest import SMALL, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +68,8 @@ def _stage2_state(cfg, latent):
     ctl = DSVController(cfg)
     ctl.stage, ctl.switch_step = 2, 0
     depth, heads = cfg.model.depth, cfg.model.heads
-    ctl.shapes["x".join(map(str, latent))] = {"sparsity": np.full((depth, heads), 0.5).tolist(), "recall_curve": [None] * depth,
-                             "rungs": [0.25] * depth, "profiles": 1}
+    ctl.shapes["x".join(map(str, latent))] = {"sparsity": np.full((depth, heads), 0.5).tolist(),
+                                              "recall_curve": [None] * depth, "rungs": [0.25] * depth, "profiles": 1}
     return ctl.state_dict()
 
 

@@ -180,7 +180,8 @@ def test_sequence_only_sharding_on_an_explicit_mesh(inputs, selection, dense_ref
     """q, k, v sharded over the sequence alone, P(None, 'context', None, None), on a (1, 1, 8) mesh of
     Explicit axes (`jax.make_mesh`'s default, where shard_map rejects a layout other than its own):
     context_attention reshards them and equals single-device attention, gradients included."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1, 1, 8), ("data", "fsdp", "context"))
     seq_only = NamedSharding(mesh, P(None, "context", None, None))

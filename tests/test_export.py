@@ -135,5 +135,6 @@ def test_a_failing_end_of_run_sample_is_one_warning(tmp_path, monkeypatch, caplo
     with caplog.at_level("WARNING"):
         assert sample_at_end(trainer) is None
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and "no end-of-run sample (RuntimeError: no space left on device)" in warnings[0].getMessage()
+    assert len(warnings) == 1
+    assert "no end-of-run sample (RuntimeError: no space left on device)" in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.config import get_config
 from dsv_jax.model import VideoDiT
-from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.model.tokens import patchify, token_layout, unpatchify
 
 
@@ -132,6 +132,7 @@ def test_rope_rotates_pairs_and_is_relative():
     k = jax.random.normal(jax.random.key(1), (1, 4, 1, d))
     rq, rk = apply_rope(q, ang), apply_rope(k, ang)
     np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(rk, axis=-1), jnp.linalg.norm(k, axis=-1), rtol=1e-5)
     # q.k depends only on the coordinate difference: (1,2,3)->(4,7,10) equals (0,0,0)->(3,5,7)
     q0 = jnp.broadcast_to(q[:, :1], q.shape)
     k0 = jnp.broadcast_to(k[:, :1], k.shape)

@@ -18,9 +18,9 @@ from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning, TopkTuning
 
 
-
 def dkdv_worklist_numpy(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int):
-    """The dK/dV work lists built by loops, to check `dkdv_worklist`: {(b, h, row block): [(tile, selected rows mask), ...]}."""
+    """The dK/dV work lists built by loops, to check `dkdv_worklist`:
+    {(b, h, row block): [(tile, selected rows mask), ...]}."""
     kv_index, kv_count = np.asarray(kv_index), np.asarray(kv_count)
     out = {}
     b, h, tiles, _ = kv_index.shape
@@ -57,7 +57,8 @@ def loss_fn(impl, index, count, **kw):
 
 
 def value_and_grads(impl, index, count, q, k, v, **kw):
-    (_, out), grads = jax.jit(jax.value_and_grad(loss_fn(impl, index, count, **kw), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    grad_fn = jax.value_and_grad(loss_fn(impl, index, count, **kw), argnums=(0, 1, 2), has_aux=True)
+    (_, out), grads = jax.jit(grad_fn)(q, k, v)
     return out, grads
 
 
@@ -118,7 +119,10 @@ def test_other_step_shapes(kv_block, rows_per_step):
         return jnp.sum(jnp.sin(o)), o
 
     (_, out), grads = jax.jit(jax.value_and_grad(pallas_loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    ref = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, sm_scale=0.3)
+
+    def ref(q, k, v):
+        return sparse_attention_reference(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, sm_scale=0.3)
+
     assert_close(out, ref(q, k, v), 1e-5, "forward")
     ref_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(ref(*a))), argnums=(0, 1, 2))(q, k, v)
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):

@@ -1,5 +1,4 @@
 import glob
-import json
 import logging
 import os
 
@@ -55,7 +54,8 @@ def test_resume_gives_the_same_run(tmp_path):
 
 
 def test_loss_decreases_on_eight_devices_with_fsdp(tmp_path):
-    cfg = small_config("train.steps=40", "train.lr=3e-3", "model.hidden=64", "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]")
+    cfg = small_config("train.steps=40", "train.lr=3e-3", "model.hidden=64", "data.buckets=[[4,16,16]]",
+                       "data.bucket_weights=[1]")
     trainer = Trainer(cfg, str(tmp_path), progress=False)
     assert trainer.mesh.shape == {"data": 1, "fsdp": 8, "context": 1}
     sharded = [x for x in jax.tree.leaves(trainer.state.params) if "fsdp" in str(x.sharding.spec)]

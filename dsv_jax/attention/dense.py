@@ -9,7 +9,8 @@ attention itself).
 return_lse=True gives (o, lse [B, H, Sq] fp32, natural log) on both. jax (0.10) exposes cuDNN's softmax
 statistics only through `jax.nn.dot_product_attention(..., return_residual=True)`, cast to the output
 dtype (bf16: about 3 significant digits, too coarse to merge partial results exactly) and without a
-gradient (cuDNN's backward drops the residual's cotangent). So o comes from the chosen implementation as usual and lse from `softmax_lse`: plain JAX,
+gradient (cuDNN's backward drops the residual's cotangent). So o comes from the chosen implementation as
+usual and lse from `softmax_lse`: plain JAX,
 chunked over queries (memory O(chunk * Skv), never [Sq, Skv] for long keys), with its own backward
 (d lse_i / d s_ij = p_ij, recomputed chunk by chunk). Its cost is one extra Q K^T pass forward and two
 more backward, which the lse-merging call sites (MMDiT text part, context-parallel blocks) pay.
@@ -45,7 +46,7 @@ def _key_mask(kv_lens, kv_mask, batch, skv):
 def valid_first(k, v, mask):
     """k, v with each row's valid keys gathered first, and their counts: a key mask as lengths."""
     order = jnp.argsort(~mask, axis=1, stable=True)  # [B, Skv]: valid keys first
-    take = lambda x: jnp.take_along_axis(x, order[:, :, None, None], axis=1)  # noqa: E731
+    take = lambda x: jnp.take_along_axis(x, order[:, :, None, None], axis=1)
     return take(k), take(v), jnp.sum(mask, axis=1, dtype=jnp.int32)
 
 

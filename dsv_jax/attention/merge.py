@@ -27,6 +27,6 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
     some = total > 0.0
     total = jnp.where(some, total, 1.0)
     lse = jnp.where(some, m + jnp.log(total), -jnp.inf)
-    weight = lambda w: jnp.swapaxes(w / total, 1, 2)[..., None]  # noqa: E731  [B, H, S] -> [B, S, H, 1]
+    weight = lambda w: jnp.swapaxes(w / total, 1, 2)[..., None]
     o = weight(w_a) * o_a.astype(jnp.float32) + weight(w_b) * o_b.astype(jnp.float32)
     return o.astype(jnp.result_type(o_a.dtype, o_b.dtype)), lse

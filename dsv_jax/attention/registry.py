@@ -66,7 +66,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto"
         disjoint key sets merge exactly with `merge_attention`. The backend must support it.
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, heads or head dim")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale

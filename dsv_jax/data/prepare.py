@@ -519,7 +519,7 @@ def held_out_files(files: list[str], fraction: float) -> set[str]:
     if len(files) < 2:
         raise ValueError(f"--eval-fraction {fraction} needs at least 2 files to split, found {len(files)}")
     n = min(len(files) - 1, max(1, round(fraction * len(files))))
-    key = lambda rel: hashlib.sha256(rel.replace(os.sep, "/").encode()).hexdigest()  # noqa: E731
+    key = lambda rel: hashlib.sha256(rel.replace(os.sep, "/").encode()).hexdigest()
     return set(sorted(files, key=key)[:n])
 
 

@@ -23,7 +23,6 @@ from dsv_jax.attention.registry import attention, register_backend
 from dsv_jax.dsv.selection import select_kv, window_selection
 from pallas_kernels.sparse_attention import sparse_attention
 
-
 # -- registered backends ----------------------------------------------------------------------------
 
 @register_backend("dsv")

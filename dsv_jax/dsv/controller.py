@@ -226,7 +226,8 @@ class DSVController:
                                  f"(bad: shapes {bad}, or non-finite values); the model has {self.depth} blocks x "
                                  f"{self.heads} heads x {len(RECALL_FRACTIONS)} fractions")
             self.shapes[k] = {"sparsity": sparsity.tolist(), "rungs": [float(r) for r in v["rungs"]],
-                              "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist() for c in curves],
+                              "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist()
+                                               for c in curves],
                               "profiles": int(v["profiles"])}
 
 

@@ -87,7 +87,7 @@ def select_kv(q_lr, k_lr, top_k: int, keep=None, *, q_tile: int, kv_block: int, 
     q_lr, k_lr = jax.lax.stop_gradient(q_lr), jax.lax.stop_gradient(k_lr)
     kv_index = lowrank_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
                             kv_valid=kv_valid, impl="auto")
-    scores = lambda: candidate_scores(q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block,  # noqa: E731
+    scores = lambda: candidate_scores(q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block,
                                       block_reduce=block_reduce, kv_valid=kv_valid)
     return apply_counts(kv_index, top_k, keep, k_lr.shape[1] // kv_block, kv_valid, scores)
 

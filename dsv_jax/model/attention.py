@@ -106,7 +106,10 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
                                kv_block=geometry.kv_block, block_reduce=plan.block_reduce,
                                kv_valid=geometry.kv_valid)
     if plan.profile:
-        q_tile, kv_block, kv_valid = (geometry.q_tile, geometry.kv_block, geometry.kv_valid) if geometry else (1, 1, None)
+        if geometry:
+            q_tile, kv_block, kv_valid = geometry.q_tile, geometry.kv_block, geometry.kv_valid
+        else:
+            q_tile, kv_block, kv_valid = 1, 1, None
         lowrank = (q_lr, k_lr) if plan.mode == "dsv" and geometry is not None and q_lr is not None else None
         aux.update(profile_rows(z, positions, ctx.n_real, theta=plan.theta, percentile=plan.percentile,
                                 coords=layout.coords, selection=selection, q_tile=q_tile, kv_block=kv_block,

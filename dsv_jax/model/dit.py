@@ -23,13 +23,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.config import ModelConfig
 from dsv_jax.dsv.plan import as_plan
 from dsv_jax.dsv.predictor import LowRankPredictor
 from dsv_jax.model.attention import context_backend, joint_attention
-from dsv_jax.model.layers import (MLP, BlockContext, CrossAttention, Modulation, QKV, SelfAttention,
-                                  TimestepEmbedder, compute_dtype, gated_modulate, linear, merge_heads, modulate)
-from dsv_jax.attention.rope import apply_rope, rope_angles
+from dsv_jax.model.layers import (
+    MLP,
+    QKV,
+    BlockContext,
+    CrossAttention,
+    Modulation,
+    SelfAttention,
+    TimestepEmbedder,
+    compute_dtype,
+    gated_modulate,
+    linear,
+    merge_heads,
+    modulate,
+)
 from dsv_jax.model.tokens import patchify, unpatchify
 
 
@@ -133,7 +145,8 @@ class VideoDiT(nnx.Module):
         if latents.ndim != 5 or latents.shape[-1] != cfg.in_channels:
             raise ValueError(f"latents must be [B, T, H, W, {cfg.in_channels}], got {latents.shape}")
         if text.ndim != 3 or text.shape[-1] != cfg.text_dim or text_mask.shape != text.shape[:2]:
-            raise ValueError(f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; got {text.shape}, {text_mask.shape}")
+            raise ValueError(f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; "
+                             f"got {text.shape}, {text_mask.shape}")
         b = latents.shape[0]
         cp = context_backend(attention[0] if isinstance(attention, (list, tuple)) else attention)
         # context parallelism: every device holds whole tiles, and the tokens stay sharded over the sequence

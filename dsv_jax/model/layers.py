@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv_jax.attention import attention
+from dsv_jax.attention.rope import apply_rope
 from dsv_jax.config import ModelConfig
 from dsv_jax.model.attention import context_backend, self_attention
-from dsv_jax.attention.rope import apply_rope
 from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
 
 zeros = nnx.initializers.zeros_init()
@@ -100,8 +100,10 @@ class QKV(nnx.Module):
             self.kv = linear(kv_from, 2 * cfg.hidden, cfg, rngs)
         else:
             self.qkv = linear(cfg.hidden, 3 * cfg.hidden, cfg, rngs)
-        self.q_norm = nnx.RMSNorm(cfg.head_dim, epsilon=1e-6, dtype=compute_dtype(cfg), rngs=rngs) if cfg.qk_norm else None
-        self.k_norm = nnx.RMSNorm(cfg.head_dim, epsilon=1e-6, dtype=compute_dtype(cfg), rngs=rngs) if cfg.qk_norm else None
+        def qk_norm():
+            return nnx.RMSNorm(cfg.head_dim, epsilon=1e-6, dtype=compute_dtype(cfg), rngs=rngs) if cfg.qk_norm else None
+
+        self.q_norm, self.k_norm = qk_norm(), qk_norm()
 
     def __call__(self, x, context=None):
         b, s = x.shape[:2]

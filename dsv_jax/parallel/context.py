@@ -32,7 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv_jax.parallel import hcp, local, scp
 from dsv_jax.parallel.groups import context_groups
@@ -93,7 +94,8 @@ def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, p
 
 def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, kv_mask, q_tile, kv_block):
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"context_attention expects q, k, v of one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"context_attention expects q, k, v of one shape [B, S, H, D]; "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
     b, s, h, _ = q.shape
     if s % n:
         raise ValueError(f"sequence length {s} is not divisible by the context axis size {n}")
@@ -469,7 +471,8 @@ class ContextAttention:
                              out_specs=(P("context", bspec), P("context", bspec)), check_vma=False)(q, k, v, mask)
 
     def constrain(self, x):
-        """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence over context."""
+        """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence
+        over context."""
         axes, dp = _batch_axes(self.mesh)
         if x.shape[1] % self.mesh.shape["context"] or x.shape[0] % dp:
             return x

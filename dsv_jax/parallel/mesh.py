@@ -12,7 +12,8 @@ import math
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv_jax.config import ParallelConfig
 

@@ -242,7 +242,8 @@ class Checkpointer:
                                     item)
         with ocp.PyTreeCheckpointer() as reader:  # the state item alone, read partially
             out = reader.restore(os.path.join(self.directory, str(step), "state"),
-                                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+                                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                             partial_restore=True))
         return out["params"]
 
     def restore_readable(self, abstract_state, cfg: Config | None = None, *, step: int | None = None,

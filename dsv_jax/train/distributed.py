@@ -68,7 +68,7 @@ def check_same_config(cfg: Config) -> None:
     """Stop with a clear error when the processes of a run were given different configs."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.experimental import multihost_utils
 
     digest = np.frombuffer(hashlib.sha256(cfg.to_json().encode()).digest()[:8], np.uint32)
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
@@ -82,7 +82,7 @@ def any_process(flag: bool) -> bool:
     """`flag` or-ed over all processes (a collective: every process must call it at the same point)."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.array([int(flag)], np.int32))))
 
@@ -91,6 +91,6 @@ def host_copy(tree):
     """A pytree of (possibly multi-process) arrays as numpy on every process (a collective)."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(tree, tiled=True)

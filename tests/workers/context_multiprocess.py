@@ -11,7 +11,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
-import jax  # noqa: E402
+import jax
 
 try:  # CPU collectives across processes (the default in newer jax)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -23,7 +23,8 @@ def main(process_id: int, port: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from dsv_jax.attention import attention
     from dsv_jax.config import ParallelConfig
