@@ -59,7 +59,7 @@ def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None
 
     batches = batches or cfg.train.eval_batches
     policy = make_policy(cfg, controller)
-    inference = lambda shape: (policy.plans(shape, train=False), policy.inputs(shape, train=False))  # noqa: E731
+    inference = lambda shape: (policy.plans(shape, train=False), policy.inputs(shape, train=False))
     cache: dict = {}
     # the batch sizes the trainer's evaluation uses on this machine (its data-parallel rounding), so that
     # the numbers match the run's logged eval_loss; computed on one device

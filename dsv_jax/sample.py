@@ -65,7 +65,8 @@ def prompt_batch(cfg: Config, prompts: Sequence[str], text_encoder: Callable | N
     want = (n, cfg.text.max_len, cfg.model.text_dim)
     if emb.shape != want or mask.shape != want[:2]:
         raise ValueError(f"the text encoder returned embeddings {emb.shape} and mask {mask.shape} for {n} prompts; "
-                         f"the model takes [{n}, text.max_len={want[1]}, model.text_dim={want[2]}] and [{n}, {want[1]}]")
+                         f"the model takes [{n}, text.max_len={want[1]}, model.text_dim={want[2]}] "
+                         f"and [{n}, {want[1]}]")
     dropped = np.arange(want[1]) == 0  # a dropped caption: zero embeddings, one valid token
     return {"text_emb": np.concatenate([emb.astype(np.float32), np.zeros(want, np.float32)]),
             "text_mask": np.concatenate([mask.astype(bool), np.broadcast_to(dropped, (n, want[1]))])}
@@ -143,8 +144,8 @@ def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], 
     shape = tuple(shape or default_shape(cfg))
     policy = make_policy(cfg, controller_state)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    latents = generate(cfg, graphdef, params, prompts or default_prompts(cfg), shape, steps=steps, guidance=guidance, seed=seed,
-                       attention=attention, attention_inputs=inputs, text_encoder=text_encoder)
+    latents = generate(cfg, graphdef, params, prompts or default_prompts(cfg), shape, steps=steps, guidance=guidance,
+                       seed=seed, attention=attention, attention_inputs=inputs, text_encoder=text_encoder)
     if not np.isfinite(latents).all():
         raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
     frames = decode_latents(latents, cfg.data.codec)

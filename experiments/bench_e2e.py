@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
+# isort: split
+
 import argparse
 import dataclasses
 import gc
@@ -281,7 +283,7 @@ class Bench:
             t0 = time.perf_counter()
             try:
                 lowered = lower()
-            except Exception as e:  # noqa: BLE001 (a lowering error belongs to this variant only)
+            except Exception as e:
                 self.programs[key] = {"error": "lowering: " + error_text(e)}
                 log(f"lowering {key} failed: {self.programs[key]['error'][:300]}")
                 continue
@@ -301,7 +303,7 @@ class Bench:
                 self.programs[key] = {"exe": exe, "compile_s": compile_s, "lower_s": lower_s}
                 if "/comp/" not in key and not key.startswith("check/"):
                     self.compile_times.append(compile_s)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.programs[key] = {"error": "compile: " + error_text(e)}
                 log(f"compiling {key} failed: {self.programs[key]['error'][:300]}")
         if futures:
@@ -381,7 +383,7 @@ class Bench:
             out["passed"] = bool(finite and out["loss_rel_diff_keep1"] <= CHECK_TOL["loss"]
                                  and out["output_rel_err_keep1"] <= CHECK_TOL["output"])
             out["status"] = "ok"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out["error"] = error_text(e)
         self.check = out
         log(f"check: {json.dumps({k: v for k, v in out.items() if k != 'tolerance'}, default=str)}")
@@ -405,11 +407,11 @@ class Bench:
         for name in names:
             st = self.attention_setup(length, name)
             if st["mode"] == "full":
-                fn = lambda q, k, v: attention(q, k, v, backend=cfg.dsv.dense_backend)  # noqa: E731
+                fn = lambda q, k, v: attention(q, k, v, backend=cfg.dsv.dense_backend)
                 add(f"attn_f/{name}", fn, *qkv[:3])
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
             elif st["mode"] == "window":
-                fn = lambda q, k, v, frac=st["window"]: attention(q, k, v, backend="window", grid=layout.grid,  # noqa: E731
+                fn = lambda q, k, v, frac=st["window"]: attention(q, k, v, backend="window", grid=layout.grid,
                                                                   tile=layout.tile, fraction=frac)
                 add(f"attn_f/{name}", fn, *qkv[:3])
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
@@ -432,12 +434,13 @@ class Bench:
                     add("pred_f", pred_loss, args["pred_params"], args["x"], *qkv[:2])
                     add("pred_fb", jax.value_and_grad(pred_loss), args["pred_params"], args["x"], *qkv[:2])
                 kv_block = cfg.dsv.kv_block or layout.tile_size
-                sel = lambda q_lr, k_lr, keep, top_k=st["top_k"]: select_kv(  # noqa: E731
-                    q_lr, k_lr, top_k, keep, q_tile=layout.tile_size, kv_block=kv_block, block_reduce=cfg.dsv.block_reduce)
+                sel = lambda q_lr, k_lr, keep, top_k=st["top_k"]: select_kv(
+                    q_lr, k_lr, top_k, keep, q_tile=layout.tile_size, kv_block=kv_block,
+                    block_reduce=cfg.dsv.block_reduce)
                 keep = st["inputs"]["keep"][0]
                 add(f"sel/{name}", sel, args["q_lr"], args["k_lr"], keep)
                 idx = jax.eval_shape(sel, args["q_lr"], args["k_lr"], keep)
-                fn = lambda q, k, v, i, c: attention(q, k, v, backend="dsv", kv_index=i, kv_count=c,  # noqa: E731
+                fn = lambda q, k, v, i, c: attention(q, k, v, backend="dsv", kv_index=i, kv_count=c,
                                                      q_tile=layout.tile_size, kv_block=kv_block)
                 add(f"attn_f/{name}", fn, *qkv[:3], *idx)
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv[:3], *idx, qkv[3])
@@ -447,8 +450,8 @@ class Bench:
             vec = [jax.random.normal(k, (1, m.hidden)) * 0.1 for k in jax.random.split(ks[7], 3)]
             args["adaln"] = (x, vec)
             for impl in ("xla", "pallas"):
-                plain = lambda x, sc, sh, impl=impl: adaln_modulate(x, sc, sh, impl=impl)  # noqa: E731
-                gated = lambda r, b, g, sc, sh, impl=impl: gated_residual_adaln(r, b, g, sc, sh, impl=impl)  # noqa: E731
+                plain = lambda x, sc, sh, impl=impl: adaln_modulate(x, sc, sh, impl=impl)
+                gated = lambda r, b, g, sc, sh, impl=impl: gated_residual_adaln(r, b, g, sc, sh, impl=impl)
                 add(f"adaln_plain_f/{impl}", plain, x, vec[1], vec[2])
                 add(f"adaln_plain_fb/{impl}", harness.fwd_bwd(plain, 3), x, vec[1], vec[2], x)
                 add(f"adaln_gated_f/{impl}", gated, x, x, *vec)
@@ -492,7 +495,7 @@ class Bench:
                 comps[name] = harness.time_fn(prog["exe"], *args, warmup=0,
                                               iters=int(min(10, max(3, 0.5 // max(once, 1e-6)))))
                 comps[name]["compile_s"] = prog["compile_s"]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 comps[name] = {"error": error_text(e)}
         self.comp_args = None
 
@@ -509,12 +512,14 @@ class Bench:
         e.update({k: v for k, v in st.items() if k not in ("attention", "inputs", "mode")})
         mem = prog["exe"].memory_analysis()
         if mem is not None:
-            need = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+            need = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                    + mem.temp_size_in_bytes)
             e["memory"] = {"compiled_peak_gib": need / 2**30, "temp_gib": mem.temp_size_in_bytes / 2**30,
                            "argument_gib": mem.argument_size_in_bytes / 2**30}
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
             if limit and need > limit:
-                return self.skip(e, f"memory: compiled peak {need / 2**30:.1f} GiB > device limit {limit / 2**30:.1f} GiB")
+                return self.skip(e, f"memory: compiled peak {need / 2**30:.1f} GiB "
+                                    f"> device limit {limit / 2**30:.1f} GiB")
         est = self.est_step(e)
         if self.left() < 2 * est:
             return self.skip(e, f"budget: a warm-up and one step need ~{2 * est:.0f} s, {self.left():.0f} s left")
@@ -542,7 +547,7 @@ class Bench:
             e.setdefault("memory", {})["device_peak_gib_so_far"] = stats.get("peak_bytes_in_use", 0) / 2**30
             log(f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm.median_s:.1f} ms), loss "
                 f"{e['losses'][-1]:.4f}, compiles during timing {timed.compiles}")
-        except Exception as ex:  # noqa: BLE001 (an OOM or kernel error must not lose the other variants)
+        except Exception as ex:
             e.update(status="error", error=error_text(ex))
             log(f"  {e['id']} failed: {e['error'][:300]}")
 
@@ -553,7 +558,7 @@ class Bench:
         for e in entries:
             try:
                 cost = self.est_cost(e, first)
-            except Exception as ex:  # noqa: BLE001 (e.g. no measured sparsity)
+            except Exception as ex:
                 e.update(status="error", error=error_text(ex))
                 continue
             if planned + cost <= self.left():
@@ -587,7 +592,8 @@ class Bench:
                            "hidden": self.cfg.model.hidden, "heads": self.cfg.model.heads,
                            "head_dim": self.cfg.model.head_dim, "compute_dtype": "bfloat16" if harness.on_gpu() else
                            "float32", "remat": self.cfg.model.remat, "scan_layers": self.cfg.model.scan_layers,
-                           "patch": self.cfg.model.patch, "tile": self.cfg.model.tile, "text_len": self.cfg.text.max_len,
+                           "patch": self.cfg.model.patch, "tile": self.cfg.model.tile,
+                           "text_len": self.cfg.text.max_len,
                            "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30}
         log(f"train state: {n_params / 1e9:.2f}B params, {self.model_info['state_gib']:.1f} GiB")
         if not self.args.only:
@@ -613,7 +619,7 @@ class Bench:
         e["tflops_model"], e["tflops_work"] = mfu["tflops_per_device"], mfu["tflops_per_device/work"]
         e["mfu_model"], e["mfu_work"] = mfu.get("mfu/dense_equiv"), mfu.get("mfu/work")  # None: no known peak
         comps = self.components.get(e["length"], {})
-        med = lambda name: comps.get(name, {}).get("median_ms")  # noqa: E731
+        med = lambda name: comps.get(name, {}).get("median_ms")
         depth, name = self.cfg.model.depth, e["attention"]
         split = {"step_ms": e["step_ms"]["median"]}
         if med(f"attn_fb/{name}") is not None and med(f"attn_f/{name}") is not None:
@@ -676,7 +682,8 @@ class Bench:
             top = max(parts, key=parts.get)
             out["largest"] = top[:-3]
             out["speedup_bound_if_attention_free"] = slow["step_ms"]["median"] / parts["rest_ms"]
-            out["note"] = (f"{top[:-3]} is {parts[top] / fast['step_ms']['median']:.0%} of the DSV step; with attention, "
+            share = parts[top] / fast['step_ms']['median']
+            out["note"] = (f"{top[:-3]} is {share:.0%} of the DSV step; with attention, "
                            f"predictor and selection free, the DSV step could be at most "
                            f"{out['speedup_bound_if_attention_free']:.2f}x faster than this baseline")
         else:

@@ -138,7 +138,8 @@ if ARGS.processes > 1:
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from dsv_jax.attention import attention  # noqa: E402
 from dsv_jax.config import ParallelConfig, get_config  # noqa: E402
@@ -262,11 +263,14 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
         q, k, v, do = (gen(jax.random.key(i)) for i in range(4))
         nb = s // tile
         top_k = tuple(max(1, round((1 - x) * nb)) for x in profile(heads))
-        q_lr, k_lr = jax.jit(lambda key: structured_lowrank(key, shape, tile), out_shardings=(seq, seq))(jax.random.key(9))
-        idx, cnt = jax.jit(lambda a, b: select_kv_blocks(a, b, top_k, mesh=mesh, q_tile=tile, kv_block=tile))(q_lr, k_lr)
+        lowrank = jax.jit(lambda key: structured_lowrank(key, shape, tile), out_shardings=(seq, seq))
+        q_lr, k_lr = lowrank(jax.random.key(9))
+        select = jax.jit(lambda a, b: select_kv_blocks(a, b, top_k, mesh=mesh, q_tile=tile, kv_block=tile))
+        idx, cnt = select(q_lr, k_lr)
         keep = np.array([t / nb for t in top_k])
         sparsity = tuple(float(1 - x) for x in keep)
-        dense_w = Workload(seq_len=s, heads=heads, head_dim=head_dim, q_tile=tile, kv_block=tile, recompute_forward=False)
+        dense_w = Workload(seq_len=s, heads=heads, head_dim=head_dim, q_tile=tile, kv_block=tile,
+                           recompute_forward=False)
         sparse_w = dataclasses.replace(dense_w, head_sparsity=sparsity)
         dense_place = plan_attention(dense_w, n, kernels=km)
         sparse_place = plan_attention(sparse_w, n, kernels=km)
@@ -358,7 +362,8 @@ def bench_attention(mesh, sizes, heads, head_dim, dtype, iters, tile, km, rows, 
                        bytes_match=abs(traced["total"] - formula["total"]) <= 1e-6 * formula["total"] + 64)
             rows.append(row)
             say(f"  S={s} {row['attention']:6s} {name:48s} {row.get('median_ms', float('nan')):10.2f} ms  "
-                f"{row['bytes_per_device'] / 1e6:9.1f} MB{'' if row['bytes_match'] else ' (traced ' + str(row['bytes_traced']) + ')'}"
+                f"{row['bytes_per_device'] / 1e6:9.1f} MB"
+                f"{'' if row['bytes_match'] else ' (traced ' + str(row['bytes_traced']) + ')'}"
                 f"  err {row.get('rel_error_max', '')} {row.get('error', '')}")
             save()
         base = min((r["median_ms"] for r in rows if r["seq_len"] == s and r.get("attention") == "dense"
@@ -555,7 +560,8 @@ def main():
     n = jax.device_count()
     mesh = make_mesh(ParallelConfig(data=1, fsdp=1, context=n))
     km = kernel_model(ARGS.kernel_model)
-    say(f"{n} devices over {jax.process_count()} process(es): {jax.devices()[0].device_kind}; planner kernels: {km.source}"
+    say(f"{n} devices over {jax.process_count()} process(es): {jax.devices()[0].device_kind}; "
+        f"planner kernels: {km.source}"
         + (f"; budget {ARGS.budget_s:.0f} s" if ARGS.budget_s is not None else ""))
     payload = {"quick": quick, "devices": n, "processes": jax.process_count(), "kernel_model": km.source,
                "head_sparsity": SKEWED, "budget_s": ARGS.budget_s}

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
+# isort: split
+
 import argparse
 import dataclasses
 import functools
@@ -206,7 +208,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
         flops = ATTENTION_FWD_BWD * attention_flops(seq, h, d, seq)
         entry["dense_tflops"] = flops / entry["dense_fwd_bwd_ms"] / 1e9
         del f_c, fb_c
-    except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+    except Exception as e:
         entry["dense_error"] = error_text(e, trace=True)
     out["dense"].append(entry)
     dense_ms = entry.get("dense_fwd_bwd_ms")
@@ -235,7 +237,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                                                   selection=selections[cfg["sparsities"][0]],
                                                   full=seq <= cfg["full_check_max"])
             base.update(part)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out["runs"].append({**base, "error": error_text(e, trace=True)})
             continue
         if not base["correct"]:
@@ -264,7 +266,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                 row = time_sparse(*selections[sp], f"random {sp}", {"target_sparsity": sp})
                 if sp == cfg["select_sparsities"][0]:
                     row["worklist_ms"] = time_worklist(*selections[sp], q_tile, kv_block, tuning, seq, d)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 out["runs"].append({**base, "target_sparsity": sp, "error": error_text(e, trace=True)})
 
         # Selection by lowrank_topk, then the same compiled attention on its output.
@@ -298,7 +300,7 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
                     att = time_sparse(pad_to(ids, cap), count, f"lowrank_topk {sp}", {"target_sparsity": sp})
                     sel_row["attention_fwd_bwd_ms"] = att["fwd_bwd_ms"]
                     sel_row["select_share_of_attention"] = sel_row["select_ms"] / att["fwd_bwd_ms"]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 sel_row["error"] = error_text(e, trace=True)
             out["selection"].append(sel_row)
         # free this kv_block's executables before the next one compiles (time_sparse holds them too)
@@ -334,7 +336,7 @@ def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, select_tuning, dense_ms, budg
                                                        iters=cfg["iters"])["median_ms"]
             if dense_ms:
                 row["speedup_vs_dense"] = dense_ms / row["select_fwd_bwd_ms"]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row["error"] = error_text(e, trace=True)
         out["headline"].append(row)
 
@@ -366,7 +368,7 @@ def tuning_sweep(cfg, interpret, out, budget):
                 row["fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, idx, cnt, do, warmup=1, iters=3)["median_ms"]
                 if best_ms is None or row["fwd_bwd_ms"] < best_ms:
                     best[kv_block], best_ms = tuning, row["fwd_bwd_ms"]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row["error"] = error_text(e, trace=True)
             out["tuning_sweep"].append(row)
     # Selection kernel: token level (the expensive case), 90%.
@@ -386,7 +388,7 @@ def tuning_sweep(cfg, interpret, out, budget):
             row["select_ms"] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=3)["median_ms"]
             if best_ms is None or row["select_ms"] < best_ms:
                 best["select"], best_ms = tuning, row["select_ms"]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row["error"] = error_text(e, trace=True)
         out["tuning_sweep"].append(row)
     out["tuning_used"] = {str(kb): str(t) for kb, t in best.items()}
@@ -482,7 +484,7 @@ def compare_variants(cfg, interpret, seq, kv_block, selection, inputs, variant, 
                 timed[name] = part
             row[name] = part
             del fwd_c, fwd_bwd_c
-        except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+        except Exception as e:
             row[name] = {"error": error_text(e, trace=True)}
     if len(timed) == 2:
         for key in ("fwd", "fwd_bwd"):
@@ -530,7 +532,7 @@ def run_padded(cfg, interpret, out, budget):
                 sel["picks_padding"] = not bool(jnp.all(jnp.take_along_axis(usable, ids, -1)))
             sel[name] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=cfg["extra_iters"])["median_ms"]
         sel["select_ratio"] = sel["select_padded_ms"] / sel["select_ms"]
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         sel["error"] = error_text(e, trace=True)
     out["padded"].append(sel)
 
@@ -552,14 +554,14 @@ def mosaic_check_main():
     try_mosaic_gpu (experiments/bench_sparse_mgpu.py measures that path in full)."""
     result = {}
     try:
-        from experiments import bench_sparse_mgpu  # noqa: PLC0415
+        from experiments import bench_sparse_mgpu
 
         seq, kv_block, heads, head_dim = 32768, 64, FULL["heads"], FULL["head_dim"]
         q, k, v, _ = harness.random_qkv(jax.random.key(9), seq, heads, head_dim)
         idx, cnt = random_selection(jax.random.key(10), seq=seq, heads=heads, q_tile=64, group=kv_block, keep=0.1)
         result = {"seq": seq, "kv_block": kv_block, "device": harness.device_info()}
         result.update(bench_sparse_mgpu.forward_vs_triton(q, k, v, idx, cnt))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         result.update(ok=False, error=error_text(e, trace=True))
     harness.answer(result)
 
@@ -576,7 +578,8 @@ def goals(out):
     g = {}
     for row in out["headline"]:
         if "speedup_vs_dense" in row:
-            g[f"select+fwd+bwd speedup S=64k {int(row['sparsity'] * 100)}% (goal {5 if row['sparsity'] == 0.9 else 9}x)"] = row["speedup_vs_dense"]
+            goal = 5 if row['sparsity'] == 0.9 else 9
+            g[f"select+fwd+bwd speedup S=64k {int(row['sparsity'] * 100)}% (goal {goal}x)"] = row["speedup_vs_dense"]
     for key, section in (("padded kv_valid / unpadded", "padded"), ("return_lse / plain", "lse")):
         for r in out.get(section, []):
             if "fwd_bwd_ratio" in r:

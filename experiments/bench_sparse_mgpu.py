@@ -47,16 +47,16 @@ def timed(fn, *args, reps=7, min_ms=200.0):
 def attention_fns(impl, index, count, **options):
     """(fwd(q, k, v), fwd_bwd(q, k, v, w)) of one implementation, jitted."""
     if impl == "cudnn":
-        attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")  # noqa: E731
+        attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     elif impl == "triton":
-        from pallas_kernels.sparse_attention_triton import sparse_attention_pallas  # noqa: PLC0415
-        from pallas_kernels.tuning import for_device  # noqa: PLC0415
+        from pallas_kernels.sparse_attention_triton import sparse_attention_pallas
+        from pallas_kernels.tuning import for_device
 
         def attend(q, k, v):
             return sparse_attention_pallas(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK,
                                            sm_scale=q.shape[-1] ** -0.5, tuning=for_device()[0], interpret=False)
     else:
-        from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu  # noqa: PLC0415
+        from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
 
         def attend(q, k, v):
             return sparse_attention_mgpu(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK, tuning=options)
@@ -66,7 +66,7 @@ def attention_fns(impl, index, count, **options):
 
 def check(seq, sparsity, options):
     """Relative errors of o, dq, dk, dv of the Mosaic GPU path against the reference, at this size."""
-    from pallas_kernels.sparse_attention import sparse_attention_reference  # noqa: PLC0415
+    from pallas_kernels.sparse_attention import sparse_attention_reference
 
     q, k, v, w, index, count = inputs(seq, sparsity, seed=1)
     fwd, fwd_bwd = attention_fns("mgpu", index, count, **options)
@@ -75,7 +75,7 @@ def check(seq, sparsity, options):
 
     @jax.jit
     def reference(q, k, v, w, index, count):  # one head: [1, S, 1, D]
-        f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=Q_TILE,  # noqa: E731
+        f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=Q_TILE,
                                                        kv_block=KV_BLOCK).astype(jnp.float32)
         o, vjp = jax.vjp(f, q, k, v)
         return (o, *vjp(w))
@@ -83,7 +83,7 @@ def check(seq, sparsity, options):
     num = np.zeros(4)
     den = np.zeros(4)
     for h in range(q.shape[2]):
-        part = lambda x: x[:, :, h:h + 1].astype(jnp.float32)  # noqa: E731
+        part = lambda x: x[:, :, h:h + 1].astype(jnp.float32)
         ref = reference(part(q), part(k), part(v), part(w), index[:, h:h + 1], count[:, h:h + 1])
         for i, (got, want) in enumerate(zip([o, *grads], ref)):
             want = np.asarray(want, np.float64)
@@ -106,7 +106,7 @@ def dense_masked_reference(q, k, v, index, count, kv_valid, *, q_tile, kv_block,
     if kv_valid is not None:
         key_ok = (jnp.arange(s) % kv_block)[None] < jnp.repeat(kv_valid, kv_block, axis=1)  # [B, S]
         mask = mask & key_ok[:, None, None, :]
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)
     logits = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", f32(q), f32(k)) * sm_scale, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -125,7 +125,7 @@ SMALL_CASES = [  # (q_tile, kv_block, D, masked): both list modes of every kerne
 def small_check():
     """The compiled kernels at S=1536, H=2 against dense_masked_reference: random counts including empty
     tiles, random kv_valid including empty blocks, lse with its cotangent. Errors per case."""
-    from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu  # noqa: PLC0415
+    from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
 
     b, s, h = 1, 1536, 2
     rows = []
@@ -167,7 +167,7 @@ def small_check():
                              else "nonfinite mismatch")
             row["ok"] = all(isinstance(row[n], float) and row[n] < (1e-4 if n == "lse" else 2e-2)
                             for n in ["o", "lse", "dq", "dk", "dv"])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row["ok"] = False
             row["error"] = error_text(e, trace=True)
         rows.append(row)
@@ -194,12 +194,12 @@ def parts(q, k, v, w, index, count, options):
     """Median ms of the Mosaic GPU path's pieces: forward kernel, transposed index (dkdv_worklist),
     dQ kernel, dK/dV kernel, and their kept-work TFLOP/s as executed (dQ recomputes S and dP: 3 products;
     dK/dV 4 products; the forward 2)."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    from pallas_kernels import sparse_attention_mgpu as mgpu  # noqa: PLC0415
-    from pallas_kernels import sparse_attention_mgpu_bwd as bwd  # noqa: PLC0415
-    from pallas_kernels import sparse_attention_mgpu_fwd as fwd  # noqa: PLC0415
-    from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index  # noqa: PLC0415
+    from pallas_kernels import sparse_attention_mgpu as mgpu
+    from pallas_kernels import sparse_attention_mgpu_bwd as bwd
+    from pallas_kernels import sparse_attention_mgpu_fwd as fwd
+    from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
     seq = q.shape[1]
     cfg = dataclasses.replace(mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5), **options)
@@ -254,7 +254,7 @@ def measure(job):
         out["kept_keys"] = kept
         out["fwd_tflops"] = flops / out["fwd"]["median_ms"] / 1e9
         out["fwd_bwd_tflops"] = ATTENTION_FWD_BWD * flops / out["fwd_bwd"]["median_ms"] / 1e9
-    except Exception as e:  # noqa: BLE001 (the answer is the error)
+    except Exception as e:
         out["error"] = error_text(e, trace=True)
     return out
 
@@ -361,8 +361,8 @@ def main():
     part_rows = [r for r in rows if "dq_kernel_ms" in r]
     if part_rows:
         print("\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs):")
-        harness.print_table(part_rows, ["seq", "sparsity", "options", "fwd_kernel_ms", "worklist_kernel_ms", "dq_kernel_ms",
-                                        "dkdv_kernel_ms",
+        harness.print_table(part_rows, ["seq", "sparsity", "options", "fwd_kernel_ms", "worklist_kernel_ms",
+                                        "dq_kernel_ms", "dkdv_kernel_ms",
                                         "fwd_executed_tflops", "dq_executed_tflops", "dkdv_executed_tflops"])
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
+# isort: split
+
 import argparse
 import dataclasses
 import math
@@ -61,7 +63,8 @@ def measure_dense(sizes, backend, dtype, iters):
     for s in sizes:
         q, k, v, do = _qkv(s, dtype)
         f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=None if backend == "xla" else backend)
-        ref = jax.nn.dot_product_attention(q[:, :1024].astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+        f32 = jnp.float32
+        ref = jax.nn.dot_product_attention(q[:, :1024].astype(f32), k.astype(f32), v.astype(f32))
         err = harness.rel_error(jax.jit(f)(q, k, v)[:, :1024], ref)
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
@@ -128,7 +131,9 @@ def measure_sparse(sizes, sparsity, dtype, iters):
 
 def measure_ring_block(sizes, dtype, iters):
     """The ring's per-step block (plain JAX with log-sum-exp, hand-written backward) on one device."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
     from dsv_jax.parallel import scp
     from dsv_jax.parallel.groups import GroupAxis
 
@@ -302,7 +307,8 @@ def main():
     iters = 2 if quick else 5
 
     measured = {
-        "dense": measure_dense([256, 512] if quick else [8192, 16384, 32768], "xla" if quick else "cudnn", dtype, iters),
+        "dense": measure_dense([256, 512] if quick else [8192, 16384, 32768], "xla" if quick else "cudnn", dtype,
+                               iters),
         "sparse": measure_sparse([512] if quick else [8192, 16384, 32768], 0.9, dtype, iters),
         "ring_block": measure_ring_block([256] if quick else [8192, 16384], dtype, iters),
         "matmul": measure_matmul(512 if quick else 16384, dtype, iters),
@@ -352,7 +358,8 @@ def main():
     harness.print_table(summary, list(summary[0].keys()))
     g = goals(km_target, hw, quick)
     print("\nselective K/V bytes over ring's (<= 1 - s, up to one block):",
-          [round(r["selective_over_ring_kv_bytes"], 4) for r in g["selective_kv_bytes"]], "met:", g["selective_kv_goal_met"])
+          [round(r["selective_over_ring_kv_bytes"], 4) for r in g["selective_kv_bytes"]],
+          "met:", g["selective_kv_goal_met"])
     print("capacity a synthetic selection needs (fraction of a peer's blocks):", g["needed_fraction_synthetic"])
     print("straggler excess removed (skewed heads), equal / uneven head counts by HCP degree:",
           {d: (round(v["skewed_profile_equal"], 3), round(v["skewed_profile_uneven"], 3))

@@ -7,10 +7,10 @@ The data: a joint image + video mix modelled on public statistics (no files are 
 drawn from the modelled distribution; grain is not needed). Videos follow Panda-70M's clip lengths
 (70.7M clips, 167k hours on the dataset's page: a mean of 8.5 s), modelled as log-normal with sigma
 0.8 (our assumption), each clip trained on at the longest duration bucket it covers (1, 2, 4, 8 s;
-clips under 1 s dropped), at 192x320 (16:10, ~16:9 like the source); 30% of samples are images (our assumption, typical of joint
-image-video training), a third at 256x256 and two thirds at 512x512. Latent shapes assume a Wan-like
-VAE (4x temporal, 8x spatial, 16 channels) and the 0.8B preset's 1x2x2 patches, with latent frame
-counts that are multiples of the 4x4x4 attention tile (4, 8, 16, 32: ~0.8, 1.8, 3.8, 7.8 s at 16 fps).
+clips under 1 s dropped), at 192x320 (16:10, ~16:9 like the source); 30% of samples are images (our
+assumption, typical of joint image-video training), a third at 256x256 and two thirds at 512x512. Latent
+shapes assume a Wan-like VAE (4x temporal, 8x spatial, 16 channels) and the 0.8B preset's 1x2x2 patches,
+with latent frame counts that are multiples of the 4x4x4 attention tile (4, 8, 16, 32: ~0.8, 1.8, 3.8, 7.8 s at 16 fps).
 
 Method, in one run:
 1. Shape benchmarking on the model itself (dsv_jax.train.shape_bench.StepBench: the trainer's
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
+# isort: split
+
 import argparse
 import math
 import os
@@ -51,8 +53,15 @@ from dsv_jax.model.flops import parameter_count, train_step_flops
 from dsv_jax.train.compiles import CompileCounter
 from dsv_jax.train.shape_bench import StepBench, is_oom
 from dsv_jax.train.trainer import enable_compilation_cache
-from experiments.harness import (H200_BF16_TFLOPS, RESULTS_DIR, peak_memory_bytes, print_table, pyplot,
-                                 save_figure, write_results)
+from experiments.harness import (
+    H200_BF16_TFLOPS,
+    RESULTS_DIR,
+    peak_memory_bytes,
+    print_table,
+    pyplot,
+    save_figure,
+    write_results,
+)
 from experiments.training import QUICK_MODEL
 
 PANDA70M_MEAN_CLIP_S = 167_000 * 3600 / 70.7e6  # = 8.5 s

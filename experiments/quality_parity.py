@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
+# isort: split
+
 import argparse
 import json
 import os
@@ -266,7 +268,8 @@ def main(argv=None) -> int:
             print(f"== {n}", flush=True)
             results[n] = run(n, args, root, out_dir)
             path, rows, goals = save()
-            print(f"   final held-out loss {results[n]['final_eval_loss']:.4f}, {results[n]['wall_s']:.0f} s", flush=True)
+            r = results[n]
+            print(f"   final held-out loss {r['final_eval_loss']:.4f}, {r['wall_s']:.0f} s", flush=True)
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)

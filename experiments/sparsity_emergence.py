@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
 
+# isort: split
+
 import argparse
 import json
 import logging
@@ -280,8 +282,8 @@ def main(argv=None) -> int:
         steps = {k: sorted(v["records"], key=int) for k, v in runs.items()}
         print(f"resuming the records of {records_path}: {steps}")
 
-    from dsv_jax.train.trainer import Trainer
     from dsv_jax.train.step import abstract_model
+    from dsv_jax.train.trainer import Trainer
 
     trainers, timing = {}, {}
     for s in tokens:

@@ -3,8 +3,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv_jax.attention import (attention, available_backends, merge_attention, register_backend, resolve_backend,
-                               unregister_backend)
+from dsv_jax.attention import (
+    attention,
+    available_backends,
+    merge_attention,
+    register_backend,
+    resolve_backend,
+    unregister_backend,
+)
 
 
 def naive(q, k, v, kv_lens=None, scale=None):

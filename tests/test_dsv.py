@@ -10,7 +10,6 @@ import pytest
 
 from tests.conftest import SMALL, small_config
 
-
 DSV_RUN = ["attention=dsv", "dsv.rank=4", "dsv.stage1_steps=3", "dsv.profile_every=2", "dsv.threshold=0.2",
            "dsv.ladder=[0.5,1.0]", "data.buckets=[[4,16,20]]", "data.bucket_weights=[1]", "model.patch=[1,2,2]",
            "model.arch=mmdit", "model.adaln=single", "train.ckpt_every=5", "train.steps=7"]

@@ -7,7 +7,7 @@ import pytest
 from dsv_jax.attention import attention
 from dsv_jax.dsv.selection import window_extent
 from dsv_jax.model.tokens import token_layout
-from tests.dsv_helpers import rand, masked_dense
+from tests.dsv_helpers import masked_dense, rand
 
 
 @pytest.mark.parametrize("kv_block, d", [(1, 24), (8, 16)])

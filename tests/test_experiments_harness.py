@@ -55,7 +55,7 @@ def test_budget_plans_against_what_is_left():
 def test_fwd_bwd_is_the_vjp_with_the_cotangent_last():
     ks = jax.random.split(jax.random.key(1), 4)
     x, w, y, cot = (jax.random.normal(k, (5, 5)) for k in ks)
-    fn = lambda x, w, y: jnp.tanh(x @ w) * y  # noqa: E731
+    fn = lambda x, w, y: jnp.tanh(x @ w) * y
     out, grads = harness.fwd_bwd(fn, 2)(x, w, y, cot)
     np.testing.assert_allclose(out, fn(x, w, y), rtol=1e-6)
     want = jax.grad(lambda x, w: jnp.sum(fn(x, w, y) * cot), argnums=(0, 1))(x, w)

@@ -13,8 +13,16 @@ from dsv_jax.config import get_config
 from dsv_jax.dsv.controller import DSVController, shape_key
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.selection import window_selection
-from dsv_jax.model.flops import (PEAK_ENV, forward_flops, kept_fractions, layout_of, mfu_metrics, parameter_count,
-                                 peak_flops, train_step_flops)
+from dsv_jax.model.flops import (
+    PEAK_ENV,
+    forward_flops,
+    kept_fractions,
+    layout_of,
+    mfu_metrics,
+    parameter_count,
+    peak_flops,
+    train_step_flops,
+)
 from dsv_jax.model.t2v import TextToVideo
 from dsv_jax.parallel.comm import _subjaxprs
 from tests.conftest import small_config
@@ -98,7 +106,8 @@ def test_predictor_count_equals_the_matmuls_of_a_dsv_training_forward():
     model = nnx.eval_shape(lambda: TextToVideo(cfg, rngs=nnx.Rngs(0)))
     b, shape = 2, (4, 16, 16)
     plan = AttentionPlan(mode="dsv", predictor=True, query_stride=8, max_queries=cfg.dsv.max_queries)
-    args = (jax.ShapeDtypeStruct((b, *shape, cfg.model.in_channels), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32),
+    args = (jax.ShapeDtypeStruct((b, *shape, cfg.model.in_channels), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.float32),
             jax.ShapeDtypeStruct((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32),
             jax.ShapeDtypeStruct((b, cfg.text.max_len), jnp.bool_))
     graphdef, state = nnx.split(model)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsv_jax.dsv.selection import select_kv
-from tests.dsv_helpers import rand, block_scores
+from tests.dsv_helpers import block_scores, rand
 
 
 @pytest.mark.parametrize("reduce", ["mean", "max"])

@@ -8,7 +8,7 @@ import pytest
 
 from dsv_jax.attention import attention
 from dsv_jax.dsv.selection import select_kv, window_extent, window_selection
-from tests.dsv_helpers import rand, masked_dense, block_scores
+from tests.dsv_helpers import block_scores, masked_dense, rand
 
 
 @pytest.mark.parametrize("reduce", ["mean", "max"])

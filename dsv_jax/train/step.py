@@ -13,7 +13,7 @@ from flax import nnx
 from dsv_jax.config import Config
 from dsv_jax.model.t2v import TextToVideo
 from dsv_jax.parallel.mesh import state_shardings
-from dsv_jax.train.loss import flow_matching_loss, fixed_t_loss
+from dsv_jax.train.loss import fixed_t_loss, flow_matching_loss
 from dsv_jax.train.optimizer import make_train_optimizer, param_labels, scale_updates
 
 

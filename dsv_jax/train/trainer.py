@@ -32,8 +32,8 @@ from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh
 from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
-from dsv_jax.train.guard import DivergenceGuard, Verdict
 from dsv_jax.train.evaluation import held_out_loss
+from dsv_jax.train.guard import DivergenceGuard, Verdict
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
