@@ -315,15 +315,15 @@ def test_kernels_lower_to_triton_for_gpu():
         return traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
 
     for kv_block, n_sel in [(1, 65), (16, 7), (64, 3)]:
-        plan = triton_attn.LaunchConfig(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
-                                tuning=SparseAttentionTuning(), interpret=False)
-        idx = jax.ShapeDtypeStruct((1, 2, 8, plan.padded_count(n_sel)), jnp.int32)
+        launch = triton_attn.LaunchConfig(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
+                                          tuning=SparseAttentionTuning(), interpret=False)
+        idx = jax.ShapeDtypeStruct((1, 2, 8, launch.padded_count(n_sel)), jnp.int32)
         cnt = jax.ShapeDtypeStruct((1, 2, 8), jnp.int32)
-        fwd = jax.jit(functools.partial(triton_attn._forward, plan=plan)).trace(x, x, x, idx, cnt)
-        bwd = jax.jit(functools.partial(triton_attn._backward, plan=plan)).trace(x, x, x, idx, cnt, x, stat, x)
+        fwd = jax.jit(functools.partial(triton_attn._forward, launch=launch)).trace(x, x, x, idx, cnt)
+        bwd = jax.jit(functools.partial(triton_attn._backward, launch=launch)).trace(x, x, x, idx, cnt, x, stat, x)
         assert triton_calls(fwd) == 1 and triton_calls(bwd) == 2  # dQ, dK/dV
-        masked_fwd = jax.jit(lambda *a, plan=plan: triton_attn._forward(*a[:5], plan, a[5]))
-        masked_bwd = jax.jit(lambda *a, plan=plan: triton_attn._backward_from_delta(*a[:8], plan, a[8]))
+        masked_fwd = jax.jit(lambda *a, launch=launch: triton_attn._forward(*a[:5], launch, a[5]))
+        masked_bwd = jax.jit(lambda *a, launch=launch: triton_attn._backward_from_delta(*a[:8], launch, a[8]))
         assert triton_calls(masked_fwd.trace(x, x, x, idx, cnt, flags)) == 1
         assert triton_calls(masked_bwd.trace(x, x, x, idx, cnt, stat, x, stat, flags)) == 2
     lr = jax.ShapeDtypeStruct((1, 512, 2, 16), jnp.bfloat16)
