@@ -179,6 +179,10 @@ class TrainConfig:
     sample_at_end: bool = True
     sample_steps: int = 30
     guidance: float = 3.0
+    # Moves the sampler's time grid towards noise (t = 1): t -> s t / (1 + (s - 1) t), see
+    # dsv_jax/train/loss.py: shift_timesteps. 1: a uniform grid. The same shift of the training t is
+    # t_logit_mean += log(s). Every sampler (end-of-run GIF, `sample`, `eval`) reads it from the run's config.
+    sample_shift: float = 1.0
     # Divergence guard (dsv_jax/train/guard.py). A step is bad when its loss or gradient is not finite
     # (its update is skipped) or its loss is above divergence_factor x the median of the last
     # divergence_window good losses (0: no loss check; our tiny runs stay below 2x). While the latest
@@ -197,6 +201,8 @@ class TrainConfig:
             raise ConfigError(f"train.divergence_factor={self.divergence_factor} must be > 1 (0: off)")
         _positive("train.divergence_window", self.divergence_window)
         _positive("train.lr", self.lr)
+        _positive("train.sample_shift", self.sample_shift)
+        _positive("train.sample_steps", self.sample_steps)
         _positive("train.ckpt_every", self.ckpt_every)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every", self.log_every)

@@ -1,7 +1,8 @@
 """Euler sampler of the rectified flow, and video files (GIF; MP4 through PyAV's FFmpeg).
 
-The flow runs from noise at t = 1 to data at t = 0: x <- x + (t_next - t) * v(x, t). With guidance g,
-v = v(empty caption) + g * (v(caption) - v(empty caption)).
+The flow runs from noise at t = 1 to data at t = 0: x <- x + (t_next - t) * v(x, t), on a uniform grid
+of t moved towards noise by the run's train.sample_shift (dsv_jax/train/loss.py: shift_timesteps). With
+guidance g, v = v(empty caption) + g * (v(caption) - v(empty caption)).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from dsv_jax.config import Config
 from dsv_jax.data.codec import decode_latents, load_callable
 from dsv_jax.data.text import tokenize_batch
+from dsv_jax.train.loss import shift_timesteps
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +74,19 @@ def prompt_batch(cfg: Config, prompts: Sequence[str], text_encoder: Callable | N
             "text_mask": np.concatenate([mask.astype(bool), np.broadcast_to(dropped, (n, want[1]))])}
 
 
+def time_grid(steps: int, shift: float = 1.0) -> jax.Array:
+    """The sampler's `steps + 1` timesteps, from 1 (noise) down to 0 (data)."""
+    return shift_timesteps(jnp.linspace(1.0, 0.0, steps + 1), shift)
+
+
 def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple[int, int, int], *,
              steps: int = 30, guidance: float = 3.0, seed: int = 0, attention="auto",
-             attention_inputs=None, text_encoder: Callable | None = None) -> np.ndarray:
-    """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`)."""
+             attention_inputs=None, text_encoder: Callable | None = None, shift: float | None = None) -> np.ndarray:
+    """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`; `shift`: of
+    the time grid, default the config's train.sample_shift)."""
     batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
     n = len(prompts)
-    t_grid = jnp.linspace(1.0, 0.0, steps + 1)
+    t_grid = time_grid(steps, cfg.train.sample_shift if shift is None else shift)
 
     @jax.jit
     def run(params, batch, key, attention_inputs):

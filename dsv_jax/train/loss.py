@@ -8,8 +8,16 @@ import jax.numpy as jnp
 from dsv_jax.config import TrainConfig
 
 
+def shift_timesteps(t, shift: float):
+    """t -> shift * t / (1 + (shift - 1) * t): keeps 0 and 1 and the order, and with shift > 1 moves the
+    path towards noise (t = 1), where a model decides layout and motion (SD3's resolution shift). It adds
+    log(shift) to logit(t): on the logit-normal training t it is the same as t_logit_mean += log(shift)."""
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
 def sample_timesteps(key, batch: int, cfg: TrainConfig) -> jax.Array:
-    """Logit-normal t: sigmoid(N(mean, std)), which favours the middle of the path."""
+    """Logit-normal t: sigmoid(N(mean, std)), which favours the middle of the path (a mean > 0 favours
+    noise, see `shift_timesteps`)."""
     return jax.nn.sigmoid(cfg.t_logit_mean + cfg.t_logit_std * jax.random.normal(key, (batch,)))
 
 
