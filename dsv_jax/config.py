@@ -252,9 +252,8 @@ class DSVConfig:
     predictor_lr: float = 1e-4
     stage2_lr_scale: float = 0.1  # the predictor keeps training in stage 2 at predictor_lr * this
     predictor_weight_decay: float = 0.0  # the loss is scale-invariant: decay would only shrink weights
-    # The loss on logit rows minus their mean (ours, not the paper's): softmax ignores a row's offset. On
-    # the 16k-token quality runs the centred predictor's recall was 0.070 below DSV's selection rule on the
-    # true q, k (mean over the recall curve), the raw-row one 0.099 (one model each; RESULTS.md, quality).
+    # The loss on logit rows minus their mean (ours, not the paper's): softmax ignores a row's offset;
+    # measured against raw rows in experiments/results/RESULTS.md, "DSV quality parity".
     center_logits: bool = True
     query_stride: int = 64  # predictor loss and profiling use every Nth query ...
     max_queries: int = 256  # ... at most this many per sample (the paper's every-64th up to 16k tokens;
@@ -265,11 +264,8 @@ class DSVConfig:
     percentile: float = 10.0  # conservative head sparsity: this low percentile over sampled queries
     switch_loss: float = 0.01  # stage 2 once the predictor loss averaged over blocks is below this ...
     stage1_steps: int = 0  # ... or after this many steps (0: only the loss criterion)
-    # A block goes sparse only when 1 - its mean head keep ratio is at least this. Set from the kernel
-    # measurements (experiments/results/bench_sparse_attention.json, H200, kv_block 64): sparse fwd+bwd
-    # runs at 0.45-0.63 of cuDNN's rate at keep 0.1-0.2 and S >= 16k; extrapolated, it beats dense once
-    # keep < ~0.55, and 0.5 leaves room for selection and predictor (~4% of dense attention). The paper's
-    # artifact uses 0.8.
+    # A block goes sparse only when 1 - its mean head keep ratio is at least this: where the sparse
+    # kernels beat dense attention (experiments/results/RESULTS.md, "Sparse attention kernels").
     threshold: float = 0.5
     hysteresis: float = 0.05  # margin before a decision is reversed (sparse -> dense, or a smaller rung)
     # Static keep ratios (top_k = ceil(rung * KV blocks)); per-head counts below the rung are runtime.
