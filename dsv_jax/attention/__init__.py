@@ -15,11 +15,11 @@ from __future__ import annotations
 from dsv_jax.attention import dense as _dense  # noqa: F401  (registers "xla" and "cudnn")
 from dsv_jax.attention.merge import merge_attention
 from dsv_jax.attention.registry import (
-                                        attention,
-                                        available_backends,
-                                        register_backend,
-                                        resolve_backend,
-                                        unregister_backend,
+    attention,
+    available_backends,
+    register_backend,
+    resolve_backend,
+    unregister_backend,
 )
 
 __all__ = ["attention", "available_backends", "merge_attention", "register_backend", "resolve_backend",

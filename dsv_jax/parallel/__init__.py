@@ -1,12 +1,12 @@
 """Meshes, shardings and context-parallel attention (HCP, SCP, hybrid) over the mesh's `context` axis."""
 
 from dsv_jax.parallel.context import (
-                                      STRATEGIES,
-                                      ContextAttention,
-                                      ContextPlan,
-                                      context_attention,
-                                      select_kv_blocks,
-                                      selective_capacity,
+    STRATEGIES,
+    ContextAttention,
+    ContextPlan,
+    context_attention,
+    select_kv_blocks,
+    selective_capacity,
 )
 from dsv_jax.parallel.mesh import AXES, batch_sharding, data_parallel_size, make_mesh, state_shardings
 
