@@ -258,6 +258,11 @@ class DSVConfig:
     query_stride: int = 64  # predictor loss and profiling use every Nth query ...
     max_queries: int = 256  # ... at most this many per sample (the paper's every-64th up to 16k tokens;
     # beyond, a wider stride bounds the [B, H, queries, S] logits: 2 GiB at 128k tokens x 16 heads)
+    # Stage 2 lowers the predictor's rate: its loss samples at most this many queries on steps that do not
+    # profile (profile steps keep max_queries, so the statistics the controller decides on are unchanged).
+    # The [B, H, queries, S] logits are memory-bound work; the predictor is in stage 2 a slow fine-tune
+    # (stage2_lr_scale). Never above max_queries; 0 = max_queries.
+    stage2_max_queries: int = 64
     theta: float = 0.9  # critical KV: the fewest keys holding this share of a query's attention mass
     profile_every: int = 50  # steps between sparsity profiles (and the first step of each bucket)
     ema: float = 0.9  # momentum of the sparsity (and predictor-loss) moving averages
@@ -295,6 +300,8 @@ class DSVConfig:
             raise ConfigError(f"dsv.percentile={self.percentile} must be in [0, 100]")
         if not self.ladder or any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
             raise ConfigError(f"dsv.ladder={self.ladder} must be increasing keep ratios in (0, 1]")
+        if self.stage2_max_queries < 0:
+            raise ConfigError(f"dsv.stage2_max_queries={self.stage2_max_queries} must be >= 0 (0: dsv.max_queries)")
         if self.stage1_steps < 0 or self.kv_block < 0 or self.stage2_lr_scale < 0 or self.hysteresis < 0:
             raise ConfigError("dsv.stage1_steps, dsv.kv_block, dsv.stage2_lr_scale and dsv.hysteresis must be >= 0")
         _choice("dsv.block_reduce", self.block_reduce, ("mean", "max"))

@@ -96,7 +96,11 @@ SETUPS = {
 # attention name -> (mode, parameter): DSV head sparsity (None: the one quality_parity.json measured) or
 # the window's fraction of the tile grid per dimension
 ATTENTIONS = {"full": ("full", None), "dsv0.9": ("dsv", 0.9), "dsv0.95": ("dsv", 0.95),
-              "dsv-measured": ("dsv", None), "wa-m": ("window", 1 / 3), "wa-l": ("window", 2 / 3)}
+              "dsv-measured": ("dsv", None), "wa-m": ("window", 1 / 3), "wa-l": ("window", 2 / 3),
+              # DSV 0.9 with the predictor's stage-1 rate kept in stage 2 (dsv.stage2_max_queries=0): the
+              # predictor loss on max_queries sampled queries every step, as before that setting existed
+              "dsv0.9-allq": ("dsv", 0.9)}
+FULL_RATE = {"dsv0.9-allq"}
 # (length, attention, AdaLN impl: "main" = the setup's), in priority order, and the number of must-haves
 PAIR_16K = [("16k", "full", "xla"), ("16k", "full", "pallas"), ("16k", "dsv0.9", "pallas"), ("16k", "dsv0.9", "xla")]
 MAIN_64K = [("64k", a, "main") for a in ("full", "dsv0.9", "dsv0.95", "wa-m", "wa-l")]
@@ -104,11 +108,12 @@ PRIORITY = {
     "gpu": (MAIN_64K + PAIR_16K + [("32k", "full", "main"), ("32k", "dsv0.9", "main")] + [
         ("16k", "dsv-measured", "main"), ("16k", "dsv0.95", "main"), ("16k", "wa-m", "main"), ("16k", "wa-l", "main"),
         ("32k", "dsv0.95", "main"), ("32k", "wa-m", "main"), ("32k", "wa-l", "main"), ("64k", "dsv0.9", "xla"),
-        ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"), ("128k", "full", "main"),
+        ("64k", "dsv0.9-allq", "main"), ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"),
+        ("128k", "full", "main"),
         ("480p", "full", "main"), ("480p", "dsv0.9", "main")], 11),
     # quick: one variant per code path (CPU compiles dominate its time)
     "quick": ([("64k", "full", "main"), ("64k", "dsv0.9", "main"), ("64k", "wa-m", "main")] + PAIR_16K[:3] +
-              [("16k", "dsv-measured", "main"), ("128k", "full", "main")], 6),
+              [("16k", "dsv-measured", "main"), ("128k", "full", "main"), ("64k", "dsv0.9-allq", "main")], 6),
 }
 GOALS = {"dsv_vs_full_64k": 3.5, "dsv_vs_window_64k": 1.5, "fused_adaln_16k": 1.05, "compiles_after_warmup": 0}
 CHECK_TOL = {"loss": 2e-2, "output": 5e-2}  # bf16 through 32 blocks
@@ -217,7 +222,10 @@ class Bench:
                                         "runs.dsv.blocks[i].theta_sparsity_ema")
             # every head of every block at `sparsity`, through the trainer's controller: the plans and inputs
             # are exactly what training runs
-            ctl = stage2_controller(self.cfg, shape, 1.0 - sparsity)
+            cfg = self.cfg
+            if name in FULL_RATE:
+                cfg = dataclasses.replace(cfg, dsv=dataclasses.replace(cfg.dsv, stage2_max_queries=0))
+            ctl = stage2_controller(cfg, shape, 1.0 - sparsity)
             plans, inputs = ctl.plans(shape), ctl.inputs(shape)
             decision = ctl.decide(np.full(self.cfg.model.heads, 1.0 - sparsity), 0.0)
             top_k = plans[0].top_k(n_blocks)
@@ -225,6 +233,7 @@ class Bench:
             out.update(attention=plans, inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
                        kept=float(counts.mean()) / n_blocks, sparsity=float(sparsity), top_k=top_k,
                        keep_rung=plans[0].keep, predictor_lr=float(inputs["predictor_lr"]),
+                       predictor_queries=plans[0].max_queries,
                        controller_decision=("dense" if decision == 0 else f"sparse keep<={decision:g}") +
                        f" (dsv.threshold {self.cfg.dsv.threshold})")
         self.setups[key] = out
@@ -420,19 +429,13 @@ class Bench:
                     args["q_lr"], args["k_lr"] = (jax.random.normal(k, (1, s, m.heads, cfg.dsv.rank)) for k in ks[4:6])
                     args["x"] = jax.random.normal(ks[6], (1, s, m.hidden), bf)
                     pred = LowRankPredictor(m, cfg.dsv.rank, nnx.Rngs(0), rope=cfg.dsv.predictor_rope)
-                    graphdef, args["pred_params"] = nnx.split(pred)
-                    positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride,
-                                                                          cfg.dsv.max_queries)]
-                    rope = jnp.asarray(rope_angles(layout.coords, cfg.dsv.rank, m.rope_theta)) \
-                        if cfg.dsv.predictor_rope else None
-
-                    def pred_loss(params, x, q, k):
-                        q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), rope)
-                        z = true_logits(q, k, positions, layout.valid, m.head_dim ** -0.5)
-                        return predictor_loss(q_lr, k_lr, z, positions, layout.valid)
-
-                    add("pred_f", pred_loss, args["pred_params"], args["x"], *qkv[:2])
-                    add("pred_fb", jax.value_and_grad(pred_loss), args["pred_params"], args["x"], *qkv[:2])
+                    args["pred_graphdef"], args["pred_params"] = nnx.split(pred)
+                queries = st["predictor_queries"]
+                if f"pred_fb/q{queries}" not in [j[0].split("/comp/")[1] for j in jobs]:
+                    pred_loss = self.predictor_loss_fn(layout, args["pred_graphdef"], queries)
+                    add(f"pred_f/q{queries}", pred_loss, args["pred_params"], args["x"], *qkv[:2])
+                    add(f"pred_fb/q{queries}", jax.value_and_grad(pred_loss), args["pred_params"], args["x"],
+                        *qkv[:2])
                 kv_block = cfg.dsv.kv_block or layout.tile_size
                 sel = lambda q_lr, k_lr, keep, top_k=st["top_k"]: select_kv(
                     q_lr, k_lr, top_k, keep, q_tile=layout.tile_size, kv_block=kv_block,
@@ -457,6 +460,19 @@ class Bench:
                 add(f"adaln_gated_f/{impl}", gated, x, x, *vec)
                 add(f"adaln_gated_fb/{impl}", harness.fwd_bwd(gated, 5), x, x, *vec, (x, x))
         return jobs
+
+    def predictor_loss_fn(self, layout, graphdef, queries: int):
+        """(predictor params, x, q, k) -> the DSV predictor loss of one block, `queries` sampled queries."""
+        cfg, m = self.cfg, self.cfg.model
+        positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride, queries)]
+        rope = jnp.asarray(rope_angles(layout.coords, cfg.dsv.rank, m.rope_theta)) if cfg.dsv.predictor_rope else None
+
+        def pred_loss(params, x, q, k):
+            q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), rope)
+            z = true_logits(q, k, positions, layout.valid, m.head_dim ** -0.5)
+            return predictor_loss(q_lr, k_lr, z, positions, layout.valid, center=cfg.dsv.center_logits)
+
+        return pred_loss
 
     def time_components(self, length: str, jobs) -> None:
         comps = self.components.setdefault(length, {})
@@ -625,8 +641,9 @@ class Bench:
         if med(f"attn_fb/{name}") is not None and med(f"attn_f/{name}") is not None:
             split["attention_ms"] = depth * (med(f"attn_fb/{name}") + med(f"attn_f/{name}"))
         if st["mode"] == "dsv":
-            if med("pred_fb") is not None and med("pred_f") is not None:
-                split["predictor_ms"] = depth * (med("pred_fb") + med("pred_f"))
+            q = st["predictor_queries"]
+            if med(f"pred_fb/q{q}") is not None and med(f"pred_f/q{q}") is not None:
+                split["predictor_ms"] = depth * (med(f"pred_fb/q{q}") + med(f"pred_f/q{q}"))
             if med(f"sel/{name}") is not None:
                 split["selection_ms"] = depth * 2 * med(f"sel/{name}")
         impl = e["adaln"]

@@ -35,6 +35,8 @@ def test_controller_switches_on_the_loss_and_decides_per_block():
     assert step == 300 and ctl.switch_step == 301 and "stage 2" in events[0] and ctl.loss_ema < 0.01
     plans = ctl.plans(shape)
     assert [p.sparse for p in plans] == [True, False, False]
+    # stage 2 lowers the predictor's rate: fewer sampled queries, except on profile steps
+    assert {p.max_queries for p in plans} == {64} and {p.max_queries for p in ctl.plans(shape, profile=True)} == {256}
     assert plans[0].keep == 0.1  # max head keep 0.07 -> rung 0.1
     np.testing.assert_allclose(ctl.inputs(shape)["keep"], 1 - np.asarray(sp), atol=1e-6)
     assert ctl.inputs(shape)["predictor_lr"] == pytest.approx(1e-5)  # stage 2: predictor_lr * 0.1

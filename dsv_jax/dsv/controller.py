@@ -4,8 +4,9 @@
     stage 2  from the step where the predictor loss averaged over blocks falls below dsv.switch_loss
              (an EMA over profile steps), or after dsv.stage1_steps steps: a block attends sparsely
              where 1 - the mean of its heads' keep ratios (below) is at least dsv.threshold (the
-             cost-benefit switch); the
-             predictor keeps training at dsv.predictor_lr * dsv.stage2_lr_scale
+             cost-benefit switch); the predictor keeps training at a lower rate: lr
+             dsv.predictor_lr * dsv.stage2_lr_scale, its loss on at most dsv.stage2_max_queries
+             sampled queries on the steps that do not profile
 
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
 profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
@@ -70,6 +71,8 @@ class DSVController:
         sparsity statistics (see `profile_due`); neither for evaluation and sampling."""
         d = self.dsv
         profile = train and profile
+        lower_rate = self.stage == 2 and train and not profile and d.stage2_max_queries
+        queries = min(d.stage2_max_queries, d.max_queries) if lower_rate else d.max_queries
         out = []
         for rung in self.rungs(shape):
             sparse = self.stage == 2 and rung > 0
@@ -77,7 +80,7 @@ class DSVController:
             out.append(AttentionPlan(mode="dsv", backend=d.dense_backend, sparse=sparse, keep=keep, kv_block=d.kv_block,
                                      predictor=train, profile=profile, block_reduce=d.block_reduce,
                                      center_logits=d.center_logits,
-                                     query_stride=d.query_stride, max_queries=d.max_queries, theta=d.theta,
+                                     query_stride=d.query_stride, max_queries=queries, theta=d.theta,
                                      percentile=d.percentile))
         return tuple(out)
 
