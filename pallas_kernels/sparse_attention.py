@@ -16,6 +16,17 @@ computed like any other (finite); the caller drops them.
 return_lse: also return lse [B, H, S] fp32, the natural-log log-sum-exp of each query's selected valid
 logits (times sm_scale), so partial results over disjoint key sets merge exactly
 (`dsv_jax.attention.merge_attention`). The gradient takes a cotangent for lse: d lse_i / d s_ij = p_ij.
+
+sparse_attention_backward: the gradients of one key set's share of a larger attention whose softmax
+statistics are given, for callers that merge partial results themselves (the ring of context
+parallelism) and hand-write the backward. With o, lse the merged output and log-sum-exp (lse = -inf
+for a row that sees no key anywhere) and do, dlse their cotangents, over this call's selected valid keys:
+
+    p_ij = exp(s_ij - lse_i),  delta_i = rowsum(do_i * o_i) - dlse_i,
+    dv = p^T do,  ds = p * (do v^T - delta) * sm_scale,  dq = ds k,  dk = ds^T q.
+
+Summed over disjoint key sets that make up the merged attention, these are its gradients; with (o, lse)
+this call's own outputs, they are the VJP of sparse_attention(..., return_lse=True).
 """
 
 from __future__ import annotations
@@ -97,6 +108,36 @@ def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_blo
     return out, lse.transpose(1, 2, 0, 3).reshape(b, h, s)
 
 
+def row_term(o, do, dlse=None):
+    """delta = rowsum(o * do) - dlse [B, H, S] fp32 of the softmax backward: d lse_i / d s_ij = p_ij, so an
+    lse cotangent shifts the row term. One fused XLA reduction (memory-bound, as fast as a kernel)."""
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)
+
+
+def _share_weight(lse_part, lse):
+    """exp(lse_part - lse): the part's share of the merged softmax mass; 0 where either has no key (no NaN)."""
+    none = (lse_part == -jnp.inf) | (lse == -jnp.inf)
+    return jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, lse_part - lse)))
+
+
+def sparse_attention_reference_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64,
+                                        sm_scale=None, kv_valid=None):
+    """sparse_attention_backward in plain JAX. With w = exp(lse_b - lse) for this call's (o_b, lse_b) and the
+    merged lse held constant, o_b * w = p v and w = rowsum(p); so the VJP of (q, k, v) -> (o_b * w, w) with
+    cotangents (do, -delta) is sum_ij p_ij (do_i.v_j - delta_i) differentiated: exactly the gradients."""
+    merged = jax.lax.stop_gradient(lse.astype(jnp.float32))
+
+    def share(q, k, v):
+        o_b, lse_b = sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
+                                                sm_scale=sm_scale, kv_valid=kv_valid, return_lse=True)
+        w = _share_weight(lse_b, merged)
+        return o_b.astype(jnp.float32) * jnp.swapaxes(w, 1, 2)[..., None], w
+
+    _, pullback = jax.vjp(share, q, k, v)
+    return pullback((do.astype(jnp.float32), -row_term(o, do, dlse)))
+
+
 def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", device=None) -> tuple[str, list[str]]:
     """Which implementation `sparse_attention` runs, and why each faster one was passed over.
 
@@ -134,6 +175,13 @@ def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", devi
     return "xla", reasons
 
 
+def _chosen_path(q, k, v, *, q_tile, kv_block, impl, caller):
+    path, reasons = kernel_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl)
+    if reasons and jax.default_backend() == "gpu":
+        log_fallback(caller, f"{path} path", "; ".join(reasons))
+    return path
+
+
 def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
                      return_lse=False, impl="auto"):
     """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto": the
@@ -143,9 +191,7 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
 
     Returns o [B, S, H, D] in q.dtype, or (o, lse [B, H, S] fp32) with return_lse (see the module)."""
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
-    path, reasons = kernel_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl)
-    if reasons and jax.default_backend() == "gpu":
-        log_fallback("sparse_attention", f"{path} path", "; ".join(reasons))
+    path = _chosen_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention")
     if path == "xla":
         return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
                                           sm_scale=sm_scale, kv_valid=kv_valid, return_lse=return_lse)
@@ -163,3 +209,38 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
                                                sm_scale=scale, tuning=for_device()[0],
                                                interpret=jax.default_backend() != "gpu", kv_valid=kv_valid,
                                                return_lse=return_lse)
+
+
+def _check_statistics(q, o, lse, do, dlse):
+    b, s, h, _ = q.shape
+    if o.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"o and do must be [B, S, H, D] = {q.shape}; got {o.shape}, {do.shape}")
+    if lse.shape != (b, h, s) or (dlse is not None and dlse.shape != (b, h, s)):
+        raise ValueError(f"lse and dlse must be [B, H, S] = {(b, h, s)}; got {lse.shape}, "
+                         f"{None if dlse is None else dlse.shape}")
+
+
+def sparse_attention_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64,
+                              sm_scale=None, kv_valid=None, impl="auto"):
+    """(dq, dk, dv) in the dtypes of q, k, v: the gradients of this call's share of an attention whose merged
+    output o [B, S, H, D] and log-sum-exp lse [B, H, S] (fp32, natural log, -inf: no key) are given, for
+    cotangents do and dlse (None: 0). See the module. Same paths as sparse_attention (impl)."""
+    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
+    _check_statistics(q, o, lse, do, dlse)
+    path = _chosen_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention_backward")
+    if path == "xla":
+        return sparse_attention_reference_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse, q_tile=q_tile,
+                                                   kv_block=kv_block, sm_scale=sm_scale, kv_valid=kv_valid)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    if path == "mgpu":
+        from pallas_kernels import sparse_attention_mgpu
+
+        return sparse_attention_mgpu.sparse_attention_mgpu_backward(
+            q, k, v, kv_index, kv_count, o, lse, do, dlse, q_tile=q_tile, kv_block=kv_block, sm_scale=scale,
+            kv_valid=kv_valid)
+    from pallas_kernels import sparse_attention_triton as triton_path
+    from pallas_kernels.tuning import for_device
+
+    return triton_path.sparse_attention_pallas_backward(
+        q, k, v, kv_index, kv_count, o, lse, do, dlse, q_tile=q_tile, kv_block=kv_block, sm_scale=scale,
+        tuning=for_device()[0], interpret=jax.default_backend() != "gpu", kv_valid=kv_valid)

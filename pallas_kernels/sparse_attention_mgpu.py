@@ -135,13 +135,18 @@ def _attend_fwd(q, k, v, index, count, valid, cfg):
     return (o, lse2 * LN2), (q, k, v, index, count, valid, o, lse2)
 
 
+def _grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg):
+    """dq, dk, dv of this call's keys' share of an attention with softmax statistics (o, lse2 base 2, -inf:
+    no key): o's own forward (the VJP) or a larger merged one (sparse_attention_mgpu_backward). The
+    backward kernels take delta = rowsum(o * do) - dlse from these, so either works unchanged."""
+    _, bwd = _sharded(cfg.masked, cfg.interpret)
+    return bwd(q, k, v, index, count, *_masks(valid), o, lse2, do.astype(q.dtype), dlse.astype(jnp.float32), cfg)
+
+
 def _attend_bwd(cfg, res, cotangents):
     q, k, v, index, count, valid, o, lse2 = res
     do, dlse = cotangents
-    _, bwd = _sharded(cfg.masked, cfg.interpret)
-    dq, dk, dv = bwd(q, k, v, index, count, *_masks(valid), o, lse2, do.astype(q.dtype),
-                     dlse.astype(jnp.float32), cfg)
-    return dq, dk, dv, None, None, None
+    return *_grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg), None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -165,12 +170,8 @@ def prepare_masks(index, kv_valid, kv_block: int, seq_len: int):
     return per_entry, per_rows
 
 
-def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale=None, kv_valid=None,
-                          return_lse=False, tuning=None, interpret=False):
-    """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
-    dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
-    fields ({"fwd_stages": 3, "bwd_stages": 2, "tiles_fastest": True}). interpret=True simulates the kernels
-    on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
+def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scale, tuning, interpret):
+    """Checks, the kernel config, the sanitized index and the key masks of one call."""
     from pallas_kernels.sparse_attention import check_sparse_inputs
 
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
@@ -188,5 +189,28 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
         cfg = dataclasses.replace(cfg, **tuning)
     index, count = sanitize_index(kv_index, kv_count, s // kv_block)
     valid = None if kv_valid is None else prepare_masks(index, kv_valid, kv_block, s)
+    return cfg, index, count, valid
+
+
+def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale=None, kv_valid=None,
+                          return_lse=False, tuning=None, interpret=False):
+    """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
+    dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
+    fields ({"fwd_stages": 3, "bwd_stages": 2, "tiles_fastest": True}). interpret=True simulates the kernels
+    on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
+    cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
+                                        sm_scale=sm_scale, tuning=tuning, interpret=interpret)
     o, lse = _attend(q, k, v, index, count, valid, cfg)
     return (o, lse) if return_lse else o
+
+
+def sparse_attention_mgpu_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile, kv_block,
+                                   sm_scale=None, kv_valid=None, tuning=None, interpret=False):
+    """(dq, dk, dv) in q's dtype of this call's share of an attention whose merged output o [B, S, H, D] and
+    log-sum-exp lse [B, H, S] (natural log, -inf: no key) are given, for cotangents do and dlse (None: 0):
+    pallas_kernels.sparse_attention.sparse_attention_backward on the Mosaic GPU kernels."""
+    cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
+                                        sm_scale=sm_scale, tuning=tuning, interpret=interpret)
+    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+    lse2 = lse.astype(jnp.float32) / LN2  # -inf stays -inf: the backward's own "no key" value
+    return _grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg)

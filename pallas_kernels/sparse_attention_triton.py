@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
+from pallas_kernels.sparse_attention import row_term
 from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning
 
@@ -269,16 +270,9 @@ def _forward(q, k, v, index, count, launch: LaunchConfig, key_valid=None):
     )(*args)
 
 
-def _row_term(o, do, dlse=None):
-    """delta = rowsum(o * do) - dlse [B, H, S] fp32: one fused XLA reduction (memory-bound, as fast as a
-    kernel). d lse_i / d s_ij = p_ij, so an lse cotangent is a shift of the softmax backward's row term."""
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    return delta if dlse is None else delta - dlse.astype(jnp.float32)
-
-
 def _backward(q, k, v, index, count, o, lse, do, launch: LaunchConfig):
     """dq, dk, dv of the output alone (no lse cotangent, no padded keys); lse in base 2 as _forward's."""
-    return _backward_from_delta(q, k, v, index, count, lse, do, _row_term(o, do), launch)
+    return _backward_from_delta(q, k, v, index, count, lse, do, row_term(o, do), launch)
 
 
 def _backward_from_delta(q, k, v, index, count, lse, do, delta, launch: LaunchConfig, key_valid=None):
@@ -375,6 +369,18 @@ def natural_lse(lse2):
     return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
 
 
+def kernel_lse(lse):
+    """Inverse of natural_lse: the public lse as the kernels' base-2 lse (+inf, so that p = 0, where no key)."""
+    lse = lse.astype(jnp.float32)
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse / LN2)
+
+
+def _grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch: LaunchConfig):
+    """dq, dk, dv of this call's keys' share of an attention with softmax statistics (o, lse2): o's own
+    forward (the VJP) or a larger merged attention (sparse_attention_pallas_backward)."""
+    return _run_backward(q, k, v, index, count, key_valid, lse2, do, row_term(o, do, dlse), launch)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _attend(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
     o, lse2 = _run_forward(q, k, v, index, count, key_valid, launch)
@@ -390,9 +396,7 @@ def _attend_fwd(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse
 def _attend_bwd(launch: LaunchConfig, with_lse: bool, res, cotangent):
     q, k, v, index, count, key_valid, o, lse2 = res
     do, dlse = cotangent if with_lse else (cotangent, None)
-    delta = _row_term(o, do, dlse)
-    dq, dk, dv = _run_backward(q, k, v, index, count, key_valid, lse2, do, delta, launch)
-    return dq, dk, dv, None, None, None
+    return *_grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch), None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -415,25 +419,51 @@ def key_row_flags(kv_valid, kv_block: int):
     return (jnp.arange(kv_block, dtype=jnp.int32) < valid[..., None]).astype(jnp.int32).reshape(b, nb * kv_block)
 
 
-def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, tuning, interpret,
-                            kv_valid=None, return_lse=False):
-    """Inputs as the public sparse_attention (already checked); returns o [B, S, H, D] in q.dtype, or
-    (o, lse [B, H, S] fp32 natural log) with return_lse."""
+def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scale, tuning, interpret):
+    """Checks, the launch config, the sanitized index and the key row flags of one call."""
     reason = supported(q_tile, kv_block)
     if reason:
         raise ValueError(reason)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"the Pallas kernels need one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
-    d = q.shape[-1]
-    dp = padded_head_dim(d)
-    launch = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=d, sm_scale=float(sm_scale),
-                tuning=tuning, interpret=interpret)
+    launch = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=q.shape[-1],
+                          sm_scale=float(sm_scale), tuning=tuning, interpret=interpret)
     index, count = prepare_index(kv_index, kv_count, launch, q.shape[1])
     key_valid = None if kv_valid is None else key_row_flags(kv_valid, kv_block)
-    if dp != d:
-        pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    out = _attend(q, k, v, index, count, key_valid, launch, bool(return_lse))
+    return launch, index, count, key_valid
+
+
+def _pad_head(*xs):
+    """xs [B, S, H, D] zero-padded to the kernels' head dim (zeros leave q.k and p.v unchanged)."""
+    d = xs[0].shape[-1]
+    if padded_head_dim(d) == d:
+        return xs
+    pad = ((0, 0), (0, 0), (0, 0), (0, padded_head_dim(d) - d))
+    return tuple(jnp.pad(x, pad) for x in xs)
+
+
+def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, tuning, interpret,
+                            kv_valid=None, return_lse=False):
+    """Inputs as the public sparse_attention (already checked); returns o [B, S, H, D] in q.dtype, or
+    (o, lse [B, H, S] fp32 natural log) with return_lse."""
+    launch, index, count, key_valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile,
+                                               kv_block=kv_block, sm_scale=sm_scale, tuning=tuning,
+                                               interpret=interpret)
+    d = q.shape[-1]
+    out = _attend(*_pad_head(q, k, v), index, count, key_valid, launch, bool(return_lse))
     o, lse = out if return_lse else (out, None)
-    o = o[..., :d] if dp != d else o
+    o = o[..., :d]
     return (o, lse) if return_lse else o
+
+
+def sparse_attention_pallas_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile, kv_block,
+                                     sm_scale, tuning, interpret, kv_valid=None):
+    """Inputs as the public sparse_attention_backward (already checked): (dq, dk, dv) in the dtypes of
+    q, k, v of this call's share of the attention whose merged statistics are o, lse (natural log)."""
+    launch, index, count, key_valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile,
+                                               kv_block=kv_block, sm_scale=sm_scale, tuning=tuning,
+                                               interpret=interpret)
+    d = q.shape[-1]
+    q, k, v, o, do = _pad_head(q, k, v, o, do.astype(q.dtype))
+    grads = _grads(q, k, v, index, count, key_valid, o, kernel_lse(lse), do, dlse, launch)
+    return tuple(g[..., :d] for g in grads)

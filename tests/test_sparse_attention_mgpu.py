@@ -17,7 +17,9 @@ import pytest
 
 from experiments.bench_sparse_mgpu import dense_masked_reference
 from pallas_kernels import sparse_attention_mgpu as mgpu
-from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
+from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu, sparse_attention_mgpu_backward
+from tests.test_sparse_attention_padded import split_selection
 
 
 def selection(key, b, h, tiles, blocks, n_sel, counts):
@@ -79,6 +81,30 @@ def test_shared_lists_in_gpu_interpreter():
     """q_tile 128 and kv_block 128: both consumers share one list and one ring (a stage is freed by
     both), a block and a tile take two 64-row steps each, D = 128."""
     check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1})
+
+
+def test_backward_under_merged_statistics_in_gpu_interpreter():
+    """sparse_attention_mgpu_backward: a selection split into disjoint A and B; under the whole selection's
+    (o, lse) (what merging A's and B's gives) the two calls sum to the whole's gradients, with masked
+    keys, a tile A leaves empty and a tile with kv_count 0 (lse = -inf, nonzero lse cotangent)."""
+    b, h, s, d, q_tile, kv_block = 1, 1, 256, 64, 64, 64
+    ks = jax.random.split(jax.random.key(5), 6)
+    q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
+    index, count = selection(ks[3], b, h, 4, 4, 3, [0, 2, 3, 3])
+    kv_valid = jnp.array([[64, 37, 0, 64]], jnp.int32)
+    cot_o, cot_lse = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
+    kw = dict(q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid)
+    whole = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, return_lse=True, **kw)
+    (o, lse), pullback = jax.vjp(whole, *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = pullback((cot_o, cot_lse))
+    parts = [sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True, **kw)
+             for idx, cnt in split_selection(index, count, (0, 0, 1))]
+    for name, a, bb, w in zip(["dq", "dk", "dv"], *parts, want):
+        got, w = np.asarray(a, np.float64) + np.asarray(bb, np.float64), np.asarray(w, np.float64)
+        assert np.all(np.isfinite(got)), f"{name} holds NaN or inf"
+        err = np.linalg.norm(got - w) / np.linalg.norm(w)
+        assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
+    assert np.all(np.asarray(parts[0][0][:, :128]) == 0)  # A: tile 0 has no key, tile 1 none of A's
 
 
 @pytest.mark.parametrize("q_tile,kv_block,d,masked", [(64, 64, 128, False), (128, 192, 64, True)])

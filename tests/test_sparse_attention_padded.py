@@ -1,6 +1,6 @@
 """Padded token layouts (kv_valid) and log-sum-exp output of the DSV kernels: sparse attention (reference and
 Pallas in interpret mode) against dense attention over the valid tokens and a brute-force masked softmax;
-selection that ignores padding."""
+the backward of one key set's share under given (merged) softmax statistics; selection that ignores padding."""
 
 import itertools
 
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv_jax.attention import merge_attention
 from dsv_jax.dsv.selection import candidate_scores, select_kv
 from pallas_kernels.lowrank_topk import lowrank_topk
-from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_backward, sparse_attention_reference
 from tests.test_sparse_kernels import assert_close, qkv, random_selection
 
 
@@ -215,6 +216,79 @@ def test_kv_valid_errors():
         sparse_attention(q, k, v, index, count, q_tile=32, kv_block=64, kv_valid=jnp.ones((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="kv_valid must be integers"):
         sparse_attention(q, k, v, index, count, q_tile=32, kv_block=64, kv_valid=jnp.ones((1, 2), jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# sparse_attention_backward: one key set's share under given softmax statistics
+
+BWD = dict(q_tile=32, kv_block=16)  # 4 query tiles, 8 KV blocks of 128 tokens
+
+
+def backward_case(seed, padded):
+    """q, k, v [2, 128, 2, 64], a selection of up to 5 blocks with a tile of kv_count 0 (batch 1, head 1,
+    tile 1), cotangents for (o, lse), and (padded) kv_valid with partly and fully padded blocks, all of
+    the blocks of batch 0, head 0, tile 0 among the empty ones."""
+    b, s, h, d = 2, 128, 2, 64
+    q, k, v = qkv(jax.random.key(seed), b, s, h, d)
+    nb = s // BWD["kv_block"]
+    index, count = random_selection(jax.random.key(seed + 1), b, h, s // BWD["q_tile"], nb, 5)
+    count = count.at[1, 1, 1].set(0)
+    kv_valid = None
+    if padded:
+        kv_valid = jax.random.randint(jax.random.key(seed + 2), (b, nb), 0, BWD["kv_block"] + 1, dtype=jnp.int32)
+        kv_valid = kv_valid.at[0, index[0, 0, 0, :count[0, 0, 0]]].set(0)
+    return (q, k, v), (index, count), kv_valid, cotangents(jax.random.key(seed + 3), b, s, h, d)
+
+
+def reference_vjp(q, k, v, index, count, kv_valid, cot):
+    fn = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, kv_valid=kv_valid, return_lse=True, **BWD)
+    return vjp_with_lse(fn, q, k, v, *cot)
+
+
+def check_grads(got, want):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert np.all(np.isfinite(np.asarray(g))), f"{name} holds NaN or inf"
+        assert_close(g, w, 1e-5, name)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_backward_under_own_statistics_is_the_vjp(impl, padded):
+    """Given this call's own (o, lse), sparse_attention_backward is the VJP of sparse_attention(return_lse=True)
+    for cotangents of both outputs, rows without a key included (lse = -inf, nonzero lse cotangent)."""
+    (q, k, v), (index, count), kv_valid, cot = backward_case(70, padded)
+    o, lse, want = reference_vjp(q, k, v, index, count, kv_valid, cot)
+    assert np.any(np.isneginf(np.asarray(lse)))
+    backward = jax.jit(lambda *a: sparse_attention_backward(*a, kv_valid=kv_valid, impl=impl, **BWD))
+    check_grads(backward(q, k, v, index, count, o, lse, *cot), want)
+
+
+def split_selection(index, count, a_empty):
+    """Two disjoint selections whose union is (index, count): A the first half of each tile's live ids
+    (none at the (batch, head, tile) a_empty), B the others, moved to the front."""
+    first = ((count + 1) // 2).at[a_empty].set(0)
+    n_sel = index.shape[-1]
+    rest = jnp.take_along_axis(index, jnp.minimum(jnp.arange(n_sel) + first[..., None], n_sel - 1), axis=-1)
+    return (index, first), (rest, count - first)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_backward_under_merged_statistics_sums_to_the_whole_gradient(impl):
+    """Keys split into disjoint selections A and B: (o, lse) merged from their forwards equal the whole
+    selection's, and the two backward calls under the merged (o, lse) sum to its gradients. Rows where A
+    sees no key, and rows where no part does (lse = -inf), included; padded blocks too."""
+    (q, k, v), (index, count), kv_valid, cot = backward_case(80, padded=True)
+    o, lse, want = reference_vjp(q, k, v, index, count, kv_valid, cot)
+    parts = split_selection(index, count, (0, 1, 1))
+    forward = lambda idx, cnt: sparse_attention_reference(q, k, v, idx, cnt, kv_valid=kv_valid, return_lse=True,
+                                                          **BWD)
+    o_m, lse_m = merge_attention(*forward(*parts[0]), *forward(*parts[1]))
+    check_against((o_m, lse_m, ()), (o, lse, ()), 1e-5)
+    backward = jax.jit(lambda idx, cnt: sparse_attention_backward(q, k, v, idx, cnt, o_m, lse_m, *cot,
+                                                                  kv_valid=kv_valid, impl=impl, **BWD))
+    grads_a, grads_b = backward(*parts[0]), backward(*parts[1])
+    check_grads([a + b for a, b in zip(grads_a, grads_b)], want)
+    assert float(jnp.max(jnp.abs(grads_a[0][0, 32:64, 1]))) == 0.0  # A's empty tile: no dq from A
 
 
 # ---------------------------------------------------------------------------------------------------
