@@ -143,7 +143,7 @@ def measure_ring_block(sizes, dtype, iters):
         q, k, v, do = _qkv(s, dtype)
         one = GroupAxis("cp_seq", 1)
         body = lambda q, k, v: scp.ring_attention(  # -> (o, lse): the output
-            q, k, v, None, None, None, one, HEAD_DIM ** -0.5, 1024, 64, 64)[0]
+            q, k, v, axis=one, sm_scale=HEAD_DIM ** -0.5, q_chunk=1024)[0]
         f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), check_vma=False)
         err = harness.rel_error(jax.jit(f)(q, k, v), jax.nn.dot_product_attention(q, k, v))
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]

@@ -494,6 +494,108 @@ def test_sparse_with_padded_blocks_and_lse_equals_single_device(mesh, inputs, se
     assert_close(got, want)
 
 
+# -- the sparse ring: the kernel on each visiting chunk ------------------------------------------------
+
+RING_B, RING_H = 1, 2  # small: the Pallas interpreter runs each chunk's kernels on every fake device
+
+
+@pytest.fixture(scope="module")
+def ring_case():
+    """q, k, v [1, 256, 2, 16] (two tiles and two KV blocks per device), cotangents for (o, lse), and a
+    selection of 1..6 of the 16 blocks per tile whose live ids are shuffled (the ring must not rely on
+    their order), with kv_count 0 at head 1, tile 3, and garbage past the counts; kv_valid with partly
+    and fully padded blocks."""
+    ks = jax.random.split(jax.random.key(21), 5)
+    q, k, v, cot = (jax.random.normal(kk, (RING_B, S, RING_H, D), jnp.float32) for kk in ks[:4])
+    lse_cot = jax.random.normal(ks[4], (RING_B, RING_H, S))
+    rng = np.random.default_rng(22)
+    t = S // QT
+    idx = rng.integers(-NB, 2 * NB, (RING_B, RING_H, t, 6)).astype(np.int32)
+    cnt = rng.integers(1, 7, (RING_B, RING_H, t)).astype(np.int32)
+    cnt[0, 1, 3] = 0
+    for h, i in itertools.product(range(RING_H), range(t)):
+        idx[0, h, i, :cnt[0, h, i]] = rng.choice(NB, cnt[0, h, i], replace=False)  # unsorted
+    kv_valid = rng.integers(0, KB + 1, (RING_B, NB)).astype(np.int32)
+    return (q, k, v), (cot, lse_cot), (jnp.asarray(idx), jnp.asarray(cnt)), jnp.asarray(kv_valid)
+
+
+def outputs_and_grads_with_lse(f, q, k, v, cot, lse_cot):
+    def go(q, k, v):
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        return (o, lse, *vjp((cot, lse_cot)))
+    return jax.jit(go)(q, k, v)
+
+
+def sparse_ring(mesh, idx, cnt, kv_valid, impl):
+    return lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy="ring", kv_index=idx, kv_count=cnt,
+                                             q_tile=QT, kv_block=KB, kv_valid=kv_valid, impl=impl, return_lse=True)
+
+
+@pytest.mark.parametrize("impl, padded", [("xla", False), ("xla", True), ("pallas", False), ("pallas", True)])
+def test_sparse_ring_runs_the_kernel_per_chunk_and_equals_single_device(mesh, ring_case, impl, padded):
+    """The sparse ring (each chunk's share of the selection through sparse_attention, the backward through
+    sparse_attention_backward under the merged statistics) equals single-device sparse attention: o, lse
+    and the gradients of q, k, v for cotangents of both. Every tile misses most chunks; one tile selects
+    nothing (lse = -inf, zero dq); padded: some blocks partly or fully padded."""
+    (q, k, v), cots, (idx, cnt), kv_valid = ring_case
+    kv_valid = kv_valid if padded else None
+    want = outputs_and_grads_with_lse(lambda q, k, v: sparse_attention_reference(
+        q, k, v, idx, cnt, q_tile=QT, kv_block=KB, kv_valid=kv_valid, return_lse=True), q, k, v, *cots)
+    got = outputs_and_grads_with_lse(sparse_ring(mesh, idx, cnt, kv_valid, impl), q, k, v, *cots)
+    lse, want_lse = np.asarray(got[1]), np.asarray(want[1])
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    assert np.all(np.isneginf(lse[0, 1, 3 * QT:4 * QT]))  # the tile with kv_count 0
+    finite = np.isfinite(want_lse)
+    assert_close((got[0], lse[finite], *got[2:]), (want[0], want_lse[finite], *want[2:]))
+    assert float(jnp.max(jnp.abs(got[2][0, 3 * QT:4 * QT, 1]))) == 0.0
+
+
+def test_chunk_selection_keeps_each_chunks_live_ids_ascending_in_front(ring_case):
+    """Per visiting chunk: the tile's live ids inside it, chunk-local, ascending at the front (the Pallas
+    dK/dV work list folds runs of ascending ids at token level), their count, the chunk's kv_valid."""
+    from dsv_jax.parallel.scp import chunk_selection
+
+    _, _, (idx, cnt), kv_valid = ring_case
+    nb_loc = NB // 8
+    for src in range(8):
+        index, count, valid = jax.jit(chunk_selection, static_argnums=4)(idx, cnt, kv_valid, src, nb_loc)
+        np.testing.assert_array_equal(valid, kv_valid[:, src * nb_loc:(src + 1) * nb_loc])
+        for h, t in itertools.product(range(RING_H), range(S // QT)):
+            live = np.asarray(idx[0, h, t, :cnt[0, h, t]])
+            want = np.sort(live[(live >= src * nb_loc) & (live < (src + 1) * nb_loc)]) - src * nb_loc
+            assert int(count[0, h, t]) == len(want)
+            np.testing.assert_array_equal(index[0, h, t, :len(want)], want)
+
+
+def _pallas_call_names(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn.params["name"]
+        for _, sub in _subjaxprs(eqn):
+            yield from _pallas_call_names(sub)
+
+
+def test_sparse_ring_never_runs_the_masked_dense_block(mesh, ring_case, monkeypatch):
+    """With a selection, the ring's forward and backward trace the block-sparse kernels, and never the
+    plain-JAX dense block (whose logits are [rows, S_chunk] per step)."""
+    from dsv_jax.parallel import local
+
+    def dense_block(*args, **kwargs):
+        raise AssertionError("the sparse ring ran the masked-dense block")
+
+    monkeypatch.setattr(local, "block_lse", dense_block)
+    monkeypatch.setattr(local, "block_grads", dense_block)
+    (q, k, v), cots, (idx, cnt), kv_valid = ring_case
+    f = sparse_ring(mesh, idx, cnt, kv_valid, "pallas")
+
+    def go(q, k, v):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(cots)
+
+    names = set(_pallas_call_names(jax.make_jaxpr(go)(q, k, v).jaxpr))
+    assert names == {"sparse_attention_fwd", "sparse_attention_dq", "sparse_attention_dkdv"}
+
+
 @pytest.mark.parametrize("strategy, degrees, scp", DENSE_CASES[:4])
 def test_dense_with_a_key_mask_and_lse_equals_single_device(mesh, inputs, strategy, degrees, scp):
     """A key mask that is not a prefix (a padded token layout's keys), with lse, forward and gradients."""

@@ -4,7 +4,7 @@
 
 Strategies (n = size of the context axis):
   ulysses    HCP: all-to-all to head shards, attention on all S tokens of H/n heads, all-to-all back
-  ring       SCP: K/V chunks circulate (ppermute), online-softmax merge
+  ring       SCP: K/V chunks circulate (ppermute), online-softmax merge (sparse: the kernel per chunk)
   allgather  SCP: all-gather K/V, attend locally
   selective  SCP, sparse: fetch only the KV blocks the local query tiles selected
   hybrid     HCP degree x SCP degree = n (from `degrees` and `scp`, or from the planner)
@@ -37,7 +37,6 @@ from jax.sharding import PartitionSpec as P
 
 from dsv_jax.parallel import hcp, local, scp
 from dsv_jax.parallel.groups import context_groups
-from pallas_kernels.lowrank_topk import row_flags
 
 log = logging.getLogger("dsv_jax")
 
@@ -141,7 +140,7 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
     capacity: "selective": KV blocks each device may request per peer (an int, or a float fraction of
         the peer's blocks); default: everything (never overflows). Overflow takes the exact all-gather path.
     backend: dense per-device attention backend (the attention entry point); impl: the sparse kernel's.
-    q_chunk: query rows per block in the ring's plain-JAX inner attention (bounds its memory).
+    q_chunk: query rows per block in the dense ring's plain-JAX inner attention (bounds its memory).
     kv_valid: int32 [B, S // kv_block], the valid keys of each KV block (sparse; padded token layouts).
     return_lse: return (o, lse [B, H, S] fp32, natural log) so partial results merge exactly
         (`dsv_jax.attention.merge_attention`); differentiable in both.
@@ -355,10 +354,9 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
                                       backend=backend, kv_index=kv_index, kv_count=kv_count, q_tile=q_tile,
                                       kv_block=kv_block, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
     elif scp_strategy == "ring":
-        sel = scp.selection_mask(kv_index, kv_count, q.shape[1] * ps // kv_block) if sparse else None
-        if kv_valid is not None:  # padding keys as a key mask of the group's sequence
-            kv_mask = row_flags(kv_valid, kv_block)
-        out = scp.ring_attention(q, k, v, kv_lens, kv_mask, sel, seq_group, sm_scale, q_chunk, q_tile, kv_block)
+        out = scp.ring_attention(q, k, v, axis=seq_group, sm_scale=sm_scale, kv_lens=kv_lens, kv_mask=kv_mask,
+                                 kv_index=kv_index, kv_count=kv_count, kv_valid=kv_valid, q_chunk=q_chunk,
+                                 q_tile=q_tile, kv_block=kv_block, impl=impl)
         out = out if return_lse else out[0]
     else:
         out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_group, capacity=capacity,

@@ -6,9 +6,9 @@
   side is padded with dummy tiles that attend one block each (spread over distinct blocks so that no
   KV block collects them all in the kernel's dK/dV pass) and whose rows are dropped.
 - `block_lse` / `block_grads`: one (query chunk x key chunk) block in plain JAX returning the
-  log-sum-exp, and its backward given the global log-sum-exp: what the ring merges with
-  `dsv_jax.attention.merge_attention`. Queries are processed `q_chunk` rows at a time, so memory
-  is O(q_chunk x Sk), never [Sq, Sk].
+  log-sum-exp, and its backward given the global log-sum-exp: what the dense ring merges with
+  `dsv_jax.attention.merge_attention` (the sparse ring runs the kernel on each chunk instead).
+  Queries are processed `q_chunk` rows at a time, so memory is O(q_chunk x Sk), never [Sq, Sk].
 
 Layout: q, k, v [B, S, H, D]; lse [B, H, S] in float32.
 """

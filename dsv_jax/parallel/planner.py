@@ -221,7 +221,9 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
     # Compute of each HCP group (SCP peers of a group hold the same heads and equal query counts).
     def group_compute(g):
         kg = keep[g]
-        if scp > 1 and scp_strategy == "ring":  # ps blocks of (S/ps x S/ps); a selection only masks (dense work)
+        # ps blocks of (S/ps x S/ps) costed as dense work: conservative for a selection, whose chunks run the
+        # sparse kernel (its rate on a chunk's share is not measured yet)
+        if scp > 1 and scp_strategy == "ring":
             return scp * km.attention_s(q_len, w.seq_len // scp, np.ones(len(g)), w.head_dim, kind="ring") * passes
         kind = "sparse" if sparse else "dense"
         if sparse:

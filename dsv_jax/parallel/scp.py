@@ -7,7 +7,10 @@ group-global (block g covers tokens g*kv_block .. (g+1)*kv_block - 1).
 
 - ring: K/V chunks travel around the group (ppermute) while each device merges its partial
   results with an online softmax (log-sum-exp). Hand-written VJP: the backward runs the ring again
-  with dK/dV accumulators travelling with their chunk, so no device ever holds all of K/V.
+  with dK/dV accumulators travelling with their chunk, so no device ever holds all of K/V. Dense
+  attention runs as plain-JAX blocks (masks kv_lens / kv_mask); a sparse selection runs the
+  block-sparse kernel per visiting chunk, on the selection's ids that fall in it (chunk_selection),
+  forward with return_lse and backward with `sparse_attention_backward` under the merged statistics.
 - allgather: gather K/V of the whole group, attend locally (cuDNN / the sparse kernel).
 - selective: each device requests only the remote KV blocks its query tiles selected: counts and
   block ids first (all-to-all), then the blocks (all-to-all), with a static capacity of `capacity`
@@ -18,6 +21,7 @@ group-global (block g covers tokens g*kv_block .. (g+1)*kv_block - 1).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -29,12 +33,13 @@ from dsv_jax.dsv.selection import apply_counts
 from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
 from pallas_kernels.lowrank_topk import reduce_block, row_flags, tile_proxies
+from pallas_kernels.sparse_attention import row_term, sparse_attention_backward
 
 
-def _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block):
+def _mask_fn(src, s_chunk, kv_lens, kv_mask):
     """Visibility of key chunk `src` (group-global offset src * s_chunk) for query rows [row0, row0 + rows).
     kv_mask: bool [B, S] over the group's whole sequence (valid keys), or None."""
-    if kv_lens is None and kv_mask is None and sel is None:
+    if kv_lens is None and kv_mask is None:
         return lambda row0, rows: None
     key_pos = src * s_chunk + jnp.arange(s_chunk)
 
@@ -45,54 +50,114 @@ def _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block):
         if kv_mask is not None:
             chunk = jnp.take(kv_mask, key_pos, axis=1)[:, None, None, :]
             mask = chunk if mask is None else mask & chunk
-        if sel is not None:
-            tiles = (row0 + jnp.arange(rows)) // q_tile
-            m = jnp.take(sel, tiles, axis=2)  # [B, H, rows, nb]
-            m = jnp.take(m, key_pos // kv_block, axis=3)  # [B, H, rows, Sk]
-            mask = m if mask is None else mask & m
         return mask
 
     return fn
 
 
-def selection_mask(kv_index, kv_count, n_blocks, *, per_tile=True):
-    """kv_index [B, H, T, K] / kv_count [B, H, T] -> bool [B, H, T, n_blocks] of the selected blocks
-    (per_tile=False: [B, H, n_blocks], the union over the tiles). A scatter, never [.., K, n_blocks]."""
-    b, h, t, kk = kv_index.shape
+def selection_mask(kv_index, kv_count, n_blocks):
+    """kv_index [B, H, T, K] / kv_count [B, H, T] -> bool [B, H, n_blocks]: the blocks any tile of a
+    (batch, head) row selected. A scatter, never [.., K, n_blocks]."""
+    b, h, _, kk = kv_index.shape
     valid = (jnp.arange(kk) < kv_count[..., None]).astype(jnp.int8)
     bi = jnp.arange(b)[:, None, None, None]
     hi = jnp.arange(h)[None, :, None, None]
     idx = jnp.clip(kv_index, 0, n_blocks - 1)
-    if per_tile:
-        ti = jnp.arange(t)[None, None, :, None]
-        out = jnp.zeros((b, h, t, n_blocks), jnp.int8).at[bi, hi, ti, idx].max(valid)
-    else:
-        out = jnp.zeros((b, h, n_blocks), jnp.int8).at[bi, hi, idx].max(valid)
-    return out.astype(bool)
+    return jnp.zeros((b, h, n_blocks), jnp.int8).at[bi, hi, idx].max(valid).astype(bool)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def ring_attention(q, k, v, kv_lens, kv_mask, sel, axis: GroupAxis, sm_scale, q_chunk, q_tile, kv_block):
-    """Dense (or selection-masked) attention of the local queries over the whole group's keys.
+def chunk_selection(kv_index, kv_count, kv_valid, src, nb_loc):
+    """A selection of group-global block ids restricted to chunk `src` (blocks src*nb_loc .. +nb_loc):
+    (kv_index [B, H, T, K] of chunk-local ids, the live ones first, kv_count [B, H, T], the chunk's
+    kv_valid [B, nb_loc] or None). Sorting puts the live ids in ascending order whatever the caller's
+    order (the Pallas dK/dV work list folds runs of ascending ids), the rest after them."""
+    local_id = kv_index - src * nb_loc
+    here = (jnp.arange(kv_index.shape[-1]) < kv_count[..., None]) & (local_id >= 0) & (local_id < nb_loc)
+    index = jnp.sort(jnp.where(here, local_id, nb_loc), axis=-1)  # nb_loc: past every local id; never read
+    count = jnp.sum(here, axis=-1, dtype=jnp.int32)
+    valid = None if kv_valid is None else jax.lax.dynamic_slice_in_dim(kv_valid, src * nb_loc, nb_loc, axis=1)
+    return index, count, valid
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSteps:
+    """Static choice of the ring's per-chunk attention: dense (plain JAX, masks kv_lens / kv_mask, `q_chunk`
+    query rows at a time) or sparse (the block-sparse kernel on each visiting chunk's share of the selection)."""
+
+    sparse: bool
+    sm_scale: float
+    q_chunk: int | None
+    q_tile: int
+    kv_block: int
+    impl: str
+
+    def _selection(self, masks, src, s_chunk):
+        kv_index, kv_count, kv_valid = masks
+        return chunk_selection(kv_index, kv_count, kv_valid, src, s_chunk // self.kv_block)
+
+    def attend(self, q, masks):
+        """attend(src, k_chunk, v_chunk) -> (o [B, S_local, H, D], lse [B, H, S_local] fp32, local.NEG where
+        a row sees no key) of the local queries against the group's key chunk src."""
+        if self.sparse:
+            def sparse_block(src, k, v):
+                index, count, valid = self._selection(masks, src, k.shape[1])
+                o, lse = local.sparse_local(q, k, v, index, count, q_tile=self.q_tile, kv_block=self.kv_block,
+                                            sm_scale=self.sm_scale, impl=self.impl, kv_valid=valid, return_lse=True)
+                return o, jnp.maximum(lse, local.NEG)  # the kernel's -inf as the ring's finite "no key"
+
+            return sparse_block
+        kv_lens, kv_mask = masks
+        return lambda src, k, v: local.block_lse(q, k, v, _mask_fn(src, k.shape[1], kv_lens, kv_mask),
+                                                 sm_scale=self.sm_scale, q_chunk=self.q_chunk)
+
+    def grads(self, q, masks, o, lse, do, dlse):
+        """grads(src, k_chunk, v_chunk) -> (dq, dk, dv) of chunk src's share of the attention whose merged
+        output o and lse (local.NEG where no key) are given, for cotangents do and dlse."""
+        if self.sparse:
+            visible = jnp.where(lse > local.NEG / 2, lse, -jnp.inf)  # the kernels' "no key" (p = 0)
+
+            def sparse_grads(src, k, v):
+                index, count, valid = self._selection(masks, src, k.shape[1])
+                return sparse_attention_backward(q, k, v, index, count, o, visible, do, dlse, q_tile=self.q_tile,
+                                                 kv_block=self.kv_block, sm_scale=self.sm_scale, kv_valid=valid,
+                                                 impl=self.impl)
+
+            return sparse_grads
+        kv_lens, kv_mask = masks
+        delta = row_term(o, do, dlse)
+        return lambda src, k, v: local.block_grads(q, k, v, do, lse, delta, _mask_fn(src, k.shape[1], kv_lens, kv_mask),
+                                                   sm_scale=self.sm_scale, q_chunk=self.q_chunk)
+
+
+def ring_attention(q, k, v, *, axis: GroupAxis, sm_scale, kv_lens=None, kv_mask=None, kv_index=None, kv_count=None,
+                   kv_valid=None, q_chunk=None, q_tile=64, kv_block=64, impl="auto"):
+    """Attention of the local queries over the whole group's keys, dense or block-sparse.
     -> (o, lse [B, H, S_local] fp32, -inf for a query that sees no key); differentiable in both.
 
-    kv_lens [B] (group-global valid key prefix), kv_mask [B, S_group] (valid keys) and
-    sel [B, H, T_local, n_blocks] are optional masks."""
-    return _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, kv_block)[0]
+    Dense: kv_lens [B] (group-global valid key prefix) and kv_mask [B, S_group] (valid keys) are optional
+    masks; q_chunk bounds the plain-JAX block's memory. Sparse: kv_index / kv_count (group-global block
+    ids, see the module) and kv_valid [B, S_group // kv_block]; the kernel `impl` runs on each chunk."""
+    sparse = kv_index is not None
+    masks = (kv_index, kv_count, kv_valid) if sparse else (kv_lens, kv_mask)
+    steps = RingSteps(sparse, float(sm_scale), q_chunk, q_tile, kv_block, impl)
+    return _ring(q, k, v, masks, axis, steps)
 
 
-def _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, kv_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, masks, axis: GroupAxis, steps: RingSteps):
+    return _ring_fwd(q, k, v, masks, axis, steps)[0]
+
+
+def _ring_fwd(q, k, v, masks, axis, steps):
     me, n = axis.index(), axis.size
-    s_chunk = k.shape[1]
+    attend = steps.attend(q, masks)
 
     def step(r, carry, send=True):
         o, lse, k_cur, v_cur = carry
         # Issue the send of this chunk before using it, so the transfer can overlap the block.
         k_next = axis.shift(k_cur) if send else k_cur
         v_next = axis.shift(v_cur) if send else v_cur
-        src = (me - r) % n
-        mask_fn = _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block)
-        o_b, lse_b = local.block_lse(q, k_cur, v_cur, mask_fn, sm_scale=sm_scale, q_chunk=q_chunk)
+        o_b, lse_b = attend((me - r) % n, k_cur, v_cur)
         o, lse = merge_attention(o, lse, o_b, lse_b)
         return o, lse, k_next, v_next
 
@@ -102,25 +167,20 @@ def _ring_fwd(q, k, v, kv_lens, kv_mask, sel, axis, sm_scale, q_chunk, q_tile, k
     o, lse, _, _ = step(n - 1, carry, send=False)
     out = o.astype(q.dtype)
     visible = jnp.where(lse > local.NEG / 2, lse, -jnp.inf)
-    return (out, visible), (q, k, v, kv_lens, kv_mask, sel, out, lse)
+    return (out, visible), (q, k, v, masks, out, lse)
 
 
-def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, cotangents):
-    q, k, v, kv_lens, kv_mask, sel, o, lse = res
+def _ring_bwd(axis, steps, res, cotangents):
+    q, k, v, masks, o, lse = res
     do, dlse = cotangents
     me, n = axis.index(), axis.size
-    s_chunk = k.shape[1]
-    # d lse_i / d s_ij = p_ij: an lse cotangent shifts the row term (rows without keys have p = 0)
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse.astype(jnp.float32)
+    grads = steps.grads(q, masks, o, lse, do, dlse)
 
     def step(r, carry, send=True):
         dq, k_cur, v_cur, dk, dv = carry
         k_next = axis.shift(k_cur) if send else k_cur
         v_next = axis.shift(v_cur) if send else v_cur
-        src = (me - r) % n
-        mask_fn = _mask_fn(src, s_chunk, kv_lens, kv_mask, sel, q_tile, kv_block)
-        dq_b, dk_b, dv_b = local.block_grads(q, k_cur, v_cur, do, lse, delta, mask_fn, sm_scale=sm_scale,
-                                             q_chunk=q_chunk)
+        dq_b, dk_b, dv_b = grads((me - r) % n, k_cur, v_cur)
         # dK/dV of chunk src travel with it; after the last block one more hop brings them home.
         dk, dv = axis.shift(dk + dk_b), axis.shift(dv + dv_b)
         return dq + dq_b, k_next, v_next, dk, dv
@@ -129,10 +189,10 @@ def _ring_bwd(axis, sm_scale, q_chunk, q_tile, kv_block, res, cotangents):
     carry = (jnp.zeros(q.shape, jnp.float32), k, v, zeros, zeros)
     carry = jax.lax.fori_loop(0, n - 1, step, carry)
     dq, _, _, dk, dv = step(n - 1, carry, send=False)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def gather_kv(k, v, axis: GroupAxis):
@@ -164,7 +224,7 @@ def peer_requests(kv_index, kv_count, *, axis: GroupAxis, nb_loc):
     (batch, head, block); my own row is empty) and its row counts requested [n]."""
     b, h = kv_count.shape[:2]
     n = axis.size
-    need = selection_mask(kv_index, kv_count, n * nb_loc, per_tile=False).reshape(b * h, n, nb_loc)
+    need = selection_mask(kv_index, kv_count, n * nb_loc).reshape(b * h, n, nb_loc)
     need = jnp.swapaxes(need, 0, 1).reshape(n, b * h * nb_loc)
     need = need & (jnp.arange(n) != axis.index())[:, None]  # my own blocks are already here
     return need, jnp.sum(need, axis=1, dtype=jnp.int32)
