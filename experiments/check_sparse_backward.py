@@ -1,131 +1,200 @@
-"""GPU check of `sparse_attention_backward` (the kernels' backward under given, merged softmax statistics:
-what the ring of context parallelism calls for each visiting chunk) against the plain-JAX reference.
+"""GPU check of `sparse_attention_backward` (the kernels' backward under given, merged softmax statistics)
+and of the sparse SCP ring that calls it for each visiting chunk, on the compiled kernels (the CPU tests
+run them in interpret mode only), against the plain-JAX reference on float32 copies of the inputs.
 
-    python -m experiments.check_sparse_backward            # GPU: every kernel path, S = 8k and 32k
-    python -m experiments.check_sparse_backward --quick    # CPU: interpret mode, tiny shapes
+    python -m experiments.check_sparse_backward           # H200, ~1 min: results/check_sparse_backward.json
+    python -m experiments.check_sparse_backward --quick   # CPU smoke run, 2 fake devices, kernels interpreted
 
-Setup: B = 1, H heads of D = 128, bf16 inputs, random 64-token blocks at keep 0.1 (harness.random_selection,
-half local, half far). Each tile's selection is split into two disjoint halves A and B (alternate entries of
-the sorted list), like two ring chunks. Per kernel path (Mosaic GPU on sm90, the Triton kernels; the XLA
-reference as a baseline):
-  merged   (o, lse) = merge_attention of the two halves' (o_A, lse_A), (o_B, lse_B) from sparse_attention
-  grads    sparse_attention_backward(half A, merged stats) + (half B, merged stats), random cotangents for o
-           and lse
-against jax.vjp of the reference over the whole selection on float32 copies of the same inputs (relative
-Frobenius error; bf16 inputs, fp32 accumulation: errors near 3e-3 are the bf16 rounding of the products).
-Paths are called directly (each module's entry points), so the Triton kernels are checked on sm90 too.
-Writes experiments/results/check_sparse_backward.json (--quick: *_quick.json, git-ignored).
+Cases (B = 1, D = 128, bf16, q_tile = kv_block = 64):
+  edge      S = 4096, 4 heads, ~1/4 of the blocks per tile, a tile with kv_count 0, kv_valid with partly and
+            fully padded blocks;
+  8k, 32k   16 heads, random 64-token blocks at keep 0.1 (harness.random_selection), no padding: the
+            benchmarked sizes.
+Per case and kernel path (mgpu: Mosaic GPU, sm90; triton: the Triton lowering): the selection split into
+disjoint halves A and B (like two ring chunks), (o, lse) merged from the path's own forward of each half
+(merge_attention), and backward(A) + backward(B) under the merged statistics, against the reference VJP of
+the whole selection with random cotangents for o and lse. Then, on the edge case, the sparse ring
+(`scp.ring_attention`, impl="auto") over every visible device in one group (one GPU: a ring of one chunk).
+Errors are relative Frobenius norms (lse over finite rows; inf if the -inf rows differ); bf16 inputs give
+~3e-3. Exits 1 if any exceeds TOL.
 """
 
 from __future__ import annotations
 
-import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+import sys
+
+if "--quick" in sys.argv[1:]:  # a ring of two chunks on the CPU (before jax starts)
+    from experiments.quick_cpu import use_cpu
+
+    use_cpu(devices=2)
 
 # isort: split
 
 import argparse
-import sys
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from dsv_jax.attention import merge_attention
-from experiments import harness
-from pallas_kernels.sparse_attention import (
-    sparse_attention,
-    sparse_attention_backward,
-    sparse_attention_reference,
-)
+from dsv_jax.parallel import scp
+from dsv_jax.parallel.groups import GroupAxis
+from experiments.harness import error_text, on_gpu, rel_error, write_results
+from pallas_kernels.sparse_attention import sparse_attention_reference
 
-TOL = 2e-2  # relative Frobenius error of bf16 kernels against the fp32 reference
-
-
-def halves(index, count):
-    """Two disjoint selections from one: even and odd entries of each tile's first `count` ids."""
-    k = index.shape[-1]
-    pos = jnp.arange(k)
-    live = pos < count[..., None]
-    out = []
-    for parity in (0, 1):
-        keep = live & (pos % 2 == parity)
-        order = jnp.argsort(~keep, axis=-1, stable=True)  # kept entries first, in their order
-        out.append((jnp.take_along_axis(index, order, -1), jnp.sum(keep, -1).astype(jnp.int32)))
-    return out
+Q_TILE = KV_BLOCK = 64
+HEAD_DIM = 128
+TOL = 2e-2  # bf16 inputs and outputs against a float32 reference
 
 
-def path_functions(path: str, scale: float):
-    """(forward with lse, backward under given statistics) of one kernel path, called directly so that each
-    path is checked whatever the dispatcher would pick on this device."""
-    opts = {"q_tile": 64, "kv_block": 64}
-    if path == "xla":
-        fwd = lambda q, k, v, i, c: sparse_attention(q, k, v, i, c, return_lse=True, impl="xla", **opts)
-        bwd = lambda *a: sparse_attention_backward(*a, impl="xla", **opts)
-    elif path == "mgpu":
-        from pallas_kernels import sparse_attention_mgpu as mgpu
-
-        fwd = lambda q, k, v, i, c: mgpu.sparse_attention_mgpu(q, k, v, i, c, sm_scale=scale, return_lse=True, **opts)
-        bwd = lambda *a: mgpu.sparse_attention_mgpu_backward(*a, sm_scale=scale, **opts)
-    else:
-        from pallas_kernels import sparse_attention_triton as triton_path
-        from pallas_kernels.tuning import for_device
-
-        kw = {"sm_scale": scale, "tuning": for_device()[0], "interpret": not harness.on_gpu(), **opts}
-        fwd = lambda q, k, v, i, c: triton_path.sparse_attention_pallas(q, k, v, i, c, return_lse=True, **kw)
-        bwd = lambda *a: triton_path.sparse_attention_pallas_backward(*a, **kw)
-    return fwd, bwd
+def inputs(seq, heads, seed=0):
+    """q, k, v (bf16), cotangents (do bf16, dlse f32), a selection with an empty tile, kv_valid."""
+    ks = jax.random.split(jax.random.key(seed), 8)
+    q, k, v, do = (jax.random.normal(kk, (1, seq, heads, HEAD_DIM), jnp.bfloat16) for kk in ks[:4])
+    dlse = jax.random.normal(ks[4], (1, heads, seq))
+    tiles, blocks = seq // Q_TILE, seq // KV_BLOCK
+    n_sel = max(2, blocks // 4)
+    index = jnp.sort(jax.lax.top_k(jax.random.uniform(ks[5], (1, heads, tiles, blocks)), n_sel)[1], axis=-1)
+    index = index.astype(jnp.int32)  # ascending, as selections are
+    count = jax.random.randint(ks[6], (1, heads, tiles), 1, n_sel + 1, dtype=jnp.int32).at[0, 0, 1].set(0)
+    kv_valid = jax.random.randint(ks[7], (1, blocks), 0, KV_BLOCK + 1, dtype=jnp.int32).at[0, :2].set(KV_BLOCK)
+    return (q, k, v), (do, dlse), (index, count), kv_valid
 
 
-def check(seq: int, heads: int, path: str, key) -> dict:
-    ks = jax.random.split(key, 6)
-    q, k, v, do = harness.random_qkv(ks[0], seq, heads, 128, jnp.bfloat16)
-    dlse = jax.random.normal(ks[1], (1, heads, seq), jnp.float32)
-    index, count = harness.random_selection(ks[2], seq=seq, heads=heads, q_tile=64, kv_block=64, keep=0.1)
-    fwd, bwd = path_functions(path, 128 ** -0.5)
+def split(index, count):
+    """Disjoint selections A (first half of each tile's live ids) and B (the rest, moved to the front)."""
+    first = (count + 1) // 2
+    n_sel = index.shape[-1]
+    rest = jnp.take_along_axis(index, jnp.minimum(jnp.arange(n_sel) + first[..., None], n_sel - 1), axis=-1)
+    return (index, first), (rest, count - first)
+
+
+def reference(qkv, cots, selection, kv_valid):
+    """(o, lse, dq, dk, dv) of the whole selection on float32 copies."""
+    f = lambda q, k, v: sparse_attention_reference(q, k, v, *selection, q_tile=Q_TILE, kv_block=KV_BLOCK,
+                                                   kv_valid=kv_valid, return_lse=True)
+    (o, lse), vjp = jax.vjp(f, *(x.astype(jnp.float32) for x in qkv))
+    return (o, lse, *vjp((cots[0].astype(jnp.float32), cots[1])))
+
+
+def path_fns(path, interpret):
+    """(forward -> (o, lse), backward -> (dq, dk, dv)) of one kernel path, keyword arguments as the public ones."""
+    if path == "mgpu":
+        from pallas_kernels import sparse_attention_mgpu as m
+
+        return (lambda *a, **kw: m.sparse_attention_mgpu(*a, return_lse=True, interpret=interpret, **kw),
+                lambda *a, **kw: m.sparse_attention_mgpu_backward(*a, interpret=interpret, **kw))
+    from pallas_kernels import sparse_attention_triton as t
+    from pallas_kernels.tuning import for_device
+
+    extra = dict(sm_scale=HEAD_DIM ** -0.5, tuning=for_device()[0], interpret=interpret)
+    return (lambda *a, **kw: t.sparse_attention_pallas(*a, return_lse=True, **extra, **kw),
+            lambda *a, **kw: t.sparse_attention_pallas_backward(*a, **extra, **kw))
+
+
+def check_merged_backward(path, qkv, cots, selection, kv_valid, want, interpret=False):
+    forward, backward = path_fns(path, interpret)
+    kw = dict(q_tile=Q_TILE, kv_block=KV_BLOCK, kv_valid=kv_valid)
+    # one kernel per jitted call: the Mosaic GPU interpreter (--interpret) deadlocks on concurrent kernels
+    forward = jax.jit(functools.partial(forward, **kw))
+    backward = jax.jit(functools.partial(backward, **kw))
+    parts = split(*selection)
+    o, lse = merge_attention(*forward(*qkv, *parts[0]), *forward(*qkv, *parts[1]))
+    grads = [backward(*qkv, *part, o, lse, *cots) for part in parts]
+    return errors((o, lse, *(a.astype(jnp.float32) + b.astype(jnp.float32) for a, b in zip(*grads))), want)
+
+
+def check_ring(qkv, cots, selection, kv_valid, want):
+    devices = jax.devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("context",))
+    axis = GroupAxis("context", n)
+    seq_spec, tile_spec = P(None, "context"), P(None, None, "context")
+
+    def body(q, k, v, index, count, kv_valid):
+        return scp.ring_attention(q, k, v, axis=axis, sm_scale=HEAD_DIM ** -0.5, kv_index=index, kv_count=count,
+                                  kv_valid=kv_valid, q_tile=Q_TILE, kv_block=KV_BLOCK, impl="auto")
+
+    ring = jax.shard_map(body, mesh=mesh, in_specs=(seq_spec,) * 3 + (tile_spec, tile_spec, P()),
+                         out_specs=(seq_spec, tile_spec), check_vma=False)
 
     @jax.jit
-    def merged_grads(q, k, v, do, dlse):
-        parts = [fwd(q, k, v, i, c) for i, c in halves(index, count)]
-        o, lse = merge_attention(parts[0][0].astype(jnp.float32), parts[0][1], parts[1][0].astype(jnp.float32),
-                                 parts[1][1])
-        o = o.astype(q.dtype)
-        grads = [bwd(q, k, v, i, c, o, lse, do, dlse) for i, c in halves(index, count)]
-        return o, lse, [a.astype(jnp.float32) + b.astype(jnp.float32) for a, b in zip(*grads)]
+    def run(q, k, v, do, dlse, index, count, kv_valid):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: ring(q, k, v, index, count, kv_valid), q, k, v)
+        return o, lse, *vjp((do, dlse))
 
-    @jax.jit
-    def reference(q, k, v, do, dlse):
-        f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=64, kv_block=64, return_lse=True)
-        (o, lse), pullback = jax.vjp(f, q, k, v)
-        return o, lse, pullback((do, dlse))
-
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    o, lse, grads = merged_grads(q, k, v, do, dlse)
-    o_ref, lse_ref, grads_ref = reference(*f32, dlse)
-    errors = {"o": harness.rel_error(o, o_ref), "lse_max_abs": float(jnp.max(jnp.abs(lse - lse_ref)))}
-    errors.update({name: harness.rel_error(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref)})
-    ok = all(errors[n] < TOL for n in ("o", "dq", "dk", "dv")) and errors["lse_max_abs"] < 1e-2
-    return {"seq": seq, "heads": heads, "path": path, "errors": errors, "ok": bool(ok)}
+    return errors(run(*qkv, *cots, *selection, kv_valid), want), n
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CPU, interpret mode, tiny shapes")
-    args = p.parse_args(argv)
-    if not args.quick and not harness.on_gpu():
-        sys.exit("check_sparse_backward.py checks the GPU kernels; use --quick on a CPU")
-    sizes = [(512, 2)] if args.quick else [(8192, 16), (32768, 16)]
-    paths = ["triton", "xla"] if args.quick else ["mgpu", "triton", "xla"]
-    rows = []
-    for i, (seq, heads) in enumerate(sizes):
+def errors(got, want):
+    """Relative errors of (o, lse on finite rows, dq, dk, dv); inf where the non-finite entries differ."""
+    o, lse, *grads = got
+    w_o, w_lse, *w_grads = want
+    lse, w_lse = np.asarray(lse), np.asarray(w_lse)
+    finite = np.isfinite(w_lse)
+    lse_err = rel_error(lse[finite], w_lse[finite]) if np.array_equal(np.isfinite(lse), finite) else np.inf
+    return {"o": rel_error(o, w_o), "lse": lse_err,
+            **{name: rel_error(g, w) for name, g, w in zip(("dq", "dk", "dv"), grads, w_grads)}}
+
+
+def report(name, errs):
+    if "error" in errs:
+        print(f"{name}: ERROR {errs['error']}", flush=True)
+        return False
+    bad = [k for k, e in errs.items() if not e < TOL]
+    print(f"{name}: " + " ".join(f"{k} {e:.2e}" for k, e in errs.items()) + (f"  FAILED {bad}" if bad else "  ok"),
+          flush=True)
+    return not bad
+
+
+def big_case(seq, heads, seed):
+    """The benchmarked geometry: random 64-token blocks at keep 0.1, no padding, cotangents for o and lse."""
+    from experiments.harness import random_qkv, random_selection
+
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q, k, v, do = random_qkv(ks[0], seq, heads, HEAD_DIM, jnp.bfloat16)
+    dlse = jax.random.normal(ks[1], (1, heads, seq))
+    selection = random_selection(ks[2], seq=seq, heads=heads, q_tile=Q_TILE, kv_block=KV_BLOCK, keep=0.1)
+    return (q, k, v), (do, dlse), selection, None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: small shapes, kernels interpreted")
+    ap.add_argument("--paths", nargs="+", default=None, help="kernel paths (default: mgpu triton; quick: triton)")
+    args = ap.parse_args(argv)
+    if not args.quick and not on_gpu():
+        sys.exit("check_sparse_backward.py checks the compiled GPU kernels; use --quick on a CPU")
+    paths = args.paths or (["triton"] if args.quick else ["mgpu", "triton"])
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x {jax.device_count()}", flush=True)
+    cases = {"edge": inputs(256 if args.quick else 4096, 1 if args.quick else 4)}
+    if not args.quick:
+        cases.update({"8k": big_case(8192, 16, 1), "32k": big_case(32768, 16, 2)})
+    rows, ok = [], True
+    for name, case in cases.items():
+        want = jax.jit(reference)(*case)
         for path in paths:
-            row = check(seq, heads, path, jax.random.key(100 + i))
-            rows.append(row)
-            print(row, flush=True)
-    name = "check_sparse_backward" + ("_quick" if args.quick else "")
-    path = harness.write_results(name, {"tolerance": TOL, "rows": rows, "all_ok": all(r["ok"] for r in rows)})
-    harness.print_table([{"seq": r["seq"], "path": r["path"], **r["errors"], "ok": r["ok"]} for r in rows],
-                        ["seq", "path", "o", "lse_max_abs", "dq", "dk", "dv", "ok"])
+            try:
+                errs = check_merged_backward(path, *case, want, args.quick)
+            except Exception as e:  # one path failing to build must not hide the others' results
+                errs = {"error": error_text(e)}
+            rows.append({"case": name, "seq": case[0][0].shape[1], "check": f"merged backward [{path}]", **errs})
+            ok &= report(f"{name}: merged backward [{path}]", errs)
+        if name == "edge":
+            try:
+                errs, n = check_ring(*case, want)
+                label = f"sparse ring over {n} device(s), impl=auto"
+            except Exception as e:
+                errs, label = {"error": error_text(e)}, "sparse ring"
+            rows.append({"case": name, "seq": case[0][0].shape[1], "check": label, **errs})
+            ok &= report(f"{name}: {label}", errs)
+    path = write_results("check_sparse_backward" + ("_quick" if args.quick else ""),
+                         {"tolerance": TOL, "rows": rows, "all_ok": bool(ok)})
     print("wrote", path)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
