@@ -221,8 +221,11 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
     # Compute of each HCP group (SCP peers of a group hold the same heads and equal query counts).
     def group_compute(g):
         kg = keep[g]
-        # ps blocks of (S/ps x S/ps) costed as dense work: conservative for a selection, whose chunks run the
-        # sparse kernel (its rate on a chunk's share is not measured yet)
+        # ps blocks of (S/ps x S/ps) costed as dense work, an upper bound for a selection, whose chunks run the
+        # sparse kernel: its rate on a chunk's share and the per-chunk costs (ps launches, work lists) are not
+        # measured on several GPUs, and costed at the kernel's rate the ring (all of K/V on the wire, hidden
+        # behind compute) would displace selective (a tenth of the bytes) on one node by a modelled 7%.
+        # So a sparse block takes the ring only where nothing else fits the memory cap.
         if scp > 1 and scp_strategy == "ring":
             return scp * km.attention_s(q_len, w.seq_len // scp, np.ones(len(g)), w.head_dim, kind="ring") * passes
         kind = "sparse" if sparse else "dense"
