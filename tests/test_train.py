@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv_jax.data.feed import tokens_per_sample
 from dsv_jax.model.flops import PEAK_ENV, train_step_flops
 from dsv_jax.train.checkpoint import Checkpointer, CheckpointError, IncompatibleCheckpoint, load_trained
 from dsv_jax.train.guard import TrainingDiverged
@@ -98,6 +99,28 @@ def test_single_device_mesh_logs_tflops_and_mfu(tmp_path, monkeypatch):
         assert rec["mfu/dense_equiv"] == pytest.approx(rec["tflops_per_device"] / 0.5)
         assert rec["mfu/work"] == pytest.approx(rec["tflops_per_device/work"] / 0.5)
         assert any(m["step"] == rec["step"] and m.get("mfu/work") == rec["mfu/work"] for m in logged)
+
+
+def test_step_time_leaves_out_evaluation_and_saving(tmp_path, monkeypatch):
+    import time
+
+    pause = 4.0
+    cfg = small_config("train.steps=4", "train.log_every=2", "train.eval_every=2", "train.ckpt_every=2", *ONE_BUCKET)
+    trainer = Trainer(cfg, str(tmp_path), progress=False)
+    slow = lambda *a, **kw: time.sleep(pause) or {}
+    monkeypatch.setattr(trainer, "evaluate", slow)
+    monkeypatch.setattr(trainer, "save", lambda *a, **kw: time.sleep(pause))
+    start = time.perf_counter()
+    records = [r for r in trainer.run() if "loss" in r]
+    wall = time.perf_counter() - start
+    trainer.close()
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # steps 3-4 share a window with the evaluation and the save at step 2 (8 s beside two steps): counted,
+    # they would give >= 4 s a step
+    steps_s = sum(r["step_time"] for r in records)
+    assert records[-1]["step_time"] < pause / 2 and steps_s < wall - 2 * pause
+    tokens = records[-1]["batch"] * tokens_per_sample((4, 16, 16), cfg.model.patch)
+    assert records[-1]["tokens_per_s"] == pytest.approx(tokens / records[-1]["step_time"], rel=1e-6)
 
 
 def test_non_finite_step_is_skipped_and_never_saved(tmp_path):

@@ -281,6 +281,18 @@ class Trainer:
             bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
                        dynamic_ncols=True)
             pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
+            # Host time spent beside the steps in the current log window (compiling a new attention variant,
+            # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
+            aside = 0.0
+
+            def timed(fn, *args):
+                nonlocal aside
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    aside += time.perf_counter() - t0
+
             try:
                 with StopRequest() as stop:
                     while step < end and not any_process(stop.requested) and not guard.should_stop:
@@ -292,7 +304,7 @@ class Trainer:
                         profile = self.policy.profile_due(step, shape)
                         plans, inputs = self.attention_for(shape, profile=profile)
                         args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
-                        self.state, metrics = self.compiled_step(shape, plans)(*args)
+                        self.state, metrics = timed(self.compiled_step, shape, plans)(*args)
                         extra = self.policy.record(shape)
                         step += 1
                         if profile:  # the policy decides on this step's statistics (a host sync)
@@ -306,18 +318,20 @@ class Trainer:
                         save_due = step % cfg.train.ckpt_every == 0 and step < end
                         if step % cfg.train.log_every == 0 or step == end or save_due:  # no checkpoint ahead of the log
                             jax.block_until_ready(metrics)
-                            elapsed = time.perf_counter() - window_t0
+                            elapsed = time.perf_counter() - window_t0 - aside
                             for rec in self._records(pending, elapsed, window_tokens, window_flops):
                                 writer.write(rec["step"], rec)
                                 records.append(rec)
                             bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
                             pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
+                            aside = 0.0
                         bar.update(1)
                         if save_due:
-                            self.save(prefetch.state)
+                            timed(self.save, prefetch.state)
                         if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                            writer.write(step, self.evaluate())
-                    for rec in self._records(pending, time.perf_counter() - window_t0, window_tokens, window_flops):
+                            writer.write(step, timed(self.evaluate))
+                    elapsed = time.perf_counter() - window_t0 - aside
+                    for rec in self._records(pending, elapsed, window_tokens, window_flops):
                         writer.write(rec["step"], rec)
                         records.append(rec)
                     self.save(prefetch.state)
