@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+from tests.conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,7 +20,7 @@ def free_port() -> int:
 
 def test_context_attention_across_two_processes():
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)  # the worker sets its 4 devices
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.workers.context_multiprocess", str(i), port], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+from tests.conftest import FAST_COMPILE
 from tests.data_helpers import prepared_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +22,7 @@ def free_port() -> int:
 def test_two_processes_share_buckets_split_samples_and_resume(tmp_path):
     dataset = prepared_dataset(str(tmp_path), images=17, videos=11, seed=3)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
                DSV_JAX_CACHE=str(tmp_path / "xla_cache"))
     port = free_port()
     outs = [str(tmp_path / f"out{i}.json") for i in range(2)]

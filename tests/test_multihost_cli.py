@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import SMALL
+from tests.conftest import FAST_COMPILE, SMALL
 from tests.test_multihost import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def steps_logged(workdir):
 
 def test_cli_two_processes_dsv_context_parallel_stop_on_one_host_resume_and_finish(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
                DSV_JAX_CACHE=str(tmp_path / "xla_cache"))
     workdir = str(tmp_path / "run")
     procs = launch(workdir, free_port(), env)

@@ -6,6 +6,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.conftest import FAST_COMPILE
+
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart.ipynb")
 
 
@@ -19,7 +21,7 @@ def test_committed_notebook_has_no_outputs():
 @pytest.mark.slow
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     # One CPU device, as on a user's machine (the suite's 8 fake devices would shard the batch 8 ways).
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

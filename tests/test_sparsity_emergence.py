@@ -9,13 +9,15 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_study(tmp_path, *args, timeout=400):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("OUT", None)  # no copy into the device tool's output folder
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a GPU machine (conftest's 8 fake devices are for tests)
+    env["XLA_FLAGS"] = FAST_COMPILE  # one CPU device, as on a GPU machine (conftest's 8 fake devices are for tests)
     r = subprocess.run([sys.executable, "-m", "experiments.sparsity_emergence", "--quick",
                         "--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path / "work"), *args],
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)

@@ -9,7 +9,7 @@ across both processes, and checks the shards it holds against single-device atte
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {os.environ.get('XLA_FLAGS', '')}".strip()
 
 import jax
 
