@@ -10,11 +10,14 @@ at several sequence lengths.
     python -m experiments.sparsity_emergence --workdir runs/emergence --steps 1000 --budget-s 540
     python -m experiments.sparsity_emergence --workdir runs/emergence --tokens 65536 --steps 200 \
         --budget-s 540
+    # one S trained longer, in its own results file (sparsity_emergence_16k_long.json, 2026-12-02):
+    python -m experiments.sparsity_emergence --workdir runs/emergence16 --tokens 16384 --steps 1500 \
+        --every 250 --budget-s 490 --name sparsity_emergence_16k_long
     # CPU, tiny sizes (~25 s of CPU with warm compile caches, ~90 s cold; the CI test):
     python -m experiments.sparsity_emergence --quick
 
-Expected GPU time (estimated from bench_e2e's 2.7B step times scaled to this model, not yet measured):
-~0.2 s a step at 16k (2 samples), ~0.35 s at 32k (1 sample), ~1.2 s at 64k; two train-step compiles
+GPU time per step (measured on one H200): 0.24 s at 16k (2 samples), 0.37 s at 32k (1 sample), 1.24 s at
+64k; a measurement 3-10 s; two train-step compiles
 (with and without profiling) and one analysis compile per S; a checkpoint per round and S.
 
 Setup (experiments/training.py, shared with quality_parity.py --setup photos): data.source=photos (real
@@ -43,9 +46,9 @@ combinations never trained on) at noise levels --t, per block and head (sparsity
   the profiler's theta-sparsity (10th percentile) and the share of mass in the top 10% of keys;
   what the controller would decide now from its training-time statistics (dsv.recall_target 0.95,
   dsv.threshold 0.5): per block dense or sparse, and the rung.
-Results: experiments/results/sparsity_emergence.json (and $OUT), plots sparsity_emergence_steps.png
-(keep ratio vs training step, one line per S; dashed: the sparsest block) and
-sparsity_emergence_tokens.png (keep ratio vs S at the last step all S reached, log-log, with the fit
+Results: experiments/results/<--name>.json (default sparsity_emergence; also to $OUT), plots
+<name>_steps.png (keep ratio vs training step, one line per S; dashed: the sparsest block) and
+<name>_tokens.png (keep ratio vs S at the last step all S reached, log-log, with the fit
 keep = a * S^b). --quick writes *_quick.* files (git-ignored).
 """
 
@@ -181,7 +184,7 @@ def summarise(runs: dict) -> dict:
     return out
 
 
-def plot(runs: dict, summary: dict, out_dir: str, suffix: str) -> list[str]:
+def plot(runs: dict, summary: dict, out_dir: str, suffix: str, base: str = "sparsity_emergence") -> list[str]:
     plt = pyplot()
     if plt is None:
         return []
@@ -208,7 +211,7 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str) -> list[str]:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("keep ratio vs training step (solid: mean over blocks and heads; dashed: sparsest block)")
     fig.tight_layout()
-    paths.append(save_figure(fig, os.path.join(out_dir, f"sparsity_emergence_steps{suffix}.png")))
+    paths.append(save_figure(fig, os.path.join(out_dir, f"{base}_steps{suffix}.png")))
 
     if summary and len(summary["tokens"]) >= 1:
         fig, axes = plt.subplots(1, len(THETAS), figsize=(4.6 * len(THETAS), 3.6), squeeze=False)
@@ -223,13 +226,17 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str) -> list[str]:
                     ax.plot(grid, fit["a"] * grid ** fit["b"], color=f"C{j}", alpha=0.6)
             ax.set_xscale("log")
             ax.set_yscale("log")
+            # ticks at the measured S (16k, 32k, ...): the log axis' own minor labels overlap at this span
+            ticks = list(s) + [s.max() * 4]
+            ax.set_xticks(ticks, [f"{v / 1024:.0f}k" for v in ticks])
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
             ax.set_xlabel("tokens per sample S")
             ax.set_ylabel("keep ratio")
             ax.set_title(f"{float(theta):.0%} of the mass, step {summary['step']}", fontsize=9)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        paths.append(save_figure(fig, os.path.join(out_dir, f"sparsity_emergence_tokens{suffix}.png")))
+        paths.append(save_figure(fig, os.path.join(out_dir, f"{base}_tokens{suffix}.png")))
     return paths
 
 
@@ -252,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--reserve-s", type=float, default=30.0, help="seconds kept for the last save, JSON and plots")
     p.add_argument("--workdir", help="checkpoints and records (default runs/sparsity_emergence; quick: a temp dir)")
     p.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON and plots go")
+    p.add_argument("--name", default="sparsity_emergence",
+                   help="results name: <name>.json, <name>_steps.png, <name>_tokens.png (--quick appends _quick)")
     args = p.parse_args(argv)
     quick = args.quick
     tokens = [int(v) for v in (args.tokens or ("256,512" if quick else "16384,32768")).split(",")]
@@ -272,8 +281,8 @@ def main(argv=None) -> int:
     workdir = args.workdir or (tempfile.mkdtemp(prefix="sparsity_emergence_") if quick else
                                os.path.join("runs", "sparsity_emergence"))
     os.makedirs(workdir, exist_ok=True)
-    name = "sparsity_emergence" + ("_quick" if quick else "")
     suffix = "_quick" if quick else ""
+    name = args.name + suffix
     records_path = os.path.join(workdir, "records.json")
     runs = {}
     if os.path.exists(records_path):
@@ -370,7 +379,7 @@ def main(argv=None) -> int:
         for theta in map(str, THETAS):
             fits = {k: (f"{v['b']:.3f}" if v else "-") for k, v in summary["fit"][theta].items()}
             print(f"keep@{theta} ~ S^b at step {summary['step']}: {fits}")
-    plots = plot(runs, summary, args.results_dir, suffix)
+    plots = plot(runs, summary, args.results_dir, suffix, args.name)
     print("wrote", path, *plots, f"({budget.elapsed():.0f} s{', budget reached' if budget.expired else ''})")
     if quick and not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -78,3 +78,6 @@ def test_summary_fits_keep_against_tokens(tmp_path):
     paths = study.plot(runs, summary, str(tmp_path), "_test")
     assert [os.path.basename(p) for p in paths] == ["sparsity_emergence_steps_test.png",
                                                     "sparsity_emergence_tokens_test.png"]
+    paths = study.plot(runs, summary, str(tmp_path), "", "sparsity_emergence_long")  # --name's files
+    assert [os.path.basename(p) for p in paths] == ["sparsity_emergence_long_steps.png",
+                                                    "sparsity_emergence_long_tokens.png"]
