@@ -62,3 +62,39 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         gc.unfreeze()
+
+
+# The longest tests (CPU seconds on a 2-core machine; several run two processes or the CLI), first:
+# with pyproject.toml's --maxschedchunk=1, `pytest -n 2` hands each worker the next test in collection
+# order when it is nearly done, so the long tests start early and short ones fill the end instead of
+# one long test running alone while the other worker idles.
+SLOW_FIRST = [
+    "tests/test_multihost_cli.py",
+    "tests/test_dsv.py",
+    "tests/test_context_dsv.py::test_cli_dsv_on_eight_context_devices_matches_one_device",
+    "tests/test_multihost.py",
+    "tests/test_cli.py::test_train_then_sample_gif",
+    "tests/test_fit_cost.py",
+    "tests/test_sparsity_emergence.py::test_study_records_resumes_and_stops_at_the_budget",
+    "tests/test_train.py::test_restore_onto_fewer_devices",
+    "tests/test_export.py::test_precomputed_run_from_a_config_file_exports_loads_and_samples",
+    "tests/test_cli.py::test_sigterm_saves_and_rerun_resumes",
+    "tests/test_train.py::test_resume_gives_the_same_run",
+    "tests/test_pipeline.py::test_trainer_resumes_the_identical_batch_sequence_and_never_compiles_after_warmup",
+    "tests/test_notebook.py::test_quickstart_notebook_executes",
+    "tests/test_train.py::test_loss_decreases_on_eight_devices_with_fsdp",
+    "tests/test_bench_multigpu.py::test_part3_data_parallel_both_modes",
+    "tests/test_context_parallel.py::test_cli_trains_with_context_parallelism",
+    "tests/test_context_multiprocess.py",
+]
+
+
+def _slow_rank(nodeid: str) -> int:
+    for i, prefix in enumerate(SLOW_FIRST):
+        if nodeid == prefix or nodeid.startswith((prefix + "::", prefix + "[")):
+            return i
+    return len(SLOW_FIRST)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: _slow_rank(item.nodeid))  # stable: the rest keep their order
