@@ -56,11 +56,18 @@ def pytest_runtest_protocol(item, nextitem):
     """Each test (its fixtures too) runs with the objects made before it frozen: the garbage collector
     ignores them until the test ends. imageio's PyAV plugin runs a full gc.collect() whenever it closes a
     file, and in a worker that has run many tests (jax, compiled programs) each full collection takes
-    about half a second: writing and preparing a 28-file dataset took 30 s, 2 s without that."""
+    about half a second: writing and preparing a 28-file dataset took 30 s, 2 s without that.
+    Automatic full collections stay as rare as in a large heap (none within a test): with the heap
+    frozen they would otherwise come every few thousand allocations and move the moment garbage is
+    collected into the test (asyncio then logs, say, "Task exception was never retrieved" for the
+    tasks of a failed checkpoint read while the test watches the log)."""
+    threshold = gc.get_threshold()
     gc.freeze()
+    gc.set_threshold(threshold[0], threshold[1], 2**31 - 1)
     try:
         return (yield)
     finally:
+        gc.set_threshold(*threshold)
         gc.unfreeze()
 
 
