@@ -383,8 +383,15 @@ def describe_failure(step_dir: str, e: BaseException) -> str:
 
 
 def _all_finite(tree) -> bool:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return bool(jnp.all(jnp.stack(leaves))) if leaves else True
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return bool(_leaves_finite(leaves)) if leaves else True
+
+
+@jax.jit
+def _leaves_finite(leaves):
+    """One program for all leaves: op by op, each leaf's shape and sharding compiled its own isfinite
+    and reduction (about 50 compiles, 1-3 s on the CPU, at a process's first save)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def load_trained(workdir: str, step: int | None = None):
