@@ -166,3 +166,17 @@ def test_measurements():
     assert scores[1].max() == pytest.approx(1.0, abs=1e-6) and scores[0].max() < 0.6
     assert semantic.score_clip(frames[0][None], "a picture of a dog") is None
     assert semantic.direction_of(1.0, -3.0) == "left" and semantic.direction_of(-2.0, 1.0) == "up"
+
+
+def test_score_reports_its_standard_error_over_clips():
+    clips = _clips("synthetic", 6)
+    frames, captions = [c[0] for c in clips], [c[1] for c in clips]
+    rng = np.random.default_rng(1)
+    noise = [rng.uniform(-1, 1, f.shape).astype(np.float32) for f in frames]
+    mixed = frames[:3] + noise[3:]  # three true clips, three of noise
+    score = semantic.score_clips(mixed, captions)
+    per_clip = [np.mean([right for right, _ in semantic.score_clip(f, c).values()]) for f, c in zip(mixed, captions)]
+    assert score["stderr"] == pytest.approx(np.std(per_clip, ddof=1) / np.sqrt(6)) and score["stderr"] > 0.05
+    assert f"+- {score['stderr']:.3f}" in semantic.format_score(score)
+    truth = semantic.score_clips(frames, captions)  # every clip fully right: no spread
+    assert truth["stderr"] == 0.0 and np.isnan(semantic.score_clips(frames[:1], captions[:1])["stderr"])

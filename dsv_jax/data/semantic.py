@@ -224,8 +224,13 @@ def score_clip(frames: np.ndarray, caption: str) -> dict[str, tuple[bool, float]
 
 def score_clips(clips, captions) -> dict:
     """Accuracy and chance per question over clips, and overall (all answers pooled):
-    {"questions": {name: {"accuracy", "chance", "n"}}, "accuracy", "chance", "n", "unscored"}."""
+    {"questions": {name: {"accuracy", "chance", "n"}}, "accuracy", "chance", "n", "stderr", "unscored"}.
+
+    stderr: the standard error of the overall accuracy over clips (the spread of the clips' own shares of
+    right answers / sqrt(clips); nan below two clips). Per clip, not per answer: the answers of one clip
+    are not independent (a clip that shows no object fails its shape and motion questions together)."""
     answers: dict[str, list[tuple[bool, float]]] = {}
+    per_clip: list[float] = []
     unscored = 0
     for frames, caption in zip(clips, captions):
         result = score_clip(frames, caption)
@@ -234,15 +239,21 @@ def score_clips(clips, captions) -> dict:
             continue
         for name, answer in result.items():
             answers.setdefault(name, []).append(answer)
+        if result:
+            per_clip.append(float(np.mean([right for right, _ in result.values()])))
     pooled = [a for v in answers.values() for a in v]
     summary = lambda items: {"accuracy": float(np.mean([a for a, _ in items])) if items else float("nan"),
                              "chance": float(np.mean([c for _, c in items])) if items else float("nan"),
                              "n": len(items)}
-    return {"questions": {k: summary(v) for k, v in sorted(answers.items())}, **summary(pooled), "unscored": unscored}
+    stderr = float(np.std(per_clip, ddof=1) / np.sqrt(len(per_clip))) if len(per_clip) > 1 else float("nan")
+    return {"questions": {k: summary(v) for k, v in sorted(answers.items())}, **summary(pooled), "stderr": stderr,
+            "unscored": unscored}
 
 
 def format_score(score: dict) -> str:
-    """One line: 'semantic 0.83 (chance 0.24): colour 1.00/0.12, ...'."""
+    """One line: 'semantic score 0.833 +- 0.061 (chance 0.240, 8 clips): colour 1.00/0.12 (n=8), ...'."""
     parts = [f"{k} {v['accuracy']:.2f}/{v['chance']:.2f} (n={v['n']})" for k, v in score["questions"].items()]
-    return f"semantic score {score['accuracy']:.3f} (chance {score['chance']:.3f}): " + ", ".join(parts) + \
+    stderr = score.get("stderr", float("nan"))  # absent in results written before it existed
+    spread = f" +- {stderr:.3f}" if np.isfinite(stderr) else ""
+    return f"semantic score {score['accuracy']:.3f}{spread} (chance {score['chance']:.3f}): " + ", ".join(parts) + \
         (f"; {score['unscored']} captions not scorable" if score["unscored"] else "")
