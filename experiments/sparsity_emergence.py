@@ -228,7 +228,7 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str, base: str = "spar
             ax.set_yscale("log")
             # ticks at the measured S (16k, 32k, ...): the log axis' own minor labels overlap at this span
             ticks = list(s) + [s.max() * 4]
-            ax.set_xticks(ticks, [f"{v / 1024:.0f}k" for v in ticks])
+            ax.set_xticks(ticks, [f"{v / 1024:g}k" if v >= 1024 else f"{v:g}" for v in ticks])
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
             ax.set_xlabel("tokens per sample S")
             ax.set_ylabel("keep ratio")

@@ -251,7 +251,7 @@ def score_clips(clips, captions) -> dict:
 
 
 def format_score(score: dict) -> str:
-    """One line: 'semantic score 0.833 +- 0.061 (chance 0.240, 8 clips): colour 1.00/0.12 (n=8), ...'."""
+    """One line: 'semantic score 0.833 +- 0.061 (chance 0.240): colour 1.00/0.12 (n=8), ...'."""
     parts = [f"{k} {v['accuracy']:.2f}/{v['chance']:.2f} (n={v['n']})" for k, v in score["questions"].items()]
     stderr = score.get("stderr", float("nan"))  # absent in results written before it existed
     spread = f" +- {stderr:.3f}" if np.isfinite(stderr) else ""
