@@ -263,6 +263,11 @@ class DSVConfig:
     # The [B, H, queries, S] logits are memory-bound work; the predictor is in stage 2 a slow fine-tune
     # (stage2_lr_scale). Never above max_queries; 0 = max_queries.
     stage2_max_queries: int = 64
+    # ... and trains only on every Nth stage-2 step (and on every profile step), at N times the per-step
+    # learning rate, so it moves as far per step on average as when it trains every step. The other steps
+    # skip its loss (true and predicted logit rows, and their backward) and leave its weights and AdamW
+    # state untouched; 1 = every step.
+    stage2_predictor_every: int = 4
     theta: float = 0.9  # critical KV: the fewest keys holding this share of a query's attention mass
     profile_every: int = 50  # steps between sparsity profiles (and the first step of each bucket)
     ema: float = 0.9  # momentum of the sparsity (and predictor-loss) moving averages
@@ -300,6 +305,7 @@ class DSVConfig:
             raise ConfigError(f"dsv.percentile={self.percentile} must be in [0, 100]")
         if not self.ladder or any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
             raise ConfigError(f"dsv.ladder={self.ladder} must be increasing keep ratios in (0, 1]")
+        _positive("dsv.stage2_predictor_every", self.stage2_predictor_every)
         if self.stage2_max_queries < 0:
             raise ConfigError(f"dsv.stage2_max_queries={self.stage2_max_queries} must be >= 0 (0: dsv.max_queries)")
         if self.stage1_steps < 0 or self.kv_block < 0 or self.stage2_lr_scale < 0 or self.hysteresis < 0:

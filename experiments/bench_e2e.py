@@ -99,8 +99,13 @@ ATTENTIONS = {"full": ("full", None), "dsv0.9": ("dsv", 0.9), "dsv0.95": ("dsv",
               "dsv-measured": ("dsv", None), "wa-m": ("window", 1 / 3), "wa-l": ("window", 2 / 3),
               # DSV 0.9 with the predictor's stage-1 rate kept in stage 2 (dsv.stage2_max_queries=0): the
               # predictor loss on max_queries sampled queries every step, as before that setting existed
-              "dsv0.9-allq": ("dsv", 0.9)}
+              "dsv0.9-allq": ("dsv", 0.9),
+              # the stage-2 steps between the predictor's (dsv.stage2_predictor_every): no predictor loss; the
+              # predictor trains on one step in that many, so a run's mean step is
+              # (dsv0.9 + (every - 1) x dsv0.9-skip) / every (goals(): "..._cycle_...")
+              "dsv0.9-skip": ("dsv", 0.9), "dsv0.95-skip": ("dsv", 0.95)}
 FULL_RATE = {"dsv0.9-allq"}
+SKIP = {"dsv0.9-skip", "dsv0.95-skip"}
 # (length, attention, AdaLN impl: "main" = the setup's), in priority order, and the number of must-haves
 PAIR_16K = [("16k", "full", "xla"), ("16k", "full", "pallas"), ("16k", "dsv0.9", "pallas"), ("16k", "dsv0.9", "xla")]
 MAIN_64K = [("64k", a, "main") for a in ("full", "dsv0.9", "dsv0.95", "wa-m", "wa-l")]
@@ -108,12 +113,14 @@ PRIORITY = {
     "gpu": (MAIN_64K + PAIR_16K + [("32k", "full", "main"), ("32k", "dsv0.9", "main")] + [
         ("16k", "dsv-measured", "main"), ("16k", "dsv0.95", "main"), ("16k", "wa-m", "main"), ("16k", "wa-l", "main"),
         ("32k", "dsv0.95", "main"), ("32k", "wa-m", "main"), ("32k", "wa-l", "main"), ("64k", "dsv0.9", "xla"),
-        ("64k", "dsv0.9-allq", "main"), ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"),
+        ("64k", "dsv0.9-allq", "main"), ("64k", "dsv0.9-skip", "main"), ("64k", "dsv0.95-skip", "main"),
+        ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"), ("128k", "dsv0.9-skip", "main"),
         ("128k", "full", "main"),
         ("480p", "full", "main"), ("480p", "dsv0.9", "main")], 11),
     # quick: one variant per code path (CPU compiles dominate its time)
     "quick": ([("64k", "full", "main"), ("64k", "dsv0.9", "main"), ("64k", "wa-m", "main")] + PAIR_16K[:3] +
-              [("16k", "dsv-measured", "main"), ("128k", "full", "main"), ("64k", "dsv0.9-allq", "main")], 6),
+              [("16k", "dsv-measured", "main"), ("128k", "full", "main"), ("64k", "dsv0.9-allq", "main"),
+               ("64k", "dsv0.9-skip", "main")], 6),
 }
 GOALS = {"dsv_vs_full_64k": 3.5, "dsv_vs_window_64k": 1.5, "fused_adaln_16k": 1.05, "compiles_after_warmup": 0}
 CHECK_TOL = {"loss": 2e-2, "output": 5e-2}  # bf16 through 32 blocks
@@ -126,6 +133,11 @@ FLOPS_FORMULA = (
     "kept = mean selected KV blocks / all] + DSV: 4 predictor + 2 selection. "
     "MFU = FLOPs / step time / the device's dense bf16 peak (dsv_jax.model.flops.peak_flops: 989.4 TFLOP/s on "
     "an H200).")
+
+
+def component_name(attention: str) -> str:
+    """The variant whose components (attention, selection) a variant shares: a -skip step runs its base's."""
+    return attention[: -len("-skip")] if attention in SKIP else attention
 
 
 def log(msg: str) -> None:
@@ -196,8 +208,8 @@ class Bench:
         """The library's FLOPs of one train step of variant `e` (see FLOPS_FORMULA)."""
         st = self.attention_setup(e["length"], e["attention"])
         dsv = st["mode"] == "dsv"
-        return train_step_flops(self.cfg, self.setup["lengths"][e["length"]], 1, kept=st["kept"], predictor=dsv,
-                                selection=dsv)
+        return train_step_flops(self.cfg, self.setup["lengths"][e["length"]], 1, kept=st["kept"],
+                                predictor=dsv and e["attention"] not in SKIP, selection=dsv)
 
     def attention_setup(self, length: str, name: str) -> dict:
         """{"attention", "inputs" (device arrays or None), "kept", ...} of an attention variant at a length."""
@@ -226,14 +238,16 @@ class Bench:
             if name in FULL_RATE:
                 cfg = dataclasses.replace(cfg, dsv=dataclasses.replace(cfg.dsv, stage2_max_queries=0))
             ctl = stage2_controller(cfg, shape, 1.0 - sparsity)
-            plans, inputs = ctl.plans(shape), ctl.inputs(shape)
+            step = 1 if name in SKIP else 0  # step 0 trains the predictor; step 1 does not (every > 1)
+            plans, inputs = ctl.plans(shape, step=step), ctl.inputs(shape, step=step)
             decision = ctl.decide(np.full(self.cfg.model.heads, 1.0 - sparsity), 0.0)
             top_k = plans[0].top_k(n_blocks)
             counts = np.asarray(head_counts(inputs["keep"], n_blocks, top_k))
             out.update(attention=plans, inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
                        kept=float(counts.mean()) / n_blocks, sparsity=float(sparsity), top_k=top_k,
                        keep_rung=plans[0].keep, predictor_lr=float(inputs["predictor_lr"]),
-                       predictor_queries=plans[0].max_queries,
+                       predictor_queries=plans[0].max_queries if plans[0].predictor else 0,
+                       predictor_every=cfg.dsv.stage2_predictor_every,
                        controller_decision=("dense" if decision == 0 else f"sparse keep<={decision:g}") +
                        f" (dsv.threshold {self.cfg.dsv.threshold})")
         self.setups[key] = out
@@ -412,7 +426,7 @@ class Bench:
         def add(name, fn, *a):
             jobs.append((f"{length}/comp/{name}", lambda: jax.jit(fn).lower(*a)))
 
-        names = list(dict.fromkeys(e["attention"] for e in chosen))
+        names = list(dict.fromkeys(component_name(e["attention"]) for e in chosen))
         for name in names:
             st = self.attention_setup(length, name)
             if st["mode"] == "full":
@@ -431,7 +445,7 @@ class Bench:
                     pred = LowRankPredictor(m, cfg.dsv.rank, nnx.Rngs(0), rope=cfg.dsv.predictor_rope)
                     args["pred_graphdef"], args["pred_params"] = nnx.split(pred)
                 queries = st["predictor_queries"]
-                if f"pred_fb/q{queries}" not in [j[0].split("/comp/")[1] for j in jobs]:
+                if queries and f"pred_fb/q{queries}" not in [j[0].split("/comp/")[1] for j in jobs]:
                     pred_loss = self.predictor_loss_fn(layout, args["pred_graphdef"], queries)
                     add(f"pred_f/q{queries}", pred_loss, args["pred_params"], args["x"], *qkv[:2])
                     add(f"pred_fb/q{queries}", jax.value_and_grad(pred_loss), args["pred_params"], args["x"],
@@ -636,13 +650,15 @@ class Bench:
         e["mfu_model"], e["mfu_work"] = mfu.get("mfu/dense_equiv"), mfu.get("mfu/work")  # None: no known peak
         comps = self.components.get(e["length"], {})
         med = lambda name: comps.get(name, {}).get("median_ms")
-        depth, name = self.cfg.model.depth, e["attention"]
+        depth, name = self.cfg.model.depth, component_name(e["attention"])
         split = {"step_ms": e["step_ms"]["median"]}
         if med(f"attn_fb/{name}") is not None and med(f"attn_f/{name}") is not None:
             split["attention_ms"] = depth * (med(f"attn_fb/{name}") + med(f"attn_f/{name}"))
         if st["mode"] == "dsv":
             q = st["predictor_queries"]
-            if med(f"pred_fb/q{q}") is not None and med(f"pred_f/q{q}") is not None:
+            if not q:  # a step that skips the predictor loss
+                split["predictor_ms"] = 0.0
+            elif med(f"pred_fb/q{q}") is not None and med(f"pred_f/q{q}") is not None:
                 split["predictor_ms"] = depth * (med(f"pred_fb/q{q}") + med(f"pred_f/q{q}"))
             if med(f"sel/{name}") is not None:
                 split["selection_ms"] = depth * 2 * med(f"sel/{name}")
@@ -681,6 +697,15 @@ class Bench:
                                                     "met": r >= GOALS["fused_adaln_16k"]}
                 if not g["met"]:
                     g["bottleneck"] = self.adaln_bottleneck(ok[f"16k/{a}/xla"], ok[f"16k/{a}/pallas"])
+        for length in ("64k", "128k"):  # a run's mean stage-2 step: one predictor step in `every`
+            for s in ("dsv0.9", "dsv0.95"):
+                d, skip, b = (f"{length}/{v}/{self.main}" for v in (s, f"{s}-skip", "full"))
+                if d in ok and skip in ok and b in ok:
+                    every = ok[d]["predictor_every"]
+                    cycle = (ok[d]["step_ms"]["median"] + (every - 1) * ok[skip]["step_ms"]["median"]) / every
+                    out[f"{s}_cycle_vs_full_{length}"] = {
+                        "predictor_every": every, "cycle_step_ms": cycle, "speedup": ok[b]["step_ms"]["median"] / cycle,
+                        "note": f"mean stage-2 step of ({s} + {every - 1} x {s}-skip) / {every} vs full"}
         timed = {k: e["compiles_timed"] for k, e in ok.items()}
         if timed:
             out["no_recompilation"] = {"target": 0, "compiles_during_timed_steps": timed,

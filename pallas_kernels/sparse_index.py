@@ -7,10 +7,14 @@ each block of key rows, the query tiles that use it. `dkdv_worklist` builds it w
      at token level (kv_block < 32) the consecutive entries of a tile that fall into the same row
      block are folded into one pair carrying a bit mask of the selected rows (ids are ascending, so
      these entries are adjacent: running sums and a binary search do it, no scatter, no atomics);
-  2. one stable sort per (batch, head) orders the pairs by row block (tiles stay ascending inside a
-     row block), and a binary search gives each row block's [start, end) range in the sorted list.
+  2. the pairs are ordered by row block (tiles ascending inside a row block) and each row block gets its
+     [start, end) range in that list: where whole blocks are selected and the (row block x tile) table is
+     small (<= COUNTING_LIMIT entries), by counting: the pairs are written into that table, and a running
+     count over it in row-block-major order gives every pair its place (no sort: a few memory-bound passes);
+     otherwise (token level, or very long sequences) by one stable sort per (batch, head) and a binary search.
 
-Memory is O(pairs) = O(S / q_tile * K), the size of kv_index itself (times the rows a block spans).
+Memory: O(pairs) = O(S / q_tile * K), the size of kv_index itself (times the rows a block spans), for the
+sort; the counting table is B x H x (S / rows) x (S / q_tile) int32, at most COUNTING_LIMIT entries.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import jax
 import jax.numpy as jnp
 
 MASK_BITS = 32  # one int32 mask word covers 32 key rows
+# Entries of the counting table above which dkdv_worklist sorts instead (1 GiB of int32): 64k tokens with
+# 64-token tiles and blocks and 16 heads need 2^24, 128k 2^26.
+COUNTING_LIMIT = 1 << 28
 
 
 def result_type(shape, dtype, like):
@@ -69,6 +76,9 @@ def dkdv_worklist(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int)
         pair_block, masks = _fold_rows(kv_index, live, kv_block=kv_block, rows=rows, row_blocks=row_blocks)
         pairs_per_tile = pair_block.shape[-1]
     n = tiles * pairs_per_tile
+    if masks is None and b * h * (row_blocks + 1) * tiles <= COUNTING_LIMIT:
+        order, starts = _order_by_counting(pair_block, row_blocks)
+        return order, starts, masks, pairs_per_tile
     keys = pair_block.reshape(b, h, n)
     numbers = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keys.shape)
     sorted_keys, order = jax.lax.sort((keys, numbers), dimension=-1, num_keys=1, is_stable=True)
@@ -76,6 +86,30 @@ def dkdv_worklist(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int)
     search = jax.vmap(jax.vmap(lambda sk: jnp.searchsorted(sk, bounds, side="left").astype(jnp.int32)))
     starts = search(sorted_keys)
     return order, starts, masks, pairs_per_tile
+
+
+def _order_by_counting(pair_block, row_blocks):
+    """(order, starts) of pairs [B, H, T, P] (row block of each pair, row_blocks = dead) whose live pairs
+    are distinct per tile, without a sort. table[b, h, j, t] holds 1 + the pair number of tile t's pair in
+    row block j (0: none); read in row-block-major order its nonzero entries are the work list, and a
+    running count of them gives each one its position. order's tail past the last live pair is 0 (never
+    read: starts end there)."""
+    b, h, tiles, per_tile = pair_block.shape
+    n = tiles * per_tile
+    numbers = jnp.arange(n, dtype=jnp.int32).reshape(tiles, per_tile)
+    bi = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
+    hi = jnp.arange(h, dtype=jnp.int32)[None, :, None, None]
+    ti = jnp.arange(tiles, dtype=jnp.int32)[:, None]
+    table = jnp.zeros((b, h, row_blocks + 1, tiles), jnp.int32)  # the last row collects dead pairs
+    table = table.at[bi, hi, pair_block, ti].set(numbers + 1)[:, :, :row_blocks].reshape(b, h, row_blocks * tiles)
+    present = table > 0
+    place = jnp.cumsum(present, axis=-1, dtype=jnp.int32) - 1
+    place = jnp.where(present, place, n)  # out of range: dropped
+    order = jnp.zeros((b, h, n), jnp.int32).at[bi[..., 0], hi[..., 0], place].set(table - 1, mode="drop",
+                                                                                    unique_indices=True)
+    counts = jnp.sum(present.reshape(b, h, row_blocks, tiles), axis=-1, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((b, h, 1), jnp.int32), jnp.cumsum(counts, axis=-1, dtype=jnp.int32)], -1)
+    return order, starts
 
 
 def _fold_rows(kv_index, live, *, kv_block, rows, row_blocks):

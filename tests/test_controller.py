@@ -39,7 +39,13 @@ def test_controller_switches_on_the_loss_and_decides_per_block():
     assert {p.max_queries for p in plans} == {64} and {p.max_queries for p in ctl.plans(shape, profile=True)} == {256}
     assert plans[0].keep == 0.1  # max head keep 0.07 -> rung 0.1
     np.testing.assert_allclose(ctl.inputs(shape)["keep"], 1 - np.asarray(sp), atol=1e-6)
-    assert ctl.inputs(shape)["predictor_lr"] == pytest.approx(1e-5)  # stage 2: predictor_lr * 0.1
+    # stage 2 trains the predictor on every 4th step (and on profile steps) at 4x the per-step rate
+    assert ctl.inputs(shape)["predictor_lr"] == pytest.approx(4e-5)  # predictor_lr * 0.1 * 4
+    assert [all(p.predictor for p in ctl.plans(shape, step=s)) for s in (300, 301, 302, 303, 304)] == [
+        True, False, False, False, True]
+    assert not any(p.predictor for p in ctl.plans(shape, step=301))  # one flag for every block
+    assert all(p.predictor for p in ctl.plans(shape, step=301, profile=True))
+    assert ctl.plans(shape, step=301)[0].sparse  # the selection still runs (the predictor's forward)
     # hysteresis: block 0 at mean 0.78 stays sparse (needs < 0.75 to turn dense); its rung rises with need
     observe(ctl, 150, shape, 0.0, [[0.61, 0.61], [0.85, 0.7], [0.5, 0.6]])  # EMA 0.78
     assert ctl.plans(shape)[0].sparse and ctl.plans(shape)[0].keep == 0.5
@@ -50,6 +56,16 @@ def test_controller_switches_on_the_loss_and_decides_per_block():
     clone.load_state_dict(json.loads(json.dumps(ctl.state_dict())))
     assert clone.plans(shape) == ctl.plans(shape) and clone.stage == 2
     np.testing.assert_array_equal(clone.inputs(shape)["keep"], ctl.inputs(shape)["keep"])
+
+
+def test_stage2_predictor_every_one_trains_every_step():
+    ctl = controller("dsv.stage1_steps=1", "dsv.stage2_predictor_every=1")
+    assert all(p.predictor for p in ctl.plans((4, 16, 16), step=7))  # stage 1: always
+    ctl.before_step(1)
+    assert ctl.stage == 2 and all(p.predictor for s in range(4) for p in ctl.plans((4, 16, 16), step=s))
+    assert ctl.inputs((4, 16, 16))["predictor_lr"] == pytest.approx(1e-5)
+    with pytest.raises(Exception, match="stage2_predictor_every"):
+        controller("dsv.stage2_predictor_every=0")
 
 
 def test_controller_switches_after_the_configured_steps():

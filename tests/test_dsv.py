@@ -33,6 +33,11 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     assert all(x["dsv/sparse_blocks"] == 2 for x in steps[3:])  # every block sparse in stage 2
     assert "dsv/predictor_loss/block1" in steps[0] and "dsv/sparsity/block0/head1" in steps[0]
     assert 0 < steps[4]["dsv/recall"] <= 1 and "dsv/recall/block1" in steps[4]
+    # stage 2 trains the predictor on every 4th step (dsv.stage2_predictor_every) and on profile steps
+    profiled = ["dsv/recall" in x for x in steps]
+    assert [("dsv/predictor_loss" in x) for x in steps[3:]] == [p or (x["step"] - 1) % 4 == 0
+                                                                for p, x in zip(profiled[3:], steps[3:])]
+    assert not all("dsv/predictor_loss" in x for x in steps[3:])
     assert any("stage 2" in x.get("dsv/event", "") for x in recs) and any("eval_loss" in x for x in recs)
     # an export carries the stage-2 decisions: the loaded model runs the trained sparse plans
     from dsv_jax.export import export, load_model
@@ -54,7 +59,7 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     keys = ("loss", "grad_norm", "dsv/predictor_loss", "dsv/sparse_blocks", "dsv/stage")
     resumed = [x for x in read_metrics(str(tmp_path / "split")) if "loss" in x]
     assert [x["step"] for x in resumed] == list(range(1, 8))
-    np.testing.assert_allclose([[x[k] for k in keys] for x in resumed], [[x[k] for k in keys] for x in steps],
-                               rtol=1e-5)
+    np.testing.assert_allclose([[x.get(k, np.nan) for k in keys] for x in resumed],
+                               [[x.get(k, np.nan) for k in keys] for x in steps], rtol=1e-5)
     assert resumed[4]["dsv/recall"] == pytest.approx(steps[4]["dsv/recall"], rel=1e-5)
 

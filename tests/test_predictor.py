@@ -98,3 +98,36 @@ def test_predictor_learns_and_is_isolated_from_the_model():
     first, last = np.mean(curve[:5]), np.mean(curve[-5:])
     assert last < 0.7 * first, (first, last)
 
+
+
+def test_a_step_without_the_predictor_loss_leaves_the_predictor_untouched():
+    """Stage 2 between predictor steps (dsv.stage2_predictor_every): the plans skip the predictor loss, the
+    model trains, and the predictor's weights and AdamW moments stay exactly as they were (a zero-gradient
+    AdamW step would move them by momentum); the next predictor step then moves them again."""
+    cfg = small_config("attention=dsv", "dsv.rank=4", "model.patch=[1,2,2]", "data.buckets=[[4,16,16]]",
+                       "data.bucket_weights=[1]")
+    graphdef, _ = abstract_model(cfg)
+    from dsv_jax.data.feed import make_feed
+
+    batch = {k: jnp.asarray(v) for k, v in
+             make_feed(cfg, batch_multiple=1, process_index=0, process_count=1).batch_at(0).items()}
+    train = AttentionPlan(mode="dsv", predictor=True, sparse=True, keep=0.5)
+    skip = AttentionPlan(mode="dsv", predictor=False, sparse=True, keep=0.5)
+    inputs = {"keep": jnp.full((2, 2), 0.3), "predictor_lr": np.float32(1e-2)}
+    lr = np.float32(1e-2)
+    state, _ = jax.jit(make_train_step(cfg, graphdef, train))(init_state(cfg), batch, lr, inputs)  # moments != 0
+    labels = jax.tree.leaves(param_labels(state.params))
+    after, m = jax.jit(make_train_step(cfg, graphdef, skip))(state, batch, lr, inputs)
+    assert bool(m["finite"]) and "dsv/predictor_loss" not in m
+    for lab, x, y in zip(labels, jax.tree.leaves(state.params), jax.tree.leaves(after.params)):
+        if lab == "predictor":
+            np.testing.assert_array_equal(x, y)
+    moved = [not np.array_equal(x, y) for lab, x, y in
+             zip(labels, jax.tree.leaves(state.params), jax.tree.leaves(after.params)) if lab == "main"]
+    assert np.mean(moved) > 0.5  # the model trains
+    old, new = state.opt_state.inner_states["predictor"], after.opt_state.inner_states["predictor"]
+    for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+        np.testing.assert_array_equal(x, y)
+    again, _ = jax.jit(make_train_step(cfg, graphdef, train))(after, batch, lr, inputs)
+    assert any(not np.array_equal(x, y) for lab, x, y in
+               zip(labels, jax.tree.leaves(after.params), jax.tree.leaves(again.params)) if lab == "predictor")

@@ -148,8 +148,14 @@ def test_auto_is_the_reference_on_cpu():
     np.testing.assert_array_equal(auto, sparse_attention_reference(q, k, v, index, count, q_tile=32, kv_block=64))
 
 
-@pytest.mark.parametrize("kv_block,rows", [(1, 64), (4, 32), (64, 64), (128, 64)])
-def test_dkdv_worklist_is_the_transposed_index(kv_block, rows):
+@pytest.mark.parametrize("kv_block,rows,counting", [(1, 64, False), (4, 32, False), (64, 64, True), (128, 64, True),
+                                                    (64, 64, False), (128, 64, False)])
+def test_dkdv_worklist_is_the_transposed_index(kv_block, rows, counting, monkeypatch):
+    """Both ways of ordering the pairs: by counting (whole blocks, small table) and by a sort."""
+    import pallas_kernels.sparse_index as sparse_index
+
+    if not counting:
+        monkeypatch.setattr(sparse_index, "COUNTING_LIMIT", 0)
     b, h, s, q_tile = 2, 2, 512, 32
     n_sel = min(5, s // kv_block)
     index, count = random_selection(jax.random.key(kv_block), b, h, s // q_tile, s // kv_block, n_sel)

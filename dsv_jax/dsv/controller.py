@@ -6,7 +6,8 @@
              where 1 - the mean of its heads' keep ratios (below) is at least dsv.threshold (the
              cost-benefit switch); the predictor keeps training at a lower rate: lr
              dsv.predictor_lr * dsv.stage2_lr_scale, its loss on at most dsv.stage2_max_queries
-             sampled queries on the steps that do not profile
+             sampled queries on the steps that do not profile, and only on every
+             dsv.stage2_predictor_every-th step (and every profile step) at that many times the rate
 
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
 profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
@@ -66,11 +67,19 @@ class DSVController:
     def profile_due(self, step: int, shape) -> bool:
         return step % self.dsv.profile_every == 0 or shape_key(shape) not in self.shapes
 
-    def plans(self, shape, *, train: bool = True, profile: bool = False) -> tuple[AttentionPlan, ...]:
-        """Static per-block plans of a step on `shape`: train adds the predictor loss, profile the
-        sparsity statistics (see `profile_due`); neither for evaluation and sampling."""
+    def trains_predictor(self, step: int | None, profile: bool = False) -> bool:
+        """Whether training step `step` (None: any) computes the predictor loss and updates the predictor."""
+        every = self.dsv.stage2_predictor_every
+        return self.stage == 1 or profile or step is None or every == 1 or step % every == 0
+
+    def plans(self, shape, *, train: bool = True, profile: bool = False,
+              step: int | None = None) -> tuple[AttentionPlan, ...]:
+        """Static per-block plans of a step on `shape`: train adds the predictor loss (on the steps that
+        train it, see `trains_predictor`), profile the sparsity statistics (see `profile_due`); neither for
+        evaluation and sampling."""
         d = self.dsv
         profile = train and profile
+        predictor = train and self.trains_predictor(step, profile)
         lower_rate = self.stage == 2 and train and not profile and d.stage2_max_queries
         queries = min(d.stage2_max_queries, d.max_queries) if lower_rate else d.max_queries
         out = []
@@ -78,18 +87,21 @@ class DSVController:
             sparse = self.stage == 2 and rung > 0
             keep = rung if sparse else (self.prospective if profile else 0.0)
             out.append(AttentionPlan(mode="dsv", backend=d.dense_backend, sparse=sparse, keep=keep, kv_block=d.kv_block,
-                                     predictor=train, profile=profile, block_reduce=d.block_reduce,
+                                     predictor=predictor, profile=profile, block_reduce=d.block_reduce,
                                      center_logits=d.center_logits,
                                      query_stride=d.query_stride, max_queries=queries, theta=d.theta,
                                      percentile=d.percentile))
         return tuple(out)
 
-    def inputs(self, shape, *, train: bool = True) -> dict[str, np.ndarray]:
-        """Runtime inputs: per-head keep ratios [depth, H] and, in training, the predictor's learning rate."""
+    def inputs(self, shape, *, train: bool = True, step: int | None = None) -> dict[str, np.ndarray]:
+        """Runtime inputs: per-head keep ratios [depth, H] and, in training, the predictor's learning rate
+        (in stage 2 times dsv.stage2_predictor_every: it trains on that share of the steps; a step that
+        does not train it ignores the rate)."""
         keep = {"keep": self.keep(shape).astype(np.float32)}
         if not train:
             return keep
-        lr = self.dsv.predictor_lr * (self.dsv.stage2_lr_scale if self.stage == 2 else 1.0)
+        d = self.dsv
+        lr = d.predictor_lr * (d.stage2_lr_scale * d.stage2_predictor_every if self.stage == 2 else 1.0)
         return {**keep, "predictor_lr": np.float32(lr)}
 
     def keep(self, shape) -> np.ndarray:

@@ -6,8 +6,8 @@ their runtime inputs, and feed it what a profiled step measured; they never ask 
     policy = make_policy(cfg)                    # StaticPolicy, or the DSV controller for attention=dsv
     events = policy.before_step(step)            # log lines (e.g. "DSV stage 2 from step ...")
     profile = policy.profile_due(step, shape)
-    plans = policy.plans(shape, train=True, profile=profile)   # hashable: part of the compile key
-    inputs = policy.inputs(shape, train=True)    # runtime arrays of the plans, or None
+    plans = policy.plans(shape, train=True, profile=profile, step=step)  # hashable: part of the compile key
+    inputs = policy.inputs(shape, train=True, step=step)  # runtime arrays of the plans, or None
     ... run the step ...
     events = policy.observe(step, shape, host_metrics)         # only after a profiled step
     policy.record(shape), policy.state_dict()    # metrics of the step; JSON state for checkpoints
@@ -26,8 +26,9 @@ from dsv_jax.dsv.plan import static_plans
 
 
 class AttentionPolicy(Protocol):
-    def plans(self, shape, *, train: bool = True, profile: bool = False) -> Any: ...
-    def inputs(self, shape, *, train: bool = True) -> dict | None: ...
+    # step: the training step the plans are for (None: any step; plans may differ between steps)
+    def plans(self, shape, *, train: bool = True, profile: bool = False, step: int | None = None) -> Any: ...
+    def inputs(self, shape, *, train: bool = True, step: int | None = None) -> dict | None: ...
     def profile_due(self, step: int, shape) -> bool: ...
     def before_step(self, step: int) -> list[str]: ...
     def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]: ...
@@ -44,10 +45,10 @@ class StaticPolicy:
     def __init__(self, attention: Any):
         self.attention = attention
 
-    def plans(self, shape, *, train: bool = True, profile: bool = False) -> Any:
+    def plans(self, shape, *, train: bool = True, profile: bool = False, step: int | None = None) -> Any:
         return self.attention
 
-    def inputs(self, shape, *, train: bool = True) -> None:
+    def inputs(self, shape, *, train: bool = True, step: int | None = None) -> None:
         return None
 
     def profile_due(self, step: int, shape) -> bool:

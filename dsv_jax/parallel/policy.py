@@ -69,16 +69,16 @@ class ContextPolicy:
         self.dense_strategy, self.dense_options = strategy, options
 
     # -- the policy interface ------------------------------------------------------------------------
-    def plans(self, shape, *, train: bool = True, profile: bool = False):
-        plans = self.inner.plans(shape, train=train, profile=profile)
+    def plans(self, shape, *, train: bool = True, profile: bool = False, step: int | None = None):
+        plans = self.inner.plans(shape, train=train, profile=profile, step=step)
         inputs = self.inner.inputs(shape, train=False)
         keep = None if inputs is None else np.asarray(inputs.get("keep"), np.float64)
         if isinstance(plans, (list, tuple)):
             return tuple(self._on_context(shape, i, p, None if keep is None else keep[i]) for i, p in enumerate(plans))
         return self._on_context(shape, None, plans, None if keep is None else keep[0])
 
-    def inputs(self, shape, *, train: bool = True):
-        return self.inner.inputs(shape, train=train)
+    def inputs(self, shape, *, train: bool = True, step: int | None = None):
+        return self.inner.inputs(shape, train=train, step=step)
 
     def profile_due(self, step: int, shape) -> bool:
         return self.inner.profile_due(step, shape)

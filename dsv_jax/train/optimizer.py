@@ -78,3 +78,13 @@ def scale_updates(updates, lr, predictor_lr=None):
         return jax.tree.map(lambda u: -lr * u, updates)
     return jax.tree.map(lambda u, lab: -(predictor_lr if lab == "predictor" else lr) * u, updates,
                         param_labels(updates))
+
+
+def keep_predictor(params, opt_state, old_params, old_opt_state):
+    """(params, opt_state) with the DSV predictor's parameters and AdamW state taken from the old ones: a step
+    without the predictor loss leaves the predictor untouched (a zero-gradient AdamW step would still
+    move it by its momentum and decay its moments). The state is `make_train_optimizer`'s multi_transform."""
+    params = jax.tree.map(lambda new, old, lab: old if lab == "predictor" else new, params, old_params,
+                          param_labels(params))
+    inner = dict(opt_state.inner_states, predictor=old_opt_state.inner_states["predictor"])
+    return params, opt_state._replace(inner_states=inner)

@@ -14,7 +14,7 @@ from dsv_jax.config import Config
 from dsv_jax.model.t2v import TextToVideo
 from dsv_jax.parallel.mesh import state_shardings
 from dsv_jax.train.loss import fixed_t_loss, flow_matching_loss
-from dsv_jax.train.optimizer import make_train_optimizer, param_labels, scale_updates
+from dsv_jax.train.optimizer import keep_predictor, make_train_optimizer, param_labels, scale_updates
 
 
 @flax.struct.dataclass
@@ -70,6 +70,10 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
     block is added to the objective; its gradient reaches only the predictors (stop-gradient inputs),
     which `make_train_optimizer` updates with their own AdamW at `predictor_lr`."""
     tx = make_train_optimizer(cfg)
+    plans = attention if isinstance(attention, (list, tuple)) else (attention,)
+    # a step whose plans all skip the predictor loss (stage 2 between predictor steps, or a non-DSV
+    # attention on a model with predictors) leaves the predictor and its optimizer state as they are
+    freeze_predictor = bool(cfg.predictor_rank) and not any(getattr(p, "predictor", False) for p in plans)
 
     def train_step(state: TrainState, batch, lr, attention_inputs=None):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -88,6 +92,8 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         predictor_lr = inputs.get("predictor_lr", cfg.dsv.predictor_lr) if cfg.predictor_rank else None
         params = optax.apply_updates(state.params, scale_updates(updates, lr, predictor_lr))
+        if freeze_predictor:
+            params, opt_state = keep_predictor(params, opt_state, state.params, state.opt_state)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if "predictor_loss" in aux:
             finite &= jnp.all(jnp.isfinite(aux["predictor_loss"])) & jnp.isfinite(_norm(grads, labels, "predictor"))

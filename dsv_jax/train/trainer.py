@@ -214,9 +214,10 @@ class Trainer:
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
         return batch_spec(self.cfg, self.mesh, self.feed.batch_size(shape), shape)
 
-    def attention_for(self, shape, *, train: bool = True, profile: bool = False):
-        """(plans, runtime inputs or None) of a step on `shape`, from the attention policy."""
-        return self.policy.plans(shape, train=train, profile=profile), self.policy.inputs(shape, train=train)
+    def attention_for(self, shape, *, train: bool = True, profile: bool = False, step: int | None = None):
+        """(plans, runtime inputs or None) of a step on `shape` (training step `step`), from the attention policy."""
+        return (self.policy.plans(shape, train=train, profile=profile, step=step),
+                self.policy.inputs(shape, train=train, step=step))
 
     def compiled_step(self, shape, plans=None):
         """The compiled train step of a bucket shape and attention plan (cached by (shape, plans))."""
@@ -241,7 +242,9 @@ class Trainer:
         t0 = time.perf_counter()
         shapes = self.feed.shapes
         for shape in tqdm(shapes, desc="compiling buckets", disable=not (self.progress and self.is_main), leave=False):
-            variants = {self.attention_for(shape)[0], self.attention_for(shape, profile=True)[0]}
+            # steps 0 and 1: with and without the predictor's update, where the policy alternates them
+            variants = {self.attention_for(shape, step=step)[0] for step in (0, 1)}
+            variants.add(self.attention_for(shape, profile=True)[0])
             for plans in variants:  # the profiling variant too, where the policy profiles
                 self.compiled_step(shape, plans)
         self._warm = True
@@ -302,7 +305,7 @@ class Trainer:
                         lr = np.float32(lr_at(cfg.train, step))
                         self._policy_events(writer, step, self.policy.before_step(step))
                         profile = self.policy.profile_due(step, shape)
-                        plans, inputs = self.attention_for(shape, profile=profile)
+                        plans, inputs = self.attention_for(shape, profile=profile, step=step)
                         args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
                         self.state, metrics = timed(self.compiled_step, shape, plans)(*args)
                         extra = self.policy.record(shape)
