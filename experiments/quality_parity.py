@@ -107,7 +107,9 @@ def dsv_summary(cfg, controller: dict, steps: list[dict]) -> dict:
         blocks.append({
             "block": i, "sparse_at_end": sparse, "rung": entry["rungs"][i],
             "head_keep": last.get(f"dsv/head_keep/block{i}"),
-            "predictor_loss": steps[-1].get(f"dsv/predictor_loss/block{i}"),
+            # the last step that trained the predictor (stage 2 skips its loss on most steps)
+            "predictor_loss": next((r[f"dsv/predictor_loss/block{i}"] for r in reversed(steps)
+                                    if f"dsv/predictor_loss/block{i}" in r), None),
             "theta_sparsity_ema": float(np.mean(entry["sparsity"][i])),
             # recall of the selection the block used in stage 2 (sparse blocks), or of the would-be selection
             # at the threshold's rung (dense blocks), at the last profile and averaged over stage 2
