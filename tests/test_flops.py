@@ -145,6 +145,15 @@ def test_kept_fractions_of_window_and_dsv_plans():
     fwd = forward_flops(cfg, shape, 4, kept=kept, predictor=True)
     assert step["work"] == pytest.approx(4 * (fwd["linear"] + fwd["text_attention"]) + 4.5 * fwd["video_attention"]
                                          + 4 * fwd["predictor"] + 2 * fwd["selection"])
+    # the trainer's meter counts the predictor on the stage-2 steps that train it only
+    from dsv_jax.parallel.mesh import make_mesh
+    from dsv_jax.train.mfu import StepFlops
+
+    meter = StepFlops(cfg, make_mesh(cfg.parallel, jax.devices()[:1]))
+    trains, skips = ctl.plans(shape, step=0), ctl.plans(shape, step=1)
+    assert all(p.predictor for p in trains) and not any(p.predictor for p in skips)
+    assert meter(shape, 4, trains, inputs)[1] == pytest.approx(step["work"])
+    assert meter(shape, 4, skips, inputs)[1] == pytest.approx(step["work"] - 4 * fwd["predictor"])
 
 
 def test_device_peaks(monkeypatch):

@@ -90,7 +90,8 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
                   predictor: bool = False) -> dict[str, float]:
     """FLOPs of one forward of TextToVideo on `batch` samples of latent `shape` (T, H, W), by part:
     linear, video_attention (at `kept`, a fraction or one per block), video_attention_dense,
-    text_attention, and with `predictor` (a DSV training step) predictor and selection."""
+    text_attention, selection (a DSV model: its block scores) and, with `predictor` (a step that trains the
+    DSV predictors), predictor."""
     m, b = cfg.model, float(batch)
     layout = layout_of(cfg, shape)
     s, lt, c, depth = float(layout.seq_len), float(cfg.text.max_len), float(m.hidden), m.depth
@@ -118,10 +119,12 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
            "video_attention_dense": depth * video_dense,
            "text_attention": depth * text_attention,
            "predictor": 0.0, "selection": 0.0}
-    if predictor and cfg.predictor_rank:
+    if cfg.predictor_rank:
         r, h, d = float(cfg.predictor_rank), float(m.heads), float(m.head_dim)
-        q = float(len(sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)))
-        out["predictor"] = depth * (2 * b * s * c * 2 * h * r + 2 * b * h * q * s * (d + r))
+        if predictor:
+            q = float(len(sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)))
+            out["predictor"] = depth * (2 * b * s * c * 2 * h * r + 2 * b * h * q * s * (d + r))
+        # the selection's block scores (counted by train_step_flops where a block attends sparsely)
         kv_block = cfg.dsv.kv_block or layout.tile_size
         if not layout.padded and layout.seq_len % kv_block == 0:
             out["selection"] = depth * 2 * b * h * (s // layout.tile_size) * (s // kv_block) * r

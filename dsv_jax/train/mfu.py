@@ -27,7 +27,10 @@ class StepFlops:
         key = (tuple(shape), int(batch), plans, None if keep is None else keep.tobytes())
         if key not in self._cache:
             kept = kept_fractions(self.cfg, shape, plans, inputs)
-            f = train_step_flops(self.cfg, shape, batch, kept=kept)
+            # stage-2 steps between the predictor's (dsv.stage2_predictor_every) skip its loss
+            blocks = plans if isinstance(plans, (list, tuple)) else (plans,)
+            trains = bool(self.cfg.predictor_rank) and any(getattr(p, "predictor", False) for p in blocks)
+            f = train_step_flops(self.cfg, shape, batch, kept=kept, predictor=trains)
             self._cache[key] = np.array([f["dense_equiv"], f["work"]])
         return self._cache[key]
 
