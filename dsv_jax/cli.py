@@ -4,10 +4,10 @@
         [key=value ...] [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM /
         OpenMPI: detected)
     dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--checkpoint STEP]
-        [--text-encoder pkg.module:fn]
-    dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP]
+        [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
+    dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
     dsv-jax presets [--show NAME]
-    dsv-jax eval --workdir DIR [--clips N] [--steps N] [--json FILE] [--gif FILE]
+    dsv-jax eval --workdir DIR [--clips N] [--steps N] [--json FILE] [--gif FILE] [--weights auto|ema|raw]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 
@@ -63,7 +63,7 @@ def _sample(args) -> int:
         args.log_dir = args.model
     paths = sample_from_workdir(args.model, args.out, prompts=args.prompt or None, steps=args.steps,
                                 guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint,
-                                text_encoder=args.text_encoder)
+                                text_encoder=args.text_encoder, weights=args.weights)
     print("wrote " + ", ".join(paths))
     return 0
 
@@ -71,7 +71,8 @@ def _sample(args) -> int:
 def _export(args) -> int:
     from dsv_jax.export import export
 
-    out = export(args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite)
+    out = export(args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite,
+                 weights=args.weights)
     print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
     return 0
 
@@ -85,8 +86,9 @@ def _eval(args) -> int:
         raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
     if args.clips < 0:
         raise ConfigError(f"--clips {args.clips} must be >= 0")
-    cfg, step, results = evaluate_workdir(args.workdir, step=args.checkpoint, batches=args.batches, clips=args.clips,
-                                          steps=args.steps, guidance=args.guidance, seed=args.seed)
+    cfg, step, results = evaluate_workdir(args.workdir, step=args.checkpoint, weights=args.weights,
+                                          batches=args.batches, clips=args.clips, steps=args.steps,
+                                          guidance=args.guidance, seed=args.seed)
     print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
     print("\n".join(report(results)))
     if args.json:
@@ -184,6 +186,10 @@ CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config
                "it extends (a run's config.json re-runs it)")
 
 
+WEIGHTS_HELP = ("which weights of a training workdir's checkpoint: auto (default) the EMA of the weights where the "
+                "run kept one (train.ema_decay > 0), else the trained weights; ema; raw (the trained weights)")
+
+
 class Parser(argparse.ArgumentParser):
     """Usage errors in one line (argparse prints the whole usage block first)."""
 
@@ -232,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint step of a training workdir (default: the newest readable one)")
     p.add_argument("--text-encoder", help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained "
                                           "on precomputed text embeddings")
+    p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_sample)
 
     p = sub.add_parser("eval", help="held-out loss and semantic score of a trained workdir", parents=[common])
@@ -245,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--gif", help="also write the generated videos side by side to this .gif or .mp4")
+    p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_eval)
 
 
@@ -255,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
     p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("presets", help="list the config presets with their parameter counts", parents=[common])

@@ -183,6 +183,13 @@ class TrainConfig:
     # dsv_jax/train/loss.py: shift_timesteps. 1: a uniform grid. The same shift of the training t is
     # t_logit_mean += log(s). Every sampler (end-of-run GIF, `sample`, `eval`) reads it from the run's config.
     sample_shift: float = 1.0
+    # An exponential moving average (EMA) of the weights, kept in the train state beside them and updated
+    # after every applied step: ema <- d ema + (1 - d) params. When it is on, everything that samples or
+    # evaluates a trained run (end-of-run GIF, `sample`, `eval`, `export`, dsv_jax.load_model) uses it.
+    # 0: off, and no copy of the weights is kept. ema_warmup: d at update n is min(ema_decay,
+    # (1 + n) / (10 + n)), so that the random init's share fades within a short run's first steps.
+    ema_decay: float = 0.0
+    ema_warmup: bool = True
     # Divergence guard (dsv_jax/train/guard.py). A step is bad when its loss or gradient is not finite
     # (its update is skipped) or its loss is above divergence_factor x the median of the last
     # divergence_window good losses (0: no loss check; our tiny runs stay below 2x). While the latest
@@ -208,6 +215,9 @@ class TrainConfig:
         _positive("train.log_every", self.log_every)
         if not 0 <= self.caption_dropout < 1:
             raise ConfigError(f"train.caption_dropout={self.caption_dropout} must be in [0, 1)")
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA of the weights; "
+                              "e.g. 0.999)")
 
 
 @dataclass(frozen=True)

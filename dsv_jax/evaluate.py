@@ -87,12 +87,16 @@ def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None
     return out
 
 
-def evaluate_workdir(workdir: str, *, step: int | None = None, **kw) -> tuple[Config, int, dict]:
-    """(config, checkpoint step, `evaluate_state` results) of a training workdir's latest (or `step`) checkpoint."""
-    from dsv_jax.train.checkpoint import load_trained
+def evaluate_workdir(workdir: str, *, step: int | None = None, weights: str = "auto",
+                     **kw) -> tuple[Config, int, dict]:
+    """(config, checkpoint step, `evaluate_state` results) of a training workdir's latest (or `step`)
+    checkpoint; `weights` as `load_trained`'s (default: the EMA of the weights where the run kept one).
+    The results name the weights evaluated ("weights": "ema" | "raw")."""
+    from dsv_jax.train.checkpoint import has_ema, load_trained
 
-    cfg, graphdef, params, controller, step = load_trained(workdir, step)
-    return cfg, step, evaluate_state(cfg, graphdef, params, controller, **kw)
+    cfg, graphdef, params, controller, step = load_trained(workdir, step, weights)
+    results = evaluate_state(cfg, graphdef, params, controller, **kw)
+    return cfg, step, {"weights": "ema" if has_ema(cfg) and weights != "raw" else "raw", **results}
 
 
 def report(results: dict) -> list[str]:
@@ -100,6 +104,8 @@ def report(results: dict) -> list[str]:
     from dsv_jax.data.semantic import format_score
 
     lines = []
+    if results.get("weights") == "ema":
+        lines.append("weights: the EMA of the trained weights (--weights raw: the trained weights)")
     for key, label in (("held_out", "held-out loss"), ("real_clips", "real-clip held-out loss (empty caption)")):
         r = results.get(key)
         if r is None:

@@ -11,8 +11,10 @@ An export directory holds
     params/       the model's parameters (orbax, a plain nested dict of arrays; no optimizer state)
     config.json   the run's resolved config (loadable by `--config`, too)
     dsv.json      the DSV controller state (stage, per-shape sparsity and sparse decisions), DSV runs only
-    export.json   format, step, dtype, parameter count, source workdir, the dataset's text encoder hook,
-                  and per bucket the attention each block runs (dense, or sparse with its keep ceiling)
+    export.json   format, step, dtype, parameter count, source workdir, the weights ("ema": the EMA of
+                  the weights, written where the run kept one; "raw": the trained weights), the dataset's
+                  text encoder hook, and per bucket the attention each block runs (dense, or sparse with
+                  its keep ceiling)
 
 It is written into a temporary folder beside --out and renamed when complete.
 """
@@ -71,23 +73,27 @@ def plan_summary(cfg, controller_state: dict | None) -> dict[str, list[str]]:
     return out
 
 
-def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = None, overwrite: bool = False) -> str:
+def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = None, overwrite: bool = False,
+           weights: str = "auto") -> str:
     """Write the parameters (cast to `dtype`), config and DSV state of a training workdir's latest (or
-    `step`) checkpoint to `out`. Returns `out`."""
+    `step`) checkpoint to `out`. Returns `out`. `weights`: see `load_trained` (default: the EMA of the
+    weights where the run kept one); export.json names the weights written."""
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from dsv_jax.model.flops import parameter_count
-    from dsv_jax.train.checkpoint import load_trained
+    from dsv_jax.train.checkpoint import WEIGHTS, has_ema, load_trained
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
     _check_out(out, overwrite)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise FileNotFoundError(f"--workdir {workdir!r} has no checkpoints/ (is it a training workdir?)")
-    cfg, _, params, controller, step = load_trained(workdir, step)
+    cfg, _, params, controller, step = load_trained(workdir, step, weights)
     target = jnp.dtype(DTYPES[dtype])
     pure = jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                         nnx.to_pure_dict(params))
@@ -105,6 +111,7 @@ def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = No
                 json.dump(controller, f)
         meta = {"format": FORMAT, "step": int(step), "dtype": DTYPES[dtype], "parameters": parameter_count(cfg),
                 "source": os.path.abspath(workdir), "text_encoder": text_encoder_hint(cfg),
+                "weights": "ema" if has_ema(cfg) and weights != "raw" else "raw",
                 "attention": plan_summary(cfg, controller)}
         with open(os.path.join(staging, EXPORT_JSON), "w") as f:
             json.dump(meta, f, indent=1)
@@ -202,13 +209,16 @@ def load_model(path: str, dtype: str | None = None) -> LoadedModel:
                        info=info)
 
 
-def load_for_sampling(path: str, step: int | None = None):
+def load_for_sampling(path: str, step: int | None = None, weights: str = "auto"):
     """(config, graphdef, params, DSV controller state, text encoder hint) of an export or a training
-    workdir (its latest or `step` checkpoint): what the sampler needs."""
+    workdir (its latest or `step` checkpoint; `weights` as `load_trained`'s): what the sampler needs."""
     if is_export(path):
         if step is not None:
             raise ValueError(f"--checkpoint {step}: {path!r} is an export (of one step); --checkpoint picks a "
                              "checkpoint of a training workdir")
+        if weights != "auto":
+            raise ValueError(f"--weights {weights}: {path!r} is an export (of one set of weights); --weights "
+                             "picks the weights of a training workdir's checkpoint")
         cfg, graphdef, params, controller, info = load_params(path)
         return cfg, graphdef, params, controller, info.get("text_encoder")
     from dsv_jax.train.checkpoint import load_trained
@@ -216,5 +226,5 @@ def load_for_sampling(path: str, step: int | None = None):
     if not os.path.isdir(os.path.join(path, "checkpoints")):  # checked first: orbax would create the folder
         raise FileNotFoundError(f"{path!r} is neither an exported model (no {EXPORT_JSON}) nor a training workdir "
                                 "(no checkpoints/)")
-    cfg, graphdef, params, controller, _ = load_trained(path, step)
+    cfg, graphdef, params, controller, _ = load_trained(path, step, weights)
     return cfg, graphdef, params, controller, text_encoder_hint(cfg)

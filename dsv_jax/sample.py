@@ -162,14 +162,16 @@ def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], 
 
 def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequence[str] | None = None,
                         steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
-                        step: int | None = None, text_encoder: str | None = None) -> list[str]:
+                        step: int | None = None, text_encoder: str | None = None,
+                        weights: str = "auto") -> list[str]:
     """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
     written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
-    text embeddings."""
+    text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
+    where the run kept one."""
     from dsv_jax.export import load_for_sampling
 
-    cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step)
+    cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step, weights)
     encoder = load_text_encoder(cfg, text_encoder, hint)
     return sample_from_state(cfg, graphdef, params, out, prompts=prompts, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,

@@ -48,6 +48,10 @@ class CheckpointError(RuntimeError):
     """No checkpoint could be read (or the one asked for); the message names the file and the reason."""
 
 
+class NoEMA(ValueError):
+    """The EMA of the weights was asked for where the run kept none."""
+
+
 class KeepLatestAndGood:
     """orbax preservation policy: the newest `n` steps and the newest step marked good."""
 
@@ -232,28 +236,29 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return out["state"], out["data"]
 
-    def restore_params(self, step: int, abstract_params) -> Any:
+    def restore_params(self, step: int, abstract_params, item: str = "params") -> Any:
         """Only the parameters of the train state saved at `step` (no optimizer moments), into
         `abstract_params` (the model's nnx.State of ShapeDtypeStructs, with shardings or without: then
-        on the default device)."""
+        on the default device). item "ema": the EMA of the parameters instead (a run with train.ema_decay > 0)."""
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        item = {"params": abstract_params}
+        tree = {item: abstract_params}
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=getattr(a, "sharding", None) or device),
-                                    item)
+                                    tree)
         with ocp.PyTreeCheckpointer() as reader:  # the state item alone, read partially
             out = reader.restore(os.path.join(self.directory, str(step), "state"),
-                                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                 args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args,
                                                              partial_restore=True))
-        return out["params"]
+        return out[item]
 
     def restore_readable(self, abstract_state, cfg: Config | None = None, *, step: int | None = None,
-                         params_only: bool = False):
+                         params_only: bool = False, item=None):
         """(step, saved config, state, data state) of `step`, or else of the newest readable step that
         is not rejected; (None, None, None, None) when there is no checkpoint. `abstract_state`: the
         ShapeDtypeStructs to restore into, or a function of the saved config giving them. `cfg`: the
         requested config, checked first (IncompatibleCheckpoint is raised, never skipped). params_only:
         `abstract_state` describes the parameters alone, and only they are read (state is the params,
-        data state None): what inference needs, without the optimizer moments."""
+        data state None): what inference needs, without the optimizer moments; `item` (a function of the
+        saved config) then names the state's field to read, "params" (default) or "ema"."""
         steps = self.all_steps()
         if step is not None and step not in steps:
             raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
@@ -278,8 +283,11 @@ class Checkpointer:
                 if cfg is not None:
                     self.check_compatible(s, cfg, saved)
                 abstract = abstract_state(saved) if callable(abstract_state) else abstract_state
-                state, data = (self.restore_params(s, abstract), None) if params_only else self.restore(s, abstract)
-            except IncompatibleCheckpoint:
+                if params_only:
+                    state, data = self.restore_params(s, abstract, item(saved) if item else "params"), None
+                else:
+                    state, data = self.restore(s, abstract)
+            except (IncompatibleCheckpoint, NoEMA):  # the request, not the step, is wrong: no older step helps
                 raise
             except Exception as e:  # orbax / tensorstore raise many types; each becomes one line here
                 reason = describe_failure(self.step_dir(s), e)
@@ -394,24 +402,48 @@ def _leaves_finite(leaves):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def load_trained(workdir: str, step: int | None = None):
+WEIGHTS = ("auto", "ema", "raw")
+
+
+def has_ema(cfg: Config) -> bool:
+    """Whether a run's checkpoints hold an EMA of the weights (saved since train.ema_decay exists; an
+    older checkpoint's config reads ema_decay 0, and it has none)."""
+    return cfg.train.ema_decay > 0
+
+
+def load_trained(workdir: str, step: int | None = None, weights: str = "auto"):
     """(config, graphdef, params, DSV controller state or None, step) of a training workdir's newest
     readable (or `step`) checkpoint, restored on the default device: what sampling and analysis need.
+    `weights`: "auto" the EMA of the weights where the run kept one (train.ema_decay > 0), else the
+    trained parameters; "ema" the EMA (an error where there is none); "raw" the trained parameters.
     Reads only: nothing is created in `workdir`."""
     from dsv_jax.train.step import abstract_model
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
     if not os.path.isdir(workdir):
         raise FileNotFoundError(f"no checkpoint in {workdir}: no such directory")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False, read_only=True)
+
+    def item(saved: Config) -> str:
+        if weights == "ema" and not has_ema(saved):
+            raise NoEMA(f"checkpoint {ckpt.directory} has no EMA of the weights (the run trained with "
+                        "train.ema_decay=0); use the trained weights (--weights raw)")
+        return "ema" if has_ema(saved) and weights != "raw" else "params"
+
     try:
         step, cfg, params, _ = ckpt.restore_readable(lambda saved: abstract_model(saved)[1], step=step,
-                                                     params_only=True)
+                                                     params_only=True, item=item)
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
         controller = ckpt.controller_state(step)
     finally:
         ckpt.manager.close()
+    which = item(cfg)
     if not _all_finite(params):
         raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} holds NaN/Inf parameters")
+    what = f"the EMA of the weights (train.ema_decay={cfg.train.ema_decay:g})" if which == "ema" \
+        else "the trained weights"
+    log.info("using %s of checkpoint step %d", what, step)
     graphdef, _ = abstract_model(cfg)
     return cfg, graphdef, params, controller, step

@@ -24,6 +24,9 @@ class TrainState:
     opt_state: Any
     rng: jax.Array  # uint32 key data; step keys are fold_in(rng, step), so resuming replays them
     skipped: jax.Array  # int32 []: updates skipped for a non-finite loss or gradient
+    # The EMA of `params` (train.ema_decay > 0; the weights sampling and evaluation use), or None: without
+    # an EMA the state holds no second copy of the weights.
+    ema: Any = None
 
 
 def abstract_model(cfg: Config):
@@ -38,7 +41,33 @@ def init_state(cfg: Config) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=make_train_optimizer(cfg).init(params),
                       rng=jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
-                      skipped=jnp.zeros((), jnp.int32))
+                      skipped=jnp.zeros((), jnp.int32), ema=init_ema(cfg, params))
+
+
+def init_ema(cfg: Config, params):
+    """The EMA a run starts with (a copy of `params`), or None when train.ema_decay is 0."""
+    return jax.tree.map(jnp.copy, params) if cfg.train.ema_decay > 0 else None
+
+
+def ema_decay_at(train_cfg, step) -> jax.Array:
+    """The EMA's decay at the update made by step `step` (0-based): train.ema_decay, or with ema_warmup
+    min(ema_decay, (1 + step) / (10 + step)): 0.1 at the first update, 0.9 at step 80, 0.99 at step 890,
+    so a run shorter than the decay's horizon 1 / (1 - ema_decay) still forgets its random init."""
+    decay = jnp.float32(train_cfg.ema_decay)
+    if train_cfg.ema_warmup:
+        n = jnp.asarray(step, jnp.float32)
+        decay = jnp.minimum(decay, (1 + n) / (10 + n))
+    return decay
+
+
+def update_ema(ema, params, decay):
+    return jax.tree.map(lambda e, p: (decay * e + (1 - decay) * p).astype(e.dtype), ema, params)
+
+
+def ema_layout(abstract_state: TrainState, has_ema: bool) -> TrainState:
+    """`abstract_state` with an EMA shaped and sharded like its params, or without one: the layout of a
+    checkpoint saved with or without an EMA, whatever the resuming config asks."""
+    return abstract_state.replace(ema=abstract_state.params if has_ema else None)
 
 
 def state_layout(cfg: Config, mesh) -> tuple[Any, Any]:
@@ -98,10 +127,16 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
         if "predictor_loss" in aux:
             finite &= jnp.all(jnp.isfinite(aux["predictor_loss"])) & jnp.isfinite(_norm(grads, labels, "predictor"))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                                  opt_state=keep(opt_state, state.opt_state),
-                                  skipped=state.skipped + (~finite).astype(jnp.int32))
+        new_params = keep(params, state.params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "finite": finite}
+        ema = state.ema
+        if ema is not None:  # a skipped step leaves the EMA as it was, too
+            decay = ema_decay_at(cfg.train, state.step)
+            ema = keep(update_ema(ema, new_params, decay), ema)
+            metrics["ema_decay"] = decay
+        new_state = state.replace(step=state.step + 1, params=new_params,
+                                  opt_state=keep(opt_state, state.opt_state),
+                                  skipped=state.skipped + (~finite).astype(jnp.int32), ema=ema)
         # per block: [depth] or [depth, H]; DSV's outputs under dsv/, context-parallel exchange stats under cp/
         metrics.update({(k if k.startswith("cp/") else f"dsv/{k}"): v for k, v in aux.items()})
         return new_state, metrics

@@ -37,7 +37,7 @@ from dsv_jax.train.guard import DivergenceGuard, Verdict
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
-from dsv_jax.train.step import abstract_model, create_state, make_train_step, state_layout
+from dsv_jax.train.step import abstract_model, create_state, ema_layout, make_train_step, state_layout
 
 log = logging.getLogger("dsv_jax")
 
@@ -186,14 +186,16 @@ class Trainer:
 
         latest = None
         if resume:  # the newest readable step (one line per unreadable one), or the one asked for
-            latest, _, state, data_state = self.checkpointer.restore_readable(self.abstract_state, cfg, step=checkpoint)
+            # read as saved (with an EMA of the weights or without), then made to what cfg asks
+            layout = lambda saved: ema_layout(self.abstract_state, saved.train.ema_decay > 0)
+            latest, _, state, data_state = self.checkpointer.restore_readable(layout, cfg, step=checkpoint)
             self.checkpointer.set_aside_after(latest)  # newer steps (unreadable, rejected, or left by --checkpoint)
             self.checkpointer.await_verdict(latest)  # a step saved last (SIGTERM) is judged by our first loss
         self.resumed_step = latest
         self._logged_step = latest  # metrics.jsonl holds the records up to here (a later run() continues)
         self.guard: DivergenceGuard | None = None
         if latest is not None:
-            self.state = state
+            self.state = self._match_ema(state, latest)
             self.feed.set_state(data_state)
             saved = self.checkpointer.controller_state(latest)
             if saved is not None:
@@ -209,6 +211,21 @@ class Trainer:
         self._eval_fns: dict[Any, Any] = {}
         self._warm = False  # set once every bucket of the feed is compiled
         self._data_state = None  # where the last run() stopped reading (its prefetcher ran ahead of it)
+
+    def _match_ema(self, state, step: int):
+        """A restored state with the EMA the config asks for: one that a checkpoint without it (trained with
+        train.ema_decay=0, or older) lacks starts from its parameters; one the config turned off is dropped."""
+        want = self.cfg.train.ema_decay > 0
+        if want and state.ema is None:
+            log.warning("checkpoint step %d has no EMA of the weights (trained with train.ema_decay=0): the "
+                        "EMA starts from its parameters", step)
+            copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.state_sharding.params)
+            return state.replace(ema=copy(state.params))
+        if not want and state.ema is not None:
+            log.warning("checkpoint step %d has an EMA of the weights; train.ema_decay=0 drops it (sampling "
+                        "will use the trained weights)", step)
+            return state.replace(ema=None)
+        return state
 
     # -- compilation ------------------------------------------------------------------------
     def batch_spec(self, shape) -> dict[str, jax.ShapeDtypeStruct]:
@@ -409,13 +426,21 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out loss at fixed timesteps (EVAL_T) with fixed noise, per bucket and overall: `eval_loss`,
         or `train_records_loss` where the data has no held-out split (a prepared dataset without
-        --eval-fraction: the loss is then measured on training records)."""
+        --eval-fraction: the loss is then measured on training records). Both of the trained weights;
+        with an EMA of the weights the same of the EMA too, as `eval_loss_ema` (what `dsv-jax eval` reports)."""
         cfg = self.cfg
         eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
                               process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
         name = "eval_loss" if getattr(eval_feed, "heldout", True) else "train_records_loss"
-        return held_out_loss(cfg, self.graphdef, self.state.params, lambda s: self.attention_for(s, train=False),
-                             eval_feed, cfg.train.eval_batches, put=self.to_global, cache=self._eval_fns, name=name)
+        weights = [(self.state.params, name)]
+        if self.state.ema is not None:
+            weights.append((self.state.ema, f"{name}_ema"))
+        out = {}
+        for params, key in weights:
+            out.update(held_out_loss(cfg, self.graphdef, params, lambda s: self.attention_for(s, train=False),
+                                     eval_feed, cfg.train.eval_batches, put=self.to_global, cache=self._eval_fns,
+                                     name=key))
+        return out
 
     def close(self) -> None:
         if getattr(self, "_writer", None) is not None:  # a run that raised left it open
@@ -477,7 +502,8 @@ def sample_at_end(trainer: Trainer) -> str | None:
         return None
     from dsv_jax.sample import sample_from_state
 
-    params = host_copy(trainer.state.params)  # a collective: every process takes part
+    ema = getattr(trainer.state, "ema", None)  # the weights `dsv-jax sample` would take
+    params = host_copy(trainer.state.params if ema is None else ema)  # a collective: every process takes part
     if not trainer.is_main:
         return None
     path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
@@ -489,5 +515,5 @@ def sample_at_end(trainer: Trainer) -> str | None:
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         log.debug("end-of-run sampling failed", exc_info=True)
         return None
-    log.info("wrote %s", path)
+    log.info("wrote %s (%s)", path, "the trained weights" if ema is None else "the EMA of the weights")
     return path
