@@ -75,6 +75,9 @@ def test_attention_choices_match_the_registered_backends():
     ("model.arch=transformer", "model.arch"),
     ("model.heads=5", "divisible"),
     ("train.caption_dropout=1.5", "caption_dropout"),
+    ("train.ema_decay=1", r"train.ema_decay=1.0 must be in \[0, 1\)"),
+    ("train.ema_decay=-0.1", r"train.ema_decay=-0.1 must be in \[0, 1\)"),
+    ("train.ema_decay=nan", r"train.ema_decay=nan must be in \[0, 1\)"),
     ("model.depth", "key=value"),
 ])
 def test_bad_values_are_clear_errors(override, needle):

@@ -20,16 +20,18 @@ def losses(records):
     return [(r["step"], r["bucket"], r["loss"]) for r in records if "loss" in r]
 
 
-def params_of(workdir, cfg):
+def params_of(workdir, cfg, field="params"):
     trainer = Trainer(cfg, workdir, progress=False)
     try:
-        return jax.device_get(trainer.state.params)
+        return jax.device_get(getattr(trainer.state, field))
     finally:
         trainer.close()
 
 
 def test_resume_gives_the_same_run(tmp_path):
-    cfg = small_config("train.steps=20", "train.ckpt_every=5")
+    # with an EMA of the weights: a resume that did not restore it (e.g. started it from the restored
+    # parameters) would end with another EMA
+    cfg = small_config("train.steps=20", "train.ckpt_every=5", "train.ema_decay=0.9")
     straight = train(cfg, str(tmp_path / "straight"), progress=False)
     first = train(cfg, str(tmp_path / "split"), stop_at=10, progress=False)
     second = train(cfg, str(tmp_path / "split"), progress=False)
@@ -39,9 +41,14 @@ def test_resume_gives_the_same_run(tmp_path):
     assert [x[:2] for x in a] == [x[:2] for x in b]  # same steps, same bucket per step
     assert len({x[1] for x in a}) == 2
     np.testing.assert_allclose([x[2] for x in a], [x[2] for x in b], rtol=1e-5)
-    pa, pb = params_of(str(tmp_path / "straight"), cfg), params_of(str(tmp_path / "split"), cfg)
-    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for field in ("params", "ema"):
+        pa, pb = params_of(str(tmp_path / "straight"), cfg, field), params_of(str(tmp_path / "split"), cfg, field)
+        assert len(jax.tree.leaves(pa)) == len(jax.tree.leaves(pb)) > 10
+        for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # the EMA lags the weights by far more than the tolerance above (it is not a copy of them)
+    ema, params = (jax.tree.leaves(params_of(str(tmp_path / "split"), cfg, f)) for f in ("ema", "params"))
+    assert max(float(np.max(np.abs(e - p))) for e, p in zip(ema, params)) > 1e-4
     # everything a user expects in the workdir
     names = set(os.listdir(tmp_path / "split"))
     assert {"checkpoints", "metrics.jsonl", "tensorboard", "config.json"} <= names
@@ -124,24 +131,28 @@ def test_step_time_leaves_out_evaluation_and_saving(tmp_path, monkeypatch):
 
 
 def test_non_finite_step_is_skipped_and_never_saved(tmp_path):
-    cfg = small_config("train.steps=3")
+    cfg = small_config("train.steps=3", "train.ema_decay=0.5")
     trainer = Trainer(cfg, str(tmp_path), progress=False)
     batch = trainer.feed.batch_at(0, (1, 16, 16))
-    before = jax.device_get(trainer.state.params)
+    # a good step first, so that the EMA and the weights differ
+    trainer.state, metrics = trainer.compiled_step((1, 16, 16))(trainer.state, trainer.to_global(batch),
+                                                                np.float32(1e-3))
+    assert bool(metrics["finite"])
+    before, ema_before = jax.device_get((trainer.state.params, trainer.state.ema))
     bad = dict(batch, latents=np.full_like(batch["latents"], np.nan))
     state, metrics = trainer.compiled_step((1, 16, 16))(trainer.state, trainer.to_global(bad), np.float32(1e-3))
-    assert not bool(metrics["finite"]) and int(state.skipped) == 1 and int(state.step) == 1
-    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.params))):
+    assert not bool(metrics["finite"]) and int(state.skipped) == 1 and int(state.step) == 2
+    for x, y in zip(jax.tree.leaves((before, ema_before)), jax.tree.leaves(jax.device_get((state.params, state.ema)))):
         np.testing.assert_array_equal(x, y)
     trainer.state = state
     trainer.save({"position": 0})
     trainer.checkpointer.wait()
-    assert trainer.checkpointer.latest_step() == 1
+    assert trainer.checkpointer.latest_step() == 2
     # a NaN parameter is refused, and the good checkpoint stays the latest
     poisoned = state.replace(step=state.step + 1, params=jax.tree.map(lambda p: p * jnp.nan, state.params))
-    assert trainer.checkpointer.save(2, poisoned, {"position": 1}, cfg) is False
+    assert trainer.checkpointer.save(3, poisoned, {"position": 1}, cfg) is False
     trainer.checkpointer.wait()
-    assert trainer.checkpointer.latest_step() == 1
+    assert trainer.checkpointer.latest_step() == 2
     trainer.close()
 
 

@@ -212,6 +212,12 @@ class Trainer:
         self._warm = False  # set once every bucket of the feed is compiled
         self._data_state = None  # where the last run() stopped reading (its prefetcher ran ahead of it)
 
+    @property
+    def inference_params(self):
+        """The weights that sampling and evaluation of this run use: the EMA of the weights where the run
+        keeps one (train.ema_decay > 0), else the trained weights."""
+        return self.state.params if self.state.ema is None else self.state.ema
+
     def _match_ema(self, state, step: int):
         """A restored state with the EMA the config asks for: one that a checkpoint without it (trained with
         train.ema_decay=0, or older) lacks starts from its parameters; one the config turned off is dropped."""
