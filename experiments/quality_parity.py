@@ -145,8 +145,9 @@ def run(name: str, args, root: str, out_dir: str) -> dict:
     trainer.run()
     wall = time.perf_counter() - t0
     controller = trainer.policy.state_dict()
-    # the semantic score of clips generated from held-out captions (DSV with its stage-2 plans); they are the GIF
-    semantic = semantic_eval(cfg, trainer.graphdef, trainer.state.params, controller, clips=args.clips,
+    # the semantic score of clips generated from held-out captions (DSV with its stage-2 plans; the EMA of the
+    # weights where the run keeps one, as `dsv-jax eval`); they are the GIF
+    semantic = semantic_eval(cfg, trainer.graphdef, trainer.inference_params, controller, clips=args.clips,
                              steps=args.sample_steps)
     gif = save_video(decode_latents(semantic.pop("frames")), os.path.join(out_dir, f"{args.name}_{name}.gif"))
     trainer.close()
