@@ -7,7 +7,7 @@ dQ: CTA (head, pair of 64-row query tiles, batch) as the forward: two consumers 
   SMEM, the producer streams the selected K and V slices. Per step S = Q K^T and dP = dO V^T (one
   wait), dQ += dS K.
 dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in SMEM) and walks the
-  query tiles that selected them: the transposed index (sparse_index.dkdv_worklist, a sort, no
+  query tiles that selected them: the transposed index (sparse_index.dkdv_worklist, by counting, no
   atomics), one list per consumer for 64-token blocks, one shared list when a block spans both.
   The producer streams Q, lse2 (group a) and dO, delta (group b) of those tiles. Per step
   S^T = K Q^T, P^T, then dV += P^T dO with dP^T = V dO^T (one wait), dK += dS^T Q.

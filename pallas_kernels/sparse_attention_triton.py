@@ -11,7 +11,7 @@ reads past the end; kv_count [B, H, T].
   dQ       grid (T, B, H): the same walk; recomputes p from lse, dq += (p * (do.v - delta)) k, with
            delta = rowsum(o * do) - dlse (a cotangent of the lse output enters here).
   dK/dV    grid (S // rows, B, H): each program owns `rows` key rows and walks the query tiles that
-           selected them (sparse_index.dkdv_worklist: a transposed index built by a sort, no atomics);
+           selected them (sparse_index.dkdv_worklist: a transposed index built by counting or a sort, no atomics);
            at token level a bit mask per pair zeroes the rows the tile did not select.
 
 Padded keys (kv_valid): a per-row flag key_valid [B, S] (row r of block j is valid iff r % kv_block <

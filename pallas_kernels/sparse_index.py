@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 MASK_BITS = 32  # one int32 mask word covers 32 key rows
-# Entries of the counting table above which dkdv_worklist sorts instead (1 GiB of int32): 64k tokens with
-# 64-token tiles and blocks and 16 heads need 2^24, 128k 2^26.
+# Entries of the counting table above which dkdv_worklist sorts instead: the table and its temporaries
+# (flags, running count, scatter) take ~5 x 4 bytes per entry while it is built, 5 GiB at this limit; 64k
+# tokens with 64-token tiles and blocks and 16 heads need 2^24 entries, 128k 2^26 (~1.3 GiB transient).
 COUNTING_LIMIT = 1 << 28
 
 

@@ -171,3 +171,40 @@ def test_sampling_evaluation_and_export_use_the_ema(tmp_path, monkeypatch):
     with open(os.path.join(out, "export.json")) as f:
         assert json.load(f)["weights"] == "raw"
     assert_same(nnx.state(load_model(out).model, nnx.Param), raw)
+
+
+def test_a_checkpoint_saved_before_the_ema_existed_resumes(tmp_path, monkeypatch):
+    """Checkpoints written before TrainState had an `ema` field hold the state dataclass's other five fields.
+    Such a checkpoint (written here through that old dataclass) resumes, with or without an EMA asked for,
+    and continues exactly like a checkpoint of today's layout."""
+    import flax
+
+    import dsv_jax.train.checkpoint as checkpoint
+
+    @flax.struct.dataclass
+    class OldTrainState:  # the train state as saved before train.ema_decay
+        step: jax.Array
+        params: object
+        opt_state: object
+        rng: jax.Array
+        skipped: jax.Array
+
+    cfg = small_config(*ONE_BUCKET, "train.steps=2", "train.ckpt_every=1")
+    train(cfg, str(tmp_path / "new"), progress=False)
+    new_layout = checkpoint._on_disk
+    monkeypatch.setattr(checkpoint, "_on_disk", lambda s: OldTrainState(s.step, s.params, s.opt_state, s.rng,
+                                                                        s.skipped))
+    train(cfg, str(tmp_path / "old"), progress=False)
+    monkeypatch.setattr(checkpoint, "_on_disk", new_layout)
+    meta = open(tmp_path / "old" / "checkpoints" / "2" / "state" / "_METADATA").read()
+    assert "OldTrainState" in meta or "ema" not in meta  # written in the old layout
+    for ema in ("0", "0.9"):
+        longer = small_config(*ONE_BUCKET, "train.steps=3", "train.ckpt_every=1", f"train.ema_decay={ema}")
+        states = []
+        for run in ("old", "new"):
+            trainer = Trainer(longer, str(tmp_path / run), progress=False)
+            assert trainer.resumed_step == 2
+            states.append(trainer.state)
+            trainer.close()
+        assert_same(states[0].params, states[1].params)
+        assert (states[0].ema is None) == (ema == "0")

@@ -19,6 +19,7 @@ continues from an older step moves the newer ones aside (`checkpoints-set-aside/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -46,6 +47,16 @@ class IncompatibleCheckpoint(ValueError):
 
 class CheckpointError(RuntimeError):
     """No checkpoint could be read (or the one asked for); the message names the file and the reason."""
+
+
+def _on_disk(state) -> dict[str, Any]:
+    """The train state as a checkpoint holds it: a dict of its fields, without `ema` where the state keeps
+    none (train.ema_decay = 0). That is the layout checkpoints had before the EMA existed, so they restore
+    unchanged; a state with an EMA adds the key."""
+    tree = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    if tree.get("ema", 0) is None:
+        del tree["ema"]
+    return tree
 
 
 class NoEMA(ValueError):
@@ -117,7 +128,7 @@ class Checkpointer:
         self._state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
         self.wait()  # the previous save is committed and marked before rotation looks for the newest good step
         self._check_space(step)
-        items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        items = dict(state=ocp.args.StandardSave(_on_disk(state)), data=ocp.args.JsonSave(data_state),
                      config=ocp.args.JsonSave(cfg.to_dict()))
         if controller_state is not None:
             items["dsv"] = ocp.args.JsonSave(controller_state)
@@ -233,8 +244,8 @@ class Checkpointer:
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """Restore into `abstract_state` (ShapeDtypeStructs with shardings): any device count works."""
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return out["state"], out["data"]
+            state=ocp.args.StandardRestore(_on_disk(abstract_state)), data=ocp.args.JsonRestore()))
+        return abstract_state.replace(**out["state"]), out["data"]
 
     def restore_params(self, step: int, abstract_params, item: str = "params") -> Any:
         """Only the parameters of the train state saved at `step` (no optimizer moments), into
