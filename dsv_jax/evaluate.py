@@ -92,11 +92,11 @@ def evaluate_workdir(workdir: str, *, step: int | None = None, weights: str = "a
     """(config, checkpoint step, `evaluate_state` results) of a training workdir's latest (or `step`)
     checkpoint; `weights` as `load_trained`'s (default: the EMA of the weights where the run kept one).
     The results name the weights evaluated ("weights": "ema" | "raw")."""
-    from dsv_jax.train.checkpoint import has_ema, load_trained
+    from dsv_jax.train.checkpoint import load_trained, weights_used
 
     cfg, graphdef, params, controller, step = load_trained(workdir, step, weights)
     results = evaluate_state(cfg, graphdef, params, controller, **kw)
-    return cfg, step, {"weights": "ema" if has_ema(cfg) and weights != "raw" else "raw", **results}
+    return cfg, step, {"weights": weights_used(cfg, weights), **results}
 
 
 def report(results: dict) -> list[str]:

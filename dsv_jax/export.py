@@ -84,7 +84,7 @@ def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = No
     from flax import nnx
 
     from dsv_jax.model.flops import parameter_count
-    from dsv_jax.train.checkpoint import WEIGHTS, has_ema, load_trained
+    from dsv_jax.train.checkpoint import WEIGHTS, load_trained, weights_used
 
     if weights not in WEIGHTS:
         raise ValueError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
@@ -111,7 +111,7 @@ def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = No
                 json.dump(controller, f)
         meta = {"format": FORMAT, "step": int(step), "dtype": DTYPES[dtype], "parameters": parameter_count(cfg),
                 "source": os.path.abspath(workdir), "text_encoder": text_encoder_hint(cfg),
-                "weights": "ema" if has_ema(cfg) and weights != "raw" else "raw",
+                "weights": weights_used(cfg, weights),
                 "attention": plan_summary(cfg, controller)}
         with open(os.path.join(staging, EXPORT_JSON), "w") as f:
             json.dump(meta, f, indent=1)

@@ -130,7 +130,7 @@ def test_a_failing_end_of_run_sample_is_one_warning(tmp_path, monkeypatch, caplo
 
     monkeypatch.setattr(dsv_jax.sample, "sample_from_state", broken)
     trainer = types.SimpleNamespace(cfg=small_config(), workdir=str(tmp_path), is_main=True, graphdef=None,
-                                    state=types.SimpleNamespace(step=3, params=None),
+                                    state=types.SimpleNamespace(step=3, params=None, ema=None), inference_params=None,
                                     policy=types.SimpleNamespace(state_dict=lambda: None))
     with caplog.at_level("WARNING"):
         assert sample_at_end(trainer) is None

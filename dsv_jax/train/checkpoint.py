@@ -422,6 +422,15 @@ def has_ema(cfg: Config) -> bool:
     return cfg.train.ema_decay > 0
 
 
+def weights_used(cfg: Config, weights: str) -> str:
+    """"ema" or "raw": the weights that a request `weights` (auto | ema | raw) reads from the checkpoints of a
+    run with config `cfg`. "ema" where the run kept none is an error (NoEMA)."""
+    if weights == "ema" and not has_ema(cfg):
+        raise NoEMA("has no EMA of the weights (the run trained with train.ema_decay=0); use the trained weights "
+                    "(--weights raw)")
+    return "ema" if has_ema(cfg) and weights != "raw" else "raw"
+
+
 def load_trained(workdir: str, step: int | None = None, weights: str = "auto"):
     """(config, graphdef, params, DSV controller state or None, step) of a training workdir's newest
     readable (or `step`) checkpoint, restored on the default device: what sampling and analysis need.
@@ -436,11 +445,11 @@ def load_trained(workdir: str, step: int | None = None, weights: str = "auto"):
         raise FileNotFoundError(f"no checkpoint in {workdir}: no such directory")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False, read_only=True)
 
-    def item(saved: Config) -> str:
-        if weights == "ema" and not has_ema(saved):
-            raise NoEMA(f"checkpoint {ckpt.directory} has no EMA of the weights (the run trained with "
-                        "train.ema_decay=0); use the trained weights (--weights raw)")
-        return "ema" if has_ema(saved) and weights != "raw" else "params"
+    def item(saved: Config) -> str:  # the state's field to read
+        try:
+            return "ema" if weights_used(saved, weights) == "ema" else "params"
+        except NoEMA as e:
+            raise NoEMA(f"checkpoint {ckpt.directory} {e}") from None
 
     try:
         step, cfg, params, _ = ckpt.restore_readable(lambda saved: abstract_model(saved)[1], step=step,
@@ -450,7 +459,7 @@ def load_trained(workdir: str, step: int | None = None, weights: str = "auto"):
         controller = ckpt.controller_state(step)
     finally:
         ckpt.manager.close()
-    which = item(cfg)
+    which = weights_used(cfg, weights)
     if not _all_finite(params):
         raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} holds NaN/Inf parameters")
     what = f"the EMA of the weights (train.ema_decay={cfg.train.ema_decay:g})" if which == "ema" \

@@ -30,7 +30,7 @@ from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh
 from dsv_jax.parallel.policy import ContextPolicy, check_context
-from dsv_jax.train.checkpoint import Checkpointer
+from dsv_jax.train.checkpoint import Checkpointer, has_ema
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.guard import DivergenceGuard, Verdict
@@ -187,7 +187,7 @@ class Trainer:
         latest = None
         if resume:  # the newest readable step (one line per unreadable one), or the one asked for
             # read as saved (with an EMA of the weights or without), then made to what cfg asks
-            layout = lambda saved: ema_layout(self.abstract_state, saved.train.ema_decay > 0)
+            layout = lambda saved: ema_layout(self.abstract_state, has_ema(saved))
             latest, _, state, data_state = self.checkpointer.restore_readable(layout, cfg, step=checkpoint)
             self.checkpointer.set_aside_after(latest)  # newer steps (unreadable, rejected, or left by --checkpoint)
             self.checkpointer.await_verdict(latest)  # a step saved last (SIGTERM) is judged by our first loss
@@ -508,8 +508,8 @@ def sample_at_end(trainer: Trainer) -> str | None:
         return None
     from dsv_jax.sample import sample_from_state
 
-    ema = getattr(trainer.state, "ema", None)  # the weights `dsv-jax sample` would take
-    params = host_copy(trainer.state.params if ema is None else ema)  # a collective: every process takes part
+    ema = trainer.state.ema is not None  # the weights `dsv-jax sample` would take
+    params = host_copy(trainer.inference_params)  # a collective: every process takes part
     if not trainer.is_main:
         return None
     path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
@@ -521,5 +521,5 @@ def sample_at_end(trainer: Trainer) -> str | None:
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         log.debug("end-of-run sampling failed", exc_info=True)
         return None
-    log.info("wrote %s (%s)", path, "the trained weights" if ema is None else "the EMA of the weights")
+    log.info("wrote %s (%s)", path, "the EMA of the weights" if ema else "the trained weights")
     return path
