@@ -33,7 +33,8 @@ model FLOPs (dense-equivalent) and of the work done (FLOPS_FORMULA), compiled pe
 of the step, compiles during the timed steps. Components, timed alone at the variant's shapes (B = 1,
 H x D, S) and scaled to one step (x depth, + one forward for remat): attention fwd+bwd (cuDNN or the sparse
 kernel with the variant's selection), the DSV predictor loss fwd+bwd and selection (lowrank_topk + per-head
-counts), AdaLN (plain x 2 + gated x 1 per block). rest = step - those: linear layers, norms, optimizer.
+counts; once per step: the recomputed forward keeps it), AdaLN (plain x 2 + gated x 1 per block).
+rest = step - those: linear layers, norms, optimizer.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ FLOPS_FORMULA = (
     "cross attention 4 B L S L_t C, DSV predictor 2 B L (S C 2 H r + Q S H (r + D)) and selection "
     "2 B L H (S / q_tile)(S / kv_block) r. model (dense-equivalent) = 3 x the dense forward without DSV. "
     "work done = 4 (linear + cross) [fwd, remat fwd, 2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; "
-    "kept = mean selected KV blocks / all] + DSV: 4 predictor + 2 selection. "
+    "kept = mean selected KV blocks / all] + DSV: 4 predictor + 1 selection (the remat keeps it). "
     "MFU = FLOPs / step time / the device's dense bf16 peak (dsv_jax.model.flops.peak_flops: 989.4 TFLOP/s on "
     "an H200).")
 
@@ -577,9 +578,25 @@ class Bench:
             e.setdefault("memory", {})["device_peak_gib_so_far"] = stats.get("peak_bytes_in_use", 0) / 2**30
             log(f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm.median_s:.1f} ms), loss "
                 f"{e['losses'][-1]:.4f}, compiles during timing {timed.compiles}")
+            profile = self.args.profile
+            if profile is not None and (not profile or e["id"].startswith(tuple(profile.split(",")))) \
+                    and self.left() > 3 * step:
+                self.profile_step(e, prog["exe"], args)
         except Exception as ex:
             e.update(status="error", error=error_text(ex))
             log(f"  {e['id']} failed: {e['error'][:300]}")
+
+    def profile_step(self, e, exe, args) -> None:
+        """One more step under jax's profiler: its device time per op and per jax scope (e["profile"])."""
+        def one_step():
+            self.state, _ = run_steps(exe, self.state, args, 1)
+
+        prof = harness.device_profile(one_step, exe.as_text())
+        e["profile"] = prof
+        if "scopes" in prof:
+            log(f"  {e['id']} profiled: {prof['device_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} ms; top scopes:")
+            for row in prof["scopes"][:12]:
+                log(f"    {row['ms']:9.1f} ms {row['calls']:6d}x  {row['scope'][-110:]}")
 
     # -- groups -----------------------------------------------------------------------------------------
     def run_group(self, entries) -> None:
@@ -661,7 +678,7 @@ class Bench:
             elif med(f"pred_fb/q{q}") is not None and med(f"pred_f/q{q}") is not None:
                 split["predictor_ms"] = depth * (med(f"pred_fb/q{q}") + med(f"pred_f/q{q}"))
             if med(f"sel/{name}") is not None:
-                split["selection_ms"] = depth * 2 * med(f"sel/{name}")
+                split["selection_ms"] = depth * med(f"sel/{name}")  # once: the remat keeps the selection
         impl = e["adaln"]
         parts = [med(f"adaln_{k}/{impl}") for k in ("plain_f", "plain_fb", "gated_f", "gated_fb")]
         if all(p is not None for p in parts):
@@ -796,6 +813,10 @@ def main():
     p.add_argument("--budget-s", type=float, default=None, help="hard wall budget from process start "
                    "(default 380 on the GPU, 170 with --quick); what does not fit is skipped and recorded")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant after one warm-up")
+    p.add_argument("--profile", nargs="?", const="", default=None, metavar="PREFIXES",
+                   help="after the timed steps, one more step under jax's profiler (every variant, or those whose id "
+                        "starts with one of the comma-separated PREFIXES): device time per op and per source "
+                        "function in the results")
     p.add_argument("--compile-workers", type=int, default=None,
                    help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)")
     p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -218,6 +219,93 @@ def compile_timed(fn: Callable, *args) -> tuple[Any, float]:
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     return compiled, time.perf_counter() - t0
+
+
+def _hlo_table(hlo_text: str, title: str, pattern: str) -> dict[int, tuple]:
+    """One of the source tables at the top of an HLO module's text (FileNames, StackFrames, ...): id -> fields."""
+    block = re.search(rf"^{title}\n(.*?)(?:\n\n|\Z)", hlo_text, re.M | re.S)
+    rows = {}
+    for line in (block.group(1).splitlines() if block else []):
+        m = re.match(rf"\s*(\d+) {pattern}", line)
+        if m:
+            rows[int(m.group(1))] = m.groups()[1:]
+    return rows
+
+
+def _op_scopes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> "pass: function (file:line)": the innermost user frame that made it (the
+    metadata's stack frame) and which pass of the step ran it (fwd; remat: the recomputed forward of a
+    rematerialised block; bwd: the transposed computation)."""
+    files = {i: os.path.basename(f[0]) for i, f in _hlo_table(hlo_text, "FileNames", r'"([^"]*)"').items()}
+    funcs = {i: f[0] for i, f in _hlo_table(hlo_text, "FunctionNames", r'"([^"]*)"').items()}
+    locs = _hlo_table(hlo_text, "FileLocations", r"\{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
+    frames = _hlo_table(hlo_text, "StackFrames", r"\{file_location_id=(\d+)")
+    scopes = {}
+    instruction = r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"(?:[^}\n]*?stack_frame_id=(\d+))?'
+    for m in re.finditer(instruction, hlo_text, re.M):
+        name, op_name, frame = m.groups()
+        where = "rematted_computation" in op_name and "remat" or "transpose(" in op_name and "bwd" or "fwd"
+        loc = locs.get(int(frames.get(int(frame), ("0",))[0])) if frame else None
+        if loc:
+            file_id, func_id, line = (int(x) for x in loc)
+            scopes.setdefault(name, f"{where}: {funcs.get(func_id, '?')} ({files.get(file_id, '?')}:{line})")
+        else:
+            scopes.setdefault(name, f"{where}: {op_name.rsplit('/', 1)[-1]}")
+    return scopes
+
+
+def device_profile(run: Callable[[], Any], hlo_text: str | None = None, top: int = 40) -> dict[str, Any]:
+    """Device time per XLA op of one call of run() (which must block on its results), from jax's profiler.
+
+    Events of the device's kernel streams (a CPU run: the host's XLA thunks) are summed by their hlo_op
+    stat; hlo_text (the compiled module, `exe.as_text()`) maps each op to its jax source scope (metadata
+    stack frame: the function and line that made it, and the pass that ran it), and time is also summed
+    per scope: how a step's time is attributed to the model's parts.
+    -> {"device_ms": kernel time summed, "wall_ms", "events", "ops": the top ops [{op, ms, calls, kernel,
+        scope}], "scopes": the top scopes [{scope, ms, calls}]}."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d):
+            run()
+        wall = time.perf_counter() - t0
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {"error": "the profiler wrote no trace"}
+        data = ProfileData.from_file(paths[0])
+        events = []
+        for plane in data.planes:
+            lines = list(plane.lines)
+            if plane.name.startswith("/device:"):
+                streams = [ln for ln in lines if ln.name.startswith("Stream")]
+                lines = streams or lines
+            elif plane.name != "/host:CPU" or jax.default_backend() != "cpu":
+                continue
+            for line in lines:
+                for ev in line.events:
+                    stats = dict(ev.stats)
+                    if "hlo_op" in stats and ev.duration_ns:
+                        events.append((str(stats["hlo_op"]), ev.name, ev.duration_ns / 1e6))
+    scopes = _op_scopes(hlo_text) if hlo_text else {}
+    by_op: dict[str, dict[str, Any]] = {}
+    for op, kernel, ms in events:
+        row = by_op.setdefault(op, {"op": op, "ms": 0.0, "calls": 0, "kernel": kernel[:120],
+                                    "scope": scopes.get(op, "")})
+        row["ms"] += ms
+        row["calls"] += 1
+    by_scope: dict[str, dict[str, Any]] = {}
+    for row in by_op.values():
+        scope = row["scope"] or "(no scope)"
+        agg = by_scope.setdefault(scope, {"scope": scope, "ms": 0.0, "calls": 0})
+        agg["ms"] += row["ms"]
+        agg["calls"] += row["calls"]
+    rank = lambda rows: sorted(rows, key=lambda r: -r["ms"])[:top]
+    return {"device_ms": sum(ms for *_, ms in events), "wall_ms": 1e3 * wall, "events": len(events),
+            "ops": rank(by_op.values()), "scopes": rank(by_scope.values())}
 
 
 def fwd_bwd(fn: Callable, n_diff: int | None = None) -> Callable:

@@ -74,6 +74,34 @@ def test_time_fn_queues_short_calls_back_to_back():
     assert slow["calls_per_run"] == 1 and slow["median_ms"] >= 20 and "blocking_median_ms" not in slow
 
 
+def _matmuls(a):  # the expensive part of the profiled program below
+    for _ in range(8):
+        a = jnp.tanh(a @ a)
+    return a
+
+
+def _cheap_tail(a):
+    return jnp.sum(a * 2.0)
+
+
+def test_device_profile_attributes_time_to_the_function_and_pass_that_made_each_op():
+    """device_profile sums the device's op times by the user function (and pass) behind each op: here the
+    matmuls' function holds most of the time, forward and backward apart, and nothing is lost on the way
+    (the scopes sum to the total)."""
+    loss = lambda a: _cheap_tail(_matmuls(a))
+    step = jax.jit(jax.grad(loss))
+    a = jax.random.normal(jax.random.key(0), (384, 384)) * 0.05
+    exe = step.lower(a).compile()
+    exe(a).block_until_ready()
+    prof = harness.device_profile(lambda: exe(a).block_until_ready(), exe.as_text())
+    assert prof["events"] > 0 and prof["device_ms"] > 0
+    scopes = {row["scope"]: row["ms"] for row in prof["scopes"]}
+    top = max(scopes, key=scopes.get)
+    assert "_matmuls" in top and top.split(":")[0] in ("fwd", "bwd"), scopes
+    assert any(s.startswith("bwd: _matmuls") for s in scopes) and any(s.startswith("fwd: _matmuls") for s in scopes)
+    assert sum(scopes.values()) == pytest.approx(prof["device_ms"], rel=1e-6)
+
+
 def test_error_text_keeps_the_type_and_cuts_long_messages():
     try:
         raise ValueError("x" * 5000)

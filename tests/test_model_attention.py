@@ -46,3 +46,44 @@ def test_model_with_sparse_plans_selecting_everything_equals_dense(arch, latent,
     sparse = model(x, t, text, mask, attention=half, attention_inputs=inputs)
     assert 1e-4 < float(jnp.abs(sparse - dense).max())
 
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+    """Occurrences of a primitive in a jaxpr and every jaxpr nested in its equations (scan, remat, pjit...)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _count_primitive(inner, name)
+    return count
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_a_rematerialised_block_keeps_its_selection_for_the_backward(scan):
+    """With remat on, the backward recomputes each block but not its DSV selection: the selection is a
+    named residual (model.attention.remat_policy), so the top-k runs once per block, not twice; and the
+    gradients equal those of the model without remat."""
+    model = dsv_model("dit", patch=(1, 4, 4), tile=(2, 2, 2), remat=True, scan_layers=scan)
+    plain = dsv_model("dit", patch=(1, 4, 4), tile=(2, 2, 2), remat=False, scan_layers=scan)
+    x, t, text, mask = model_inputs((4, 16, 24))
+    half = AttentionPlan(mode="dsv", sparse=True, keep=0.5)
+    inputs = {"keep": jnp.full((2, 2), 0.5)}
+
+    def loss(model):
+        out = model(x, t, text, mask, attention=half, attention_inputs=inputs)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    graphdef, state = nnx.split(model)
+    grad_fn = jax.grad(lambda st: loss(nnx.merge(graphdef, st)))
+    forward_only = jax.make_jaxpr(lambda st: loss(nnx.merge(graphdef, st)))(state).jaxpr
+    with_backward = jax.make_jaxpr(grad_fn)(state).jaxpr
+    per_forward = _count_primitive(forward_only, "top_k")
+    assert per_forward >= 1
+    assert _count_primitive(with_backward, "top_k") == per_forward  # not recomputed in the backward
+    g_remat = grad_fn(state)
+    g_plain = nnx.grad(loss)(plain)
+    for a, b in zip(jax.tree.leaves(g_remat), jax.tree.leaves(nnx.state(g_plain))):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)

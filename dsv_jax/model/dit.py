@@ -27,7 +27,7 @@ from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.config import ModelConfig
 from dsv_jax.dsv.plan import as_plan
 from dsv_jax.dsv.predictor import LowRankPredictor
-from dsv_jax.model.attention import context_backend, joint_attention
+from dsv_jax.model.attention import context_backend, joint_attention, remat_policy
 from dsv_jax.model.layers import (
     MLP,
     QKV,
@@ -199,9 +199,9 @@ class VideoDiT(nnx.Module):
                 return run(h, layer_state, plans[0], layer_inputs)
 
             if cfg.remat:
-                body = jax.checkpoint(body, prevent_cse=False)
+                body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy())
             return jax.lax.scan(body, h, (stacked, inputs))
-        step = jax.checkpoint(run, static_argnums=(2,)) if cfg.remat else run
+        step = jax.checkpoint(run, static_argnums=(2,), policy=remat_policy()) if cfg.remat else run
         auxes = []
         for i, plan in enumerate(plans):
             layer = jax.tree.map(lambda a: a[i], (stacked, inputs))

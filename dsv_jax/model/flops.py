@@ -22,9 +22,10 @@ blocks / all). A train step is
 
     dense-equivalent (model FLOPs)  3 x the dense forward (forward + backward = 2 x forward), no DSV
     work done                       (3 + R) x (linear + text attention) + (3.5 + R) x kept video
-                                    attention + (3 + R) x predictor + (1 + R) x selection
+                                    attention + (3 + R) x predictor + 1 x selection
 
-with R = 1 when blocks are rematerialised (model.remat: one more forward) and 0 otherwise; an
+with R = 1 when blocks are rematerialised (model.remat: one more forward) and 0 otherwise (the
+recomputed forward keeps the selection: `dsv_jax.model.attention.remat_policy`); an
 attention backward recomputes the scores (flash attention: 2.5 x its forward). MFU = FLOPs per second
 per device / the device's dense bf16 peak (`peak_flops`; None on CPUs and unknown devices).
 """
@@ -144,7 +145,7 @@ def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept:
     r = 1.0 if cfg.model.remat else 0.0
     dense = 3 * (fwd["linear"] + fwd["video_attention_dense"] + fwd["text_attention"])
     work = ((3 + r) * (fwd["linear"] + fwd["text_attention"]) + (ATTENTION_FWD_BWD + r) * fwd["video_attention"]
-            + (3 + r) * fwd["predictor"] + (1 + r) * fwd["selection"] * selection)
+            + (3 + r) * fwd["predictor"] + fwd["selection"] * selection)
     return {"dense_equiv": dense, "work": work,
             "work_video_attention": (ATTENTION_FWD_BWD + r) * fwd["video_attention"],
             **{f"forward_{k}": v for k, v in fwd.items()}}
