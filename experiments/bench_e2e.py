@@ -768,6 +768,7 @@ class Bench:
                 self.derive(e)
         payload = {
             "quick": self.args.quick, "budget_s": self.args.budget_s, "steps": self.args.steps,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compile_workers": self.args.compile_workers, "model": getattr(self, "model_info", {}),
             "batch": 1, "lengths": {k: {"latents": [*v, self.cfg.model.in_channels], "tokens": self.layout(k).seq_len}
                                     for k, v in self.setup["lengths"].items()},
@@ -823,6 +824,10 @@ def main():
     p.add_argument("--preset", default="", help="model preset (default 2.7b on the GPU), e.g. 2.7b-mmdit")
     p.add_argument("--name", default="bench_e2e", help="results file experiments/results/NAME.json")
     args = p.parse_args()
+    if args.profile is not None and not args.quick:
+        # XLA runs a GPU step's kernels as CUDA graphs ("command buffers"), which the profiler reports as a
+        # few opaque ops: a profiling run goes without them (its step times then include the launches they save)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     if not args.quick and not harness.on_gpu():
         sys.exit("bench_e2e.py measures the 2.7B model on a GPU; use --quick on a CPU")
     setup = SETUPS["quick" if args.quick else "gpu"]

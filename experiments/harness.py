@@ -260,7 +260,9 @@ def device_profile(run: Callable[[], Any], hlo_text: str | None = None, top: int
     Events of the device's kernel streams (a CPU run: the host's XLA thunks) are summed by their hlo_op
     stat; hlo_text (the compiled module, `exe.as_text()`) maps each op to its jax source scope (metadata
     stack frame: the function and line that made it, and the pass that ran it), and time is also summed
-    per scope: how a step's time is attributed to the model's parts.
+    per scope: how a step's time is attributed to the model's parts. On a GPU, XLA's command buffers (CUDA
+    graphs) show as a few ops named command_buffer_N: profile with XLA_FLAGS=--xla_gpu_enable_command_buffer=
+    (bench_e2e --profile sets it).
     -> {"device_ms": kernel time summed, "wall_ms", "events", "ops": the top ops [{op, ms, calls, kernel,
         scope}], "scopes": the top scopes [{scope, ms, calls}]}."""
     import glob
