@@ -15,7 +15,8 @@ H heads x D, P patch dim and Dt the text embedding width, a forward is
     MMDiT block   2 B (S + L) C 4C  q,k,v,out of both streams  + 2 B C 2 (S F + L Ft)  MLPs
                   video attention 4 B S^2 C kept; text part of the joint attention 4 B C (2 S L + L^2)
     DSV (training) predictor 2 B S C 2 H r (W_Q^lr, W_K^lr) + 2 B H Q S (D + r) true and predicted logits
-                  of Q sampled queries; selection 2 B H (S / q_tile) (S / kv_block) r
+                  of Q sampled queries; selection 2 B H (S / q_tile) (S / kv_block) r, plus the projections
+                  on a step that does not train the predictor
 
 `kept` is the share of the video keys a block attends to (1 = dense; a sparse block's selected KV
 blocks / all). A train step is
@@ -122,13 +123,17 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
            "predictor": 0.0, "selection": 0.0}
     if cfg.predictor_rank:
         r, h, d = float(cfg.predictor_rank), float(m.heads), float(m.head_dim)
+        projections = depth * 2 * b * s * c * 2 * h * r  # q_lr, k_lr
         if predictor:
             q = float(len(sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)))
-            out["predictor"] = depth * (2 * b * s * c * 2 * h * r + 2 * b * h * q * s * (d + r))
-        # the selection's block scores (counted by train_step_flops where a block attends sparsely)
+            out["predictor"] = projections + depth * 2 * b * h * q * s * (d + r)
+        # the selection's block scores (counted by train_step_flops where a block attends sparsely), and the
+        # projections on a step that does not train the predictor (they then serve the selection alone)
         kv_block = cfg.dsv.kv_block or layout.tile_size
         if not layout.padded and layout.seq_len % kv_block == 0:
             out["selection"] = depth * 2 * b * h * (s // layout.tile_size) * (s // kv_block) * r
+            if not predictor:
+                out["selection"] += projections
     return out
 
 
