@@ -59,7 +59,7 @@ import numpy as np
 from flax import nnx
 
 from dsv_jax.attention import attention
-from dsv_jax.attention.rope import rope_angles
+from dsv_jax.attention.rope import rotary
 from dsv_jax.config import get_config
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.predictor import LowRankPredictor, predictor_loss, sample_positions, true_logits
@@ -480,7 +480,7 @@ class Bench:
         """(predictor params, x, q, k) -> the DSV predictor loss of one block, `queries` sampled queries."""
         cfg, m = self.cfg, self.cfg.model
         positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride, queries)]
-        rope = jnp.asarray(rope_angles(layout.coords, cfg.dsv.rank, m.rope_theta)) if cfg.dsv.predictor_rope else None
+        rope = rotary(layout.coords, cfg.dsv.rank, m.rope_theta) if cfg.dsv.predictor_rope else None
 
         def pred_loss(params, x, q, k):
             q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), rope)

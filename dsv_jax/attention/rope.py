@@ -21,13 +21,23 @@ def rope_angles(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> np
     for axis, dim in enumerate(axis_dims(head_dim)):
         freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
         parts.append(coords[:, axis, None].astype(np.float64) * freqs[None, :])
-    return np.concatenate(parts, axis=1).astype(np.float32)
+    return np.concatenate(parts, axis=1)
 
 
-def apply_rope(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
-    """Rotate x [B, S, H, D] by angles [S, D // 2]; each axis part rotates its own halves."""
+def rotary(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [S, head_dim // 2] float32 of the angles of `coords` [S, 3], what `apply_rope` takes.
+
+    Computed here, once per shape and on the host: the transformer applies them to q and k of every block
+    in every pass, and cos / sin evaluated there (fused per element of [B, S, H, D]) made RoPE ~5% of a
+    2.7B training step on an H200, 8x its memory-bound time."""
+    angles = rope_angles(coords, head_dim, theta)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: jnp.ndarray, rope) -> jnp.ndarray:
+    """Rotate x [B, S, H, D] by rope = (cos, sin) [S, D // 2] (`rotary`); each axis part rotates its own halves."""
     d = x.shape[-1]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    cos, sin = (jnp.asarray(t, jnp.float32)[None, :, None, :] for t in rope)
     xf = x.astype(jnp.float32)
     out, start_x, start_a = [], 0, 0
     for dim in axis_dims(d):

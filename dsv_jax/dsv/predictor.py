@@ -35,15 +35,15 @@ class LowRankPredictor(nnx.Module):
     def __call__(self, x, rope=None):
         """x [B, S, hidden] (already detached by the caller) -> q_lr, k_lr [B, S, H, rank] in fp32.
 
-        rope: rotary angles [S, rank / 2] of the tokens' 3D positions (the model computes them, as for
-        q and k), applied when the predictor was built with rope=True."""
+        rope: (cos, sin) [S, rank / 2] of the tokens' 3D rotary angles (`attention.rope.rotary`; the model
+        computes them, as for q and k), applied when the predictor was built with rope=True."""
         b, s, _ = x.shape
         x = x.astype(jnp.float32)
         q = self.wq(x).reshape(b, s, self.heads, self.rank)
         k = self.wk(x).reshape(b, s, self.heads, self.rank)
         if self.rope:
             if rope is None:
-                raise ValueError("this predictor applies 3D RoPE: pass the rotary angles of the tokens")
+                raise ValueError("this predictor applies 3D RoPE: pass the tokens' rotary tables (rope.rotary)")
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q, k
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsv_jax.attention import attention, merge_attention
-from dsv_jax.attention.rope import rope_angles
+from dsv_jax.attention.rope import rotary
 from dsv_jax.dsv import backend as sparse_backends
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.predictor import predictor_loss, sample_positions, true_logits
@@ -80,7 +80,7 @@ def _geometry(plan: AttentionPlan, layout, batch: int) -> Geometry | None:
 
 def _lowrank(predictor, x, layout):
     """The predictor's q_lr, k_lr [B, S, H, r] of the block input x (detached here)."""
-    rope = jnp.asarray(rope_angles(layout.coords, predictor.rank, predictor.rope_theta)) if predictor.rope else None
+    rope = rotary(layout.coords, predictor.rank, predictor.rope_theta) if predictor.rope else None
     return predictor(jax.lax.stop_gradient(x), rope)
 
 

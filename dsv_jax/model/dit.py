@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv_jax.attention.rope import apply_rope, rope_angles
+from dsv_jax.attention.rope import apply_rope, rotary
 from dsv_jax.config import ModelConfig
 from dsv_jax.dsv.plan import as_plan
 from dsv_jax.dsv.predictor import LowRankPredictor
@@ -159,7 +159,7 @@ class VideoDiT(nnx.Module):
         txt = self.text_mlp(nnx.gelu(self.text_in(text.astype(dtype)), approximate=True))
         c = self.time_embed(timesteps)
         ctx = BlockContext(cond=c, text=txt, text_lens=text_lens,
-                           rope=jnp.asarray(rope_angles(layout.coords, cfg.head_dim, cfg.rope_theta)),
+                           rope=rotary(layout.coords, cfg.head_dim, cfg.rope_theta),
                            n_real=layout.n_real, layout=layout)
         if cfg.arch == "mmdit":
             mask = text_mask.astype(jnp.float32)[..., None]

@@ -161,7 +161,7 @@ class BlockContext:
     cond: jax.Array  # [B, D] (per_block AdaLN) or [B, n, D] (adaLN-single) conditioning
     text: jax.Array  # [B, L, D] projected text tokens
     text_lens: jax.Array  # [B] valid text tokens (a prefix)
-    rope: jax.Array  # [S, Dh / 2] rotary angles of the video tokens
+    rope: tuple  # (cos, sin) [S, Dh / 2] of the video tokens' rotary angles (attention.rope.rotary)
     n_real: int  # valid video tokens (static)
     text_cond: jax.Array | None = None  # MMDiT text-stream conditioning
     layout: Any = None  # the TokenLayout (static): grid, tile, coordinates, which positions are padding
