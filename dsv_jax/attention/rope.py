@@ -27,9 +27,10 @@ def rope_angles(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> np
 def rotary(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
     """(cos, sin) [S, head_dim // 2] float32 of the angles of `coords` [S, 3], what `apply_rope` takes.
 
-    Computed here, once per shape and on the host: the transformer applies them to q and k of every block
-    in every pass, and cos / sin evaluated there (fused per element of [B, S, H, D]) made RoPE ~5% of a
-    2.7B training step on an H200, 8x its memory-bound time."""
+    Computed here, once per shape and on the host, so that no block evaluates cos / sin in any pass (the
+    transformer applies RoPE to q and k of every block, in the forward and the remat's recomputed one).
+    On an H200 the profile gives RoPE ~5% of a 2.7B step, 8x its memory-bound time; host tables did not
+    change the step measurably (experiments/results/RESULTS.md), so what makes it slow is still open."""
     angles = rope_angles(coords, head_dim, theta)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
