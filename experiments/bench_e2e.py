@@ -587,11 +587,16 @@ class Bench:
             log(f"  {e['id']} failed: {e['error'][:300]}")
 
     def profile_step(self, e, exe, args) -> None:
-        """One more step under jax's profiler: its device time per op and per jax scope (e["profile"])."""
+        """One more step under jax's profiler: its device time per op and per source function (e["profile"]).
+        A profiler failure is recorded there and leaves the variant's timing as it was."""
         def one_step():
             self.state, _ = run_steps(exe, self.state, args, 1)
 
-        prof = harness.device_profile(one_step, exe.as_text())
+        try:
+            prof = harness.device_profile(one_step, exe.as_text())
+        except Exception as ex:
+            prof = {"error": error_text(ex)}
+            log(f"  {e['id']}: profiling failed: {prof['error'][:300]}")
         e["profile"] = prof
         if "scopes" in prof:
             log(f"  {e['id']} profiled: {prof['device_ms']:.1f} ms of kernels in {prof['wall_ms']:.1f} ms; top scopes:")
