@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from dsv_jax.dsv.plan import AttentionPlan
+from dsv_jax.parallel.comm import _subjaxprs
 from tests.dsv_helpers import dsv_model, model_inputs
 
 
@@ -47,18 +48,10 @@ def test_model_with_sparse_plans_selecting_everything_equals_dense(arch, latent,
     assert 1e-4 < float(jnp.abs(sparse - dense).max())
 
 
-
 def _count_primitive(jaxpr, name: str) -> int:
     """Occurrences of a primitive in a jaxpr and every jaxpr nested in its equations (scan, remat, pjit...)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == name
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _count_primitive(inner, name)
-    return count
+    return sum((eqn.primitive.name == name) + sum(_count_primitive(sub, name) for _, sub in _subjaxprs(eqn))
+               for eqn in jaxpr.eqns)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
