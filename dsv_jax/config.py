@@ -65,6 +65,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dtype: str = "auto"  # compute dtype: auto (bfloat16 on accelerators, float32 on CPU) | bfloat16 | float32
     remat: bool = True  # jax.checkpoint per block
+    # with remat: keep each block's flash-attention output and softmax statistics (DSV's sparse kernels,
+    # cuDNN) for the backward instead of running attention's forward again; B S H (2 D + 4) bytes per block
+    remat_keep_attention: bool = False
     scan_layers: bool = True  # lax.scan over blocks when all blocks share one static attention plan
 
     def __post_init__(self):
@@ -608,7 +611,8 @@ def config_yaml(cfg: Config) -> str:
 
 
 # Fields that change how a model runs but not its parameters: a checkpoint restores across them.
-RUNTIME_FIELDS = frozenset({"model.adaln_impl", "model.dtype", "model.remat", "model.scan_layers"})
+RUNTIME_FIELDS = frozenset({"model.adaln_impl", "model.dtype", "model.remat", "model.remat_keep_attention",
+                            "model.scan_layers"})
 
 
 def architecture_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:

@@ -31,7 +31,8 @@ are timed, and the compile counter (dsv_jax.train.compiles) checks that.
 Per variant: compile time, 1 warm-up step then --steps timed steps (median, spread), tokens/s, MFU of the
 model FLOPs (dense-equivalent) and of the work done (FLOPS_FORMULA), compiled peak memory, attention share
 of the step, compiles during the timed steps. Components, timed alone at the variant's shapes (B = 1,
-H x D, S) and scaled to one step (x depth, + one forward for remat): attention fwd+bwd (cuDNN or the sparse
+H x D, S) and scaled to one step (x depth, + one forward for remat unless --set
+model.remat_keep_attention=true keeps it): attention fwd+bwd (cuDNN or the sparse
 kernel with the variant's selection), the DSV predictor loss fwd+bwd and selection (lowrank_topk + per-head
 counts; once per step: the recomputed forward keeps it), AdaLN (plain x 2 + gated x 1 per block).
 rest = step - those: linear layers, norms, optimizer.
@@ -131,7 +132,8 @@ FLOPS_FORMULA = (
     "cross attention 4 B L S L_t C, DSV predictor 2 B L (S C 2 H r + Q S H (r + D)) and selection "
     "2 B L H (S / q_tile)(S / kv_block) r. model (dense-equivalent) = 3 x the dense forward without DSV. "
     "work done = 4 (linear + cross) [fwd, remat fwd, 2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; "
-    "kept = mean selected KV blocks / all] + DSV: 4 predictor + 1 selection (the remat keeps it). "
+    "kept = mean selected KV blocks / all] + DSV: 4 predictor + 1 selection (the remat keeps it); with "
+    "model.remat_keep_attention (--set) the attention terms drop their remat fwd (4 -> 3, 4.5 -> 3.5). "
     "MFU = FLOPs / step time / the device's dense bf16 peak (dsv_jax.model.flops.peak_flops: 989.4 TFLOP/s on "
     "an H200).")
 
@@ -163,7 +165,7 @@ def measured_sparsity(path: str) -> dict | None:
 class Bench:
     def __init__(self, args, setup):
         self.args, self.setup = args, setup
-        self.cfg = get_config(args.preset or setup["preset"], setup["overrides"])
+        self.cfg = get_config(args.preset or setup["preset"], setup["overrides"] + args.set)
         self.budget = harness.Budget(args.budget_s, reserve=RESERVE_S)
         self.train = TrainStepBench(self.cfg)  # the one train state's layout, batches, lowered steps
         device = jax.devices()[0]
@@ -643,7 +645,9 @@ class Bench:
         self.model_info = {"preset": self.cfg.name, "params": int(n_params), "depth": self.cfg.model.depth,
                            "hidden": self.cfg.model.hidden, "heads": self.cfg.model.heads,
                            "head_dim": self.cfg.model.head_dim, "compute_dtype": "bfloat16" if harness.on_gpu() else
-                           "float32", "remat": self.cfg.model.remat, "scan_layers": self.cfg.model.scan_layers,
+                           "float32", "remat": self.cfg.model.remat,
+                           "remat_keep_attention": self.cfg.model.remat_keep_attention,
+                           "scan_layers": self.cfg.model.scan_layers,
                            "patch": self.cfg.model.patch, "tile": self.cfg.model.tile,
                            "text_len": self.cfg.text.max_len,
                            "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30}
@@ -674,8 +678,10 @@ class Bench:
         med = lambda name: comps.get(name, {}).get("median_ms")
         depth, name = self.cfg.model.depth, component_name(e["attention"])
         split = {"step_ms": e["step_ms"]["median"]}
+        model = self.cfg.model
+        recomputed = model.remat and not model.remat_keep_attention  # the remat runs attention's forward again
         if med(f"attn_fb/{name}") is not None and med(f"attn_f/{name}") is not None:
-            split["attention_ms"] = depth * (med(f"attn_fb/{name}") + med(f"attn_f/{name}"))
+            split["attention_ms"] = depth * (med(f"attn_fb/{name}") + recomputed * med(f"attn_f/{name}"))
         if st["mode"] == "dsv":
             q = st["predictor_queries"]
             if not q:  # a step that skips the predictor loss
@@ -773,7 +779,7 @@ class Bench:
                 self.derive(e)
         payload = {
             "quick": self.args.quick, "budget_s": self.args.budget_s, "steps": self.args.steps,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": self.args.set,
             "compile_workers": self.args.compile_workers, "model": getattr(self, "model_info", {}),
             "batch": 1, "lengths": {k: {"latents": [*v, self.cfg.model.in_channels], "tokens": self.layout(k).seq_len}
                                     for k, v in self.setup["lengths"].items()},
@@ -828,6 +834,8 @@ def main():
     p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")
     p.add_argument("--preset", default="", help="model preset (default 2.7b on the GPU), e.g. 2.7b-mmdit")
     p.add_argument("--name", default="bench_e2e", help="results file experiments/results/NAME.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every variant (e.g. model.remat_keep_attention=true); repeatable")
     args = p.parse_args()
     if args.profile is not None and not args.quick:
         # XLA runs a GPU step's kernels as CUDA graphs ("command buffers"), which the profiler reports as a

@@ -33,8 +33,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.lowering import log_fallback, triton_missing
+
+# The custom VJPs name the forward's output and softmax statistics, the residuals their backward reads
+# besides q, k, v and the index, so that a jax.checkpoint policy can keep them for the backward instead
+# of running the forward kernel a second time (dsv_jax.model.attention.remat_policy(keep_attention=True)).
+RESIDUAL_NAME = "sparse_attention_residuals"
+
+
+def name_residuals(o, lse):
+    """(o, lse) tagged with RESIDUAL_NAME: an identity, visible to checkpoint policies."""
+    return checkpoint_name(o, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 
 
 def check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid=None):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from pallas_kernels import mgpu_common
 from pallas_kernels.mgpu_common import LN2, ROWS, AttentionConfig
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
+from pallas_kernels.sparse_attention import name_residuals
 from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
@@ -131,7 +132,7 @@ def _attend(q, k, v, index, count, valid, cfg: AttentionConfig):
 
 def _attend_fwd(q, k, v, index, count, valid, cfg):
     fwd, _ = _sharded(cfg.masked, cfg.interpret)
-    o, lse2 = fwd(q, k, v, index, count, *_masks(valid)[:1], cfg)
+    o, lse2 = name_residuals(*fwd(q, k, v, index, count, *_masks(valid)[:1], cfg))
     return (o, lse2 * LN2), (q, k, v, index, count, valid, o, lse2)
 
 

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention import row_term
+from pallas_kernels.sparse_attention import name_residuals, row_term
 from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning
 
@@ -388,7 +388,7 @@ def _attend(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bo
 
 
 def _attend_fwd(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
-    o, lse2 = _run_forward(q, k, v, index, count, key_valid, launch)
+    o, lse2 = name_residuals(*_run_forward(q, k, v, index, count, key_valid, launch))
     out = (o, natural_lse(lse2)) if with_lse else o
     return out, (q, k, v, index, count, key_valid, o, lse2)
 

@@ -146,6 +146,29 @@ def test_rope_rotates_pairs_and_is_relative():
     np.testing.assert_allclose(a, b, rtol=1e-4)
 
 
+@pytest.mark.parametrize("d", [4, 24, 128])
+def test_rope_custom_vjp_is_the_rotation_by_the_opposite_angle(d):
+    """apply_rope's hand-written backward (rotate the cotangent back) against numerical derivatives, and the
+    forward against the per-pair formula a' = a cos - b sin, b' = a sin + b cos (pairs: the two halves of
+    each axis part), at head dims whose parts are uneven (24: 8 + 8 + 8; 128: 44 + 42 + 42)."""
+    from jax.test_util import check_grads
+
+    from dsv_jax.attention.rope import axis_dims
+
+    coords = np.random.RandomState(d).randint(0, 30, (6, 3))
+    cos, sin = rotary(coords, d)
+    x = jax.random.normal(jax.random.key(d), (2, 6, 3, d), jnp.float32)
+    check_grads(lambda x: apply_rope(x, (cos, sin)), (x,), order=1, modes=["rev"], atol=1e-3, rtol=1e-3)
+    out, start, col = np.asarray(apply_rope(x, (cos, sin))), 0, 0
+    for dim in axis_dims(d):
+        h = dim // 2
+        a, b = np.asarray(x[..., start:start + h]), np.asarray(x[..., start + h:start + dim])
+        c, s = cos[None, :, None, col:col + h], sin[None, :, None, col:col + h]
+        np.testing.assert_allclose(out[..., start:start + h], a * c - b * s, atol=1e-5)
+        np.testing.assert_allclose(out[..., start + h:start + dim], a * s + b * c, atol=1e-5)
+        start, col = start + dim, col + h
+
+
 def test_the_rotary_tables_are_host_constants_not_recomputed_in_every_block():
     """RoPE's cos / sin come from the host (attention.rope.rotary) once per shape: the model's program has
     no cos or sin at all (each block and pass evaluated them per element of q and k before: ~5% of a 2.7B

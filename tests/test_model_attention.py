@@ -80,3 +80,52 @@ def test_a_rematerialised_block_keeps_its_selection_for_the_backward(scan):
     g_plain = nnx.grad(loss)(plain)
     for a, b in zip(jax.tree.leaves(g_remat), jax.tree.leaves(nnx.state(g_plain))):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["dit", "mmdit"])
+def test_remat_keep_attention_runs_the_sparse_forward_once(arch, monkeypatch):
+    """model.remat_keep_attention: the rematerialised block keeps the sparse kernel's output and lse (named
+    in its custom VJP), so the backward does not launch the forward kernel again; gradients unchanged.
+    Counted on the Pallas kernels (interpret mode): forward-only program F kernels; the gradient's program
+    without the option runs them twice (plus the backward's), with it once."""
+    from dsv_jax.dsv import backend
+
+    kernel = backend.sparse_attention
+    monkeypatch.setattr(backend, "sparse_attention", lambda *a, **k: kernel(*a, **{**k, "impl": "pallas"}))
+    x, t, text, mask = model_inputs((4, 16, 32))  # 4 x 4 x 8 tokens: 8 tiles of 16 (the kernels' smallest)
+    half = AttentionPlan(mode="dsv", sparse=True, keep=0.5)
+    inputs = {"keep": jnp.full((2, 2), 0.5)}
+
+    def programs(keep_attention):
+        model = dsv_model(arch, patch=(1, 4, 4), tile=(2, 2, 4), remat=True, remat_keep_attention=keep_attention)
+        graphdef, state = nnx.split(model)
+
+        def loss(st):
+            out = nnx.merge(graphdef, st)(x, t, text, mask, attention=half, attention_inputs=inputs)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+        grad_fn = jax.grad(loss)
+        return jax.make_jaxpr(loss)(state).jaxpr, jax.make_jaxpr(grad_fn)(state).jaxpr, grad_fn(state)
+
+    forward, recomputing, g_recomputed = programs(False)
+    _, keeping, g_kept = programs(True)
+    per_forward = _count_primitive(forward, "pallas_call")
+    assert per_forward >= 1
+    assert _count_primitive(recomputing, "pallas_call") - _count_primitive(keeping, "pallas_call") == per_forward
+    for a, b in zip(jax.tree.leaves(g_kept), jax.tree.leaves(g_recomputed)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_remat_keep_attention_policy_keeps_cudnn_forward_outputs():
+    """cuDNN cannot run here, so this checks the policy against jax's own cuDNN primitives by object: the
+    forward's outputs (o and softmax statistics) are kept with the option and recomputed without; other
+    primitives are recomputed either way."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    from dsv_jax.model.attention import remat_policy
+
+    forward = cudnn_attention._dot_product_attention_fwd_p_wrapper
+    assert remat_policy(keep_attention=True)(forward)
+    assert not remat_policy(keep_attention=False)(forward)
+    assert not remat_policy(keep_attention=True)(jax.lax.dot_general_p)
+    assert not remat_policy(keep_attention=True)(cudnn_attention._dot_product_attention_bwd_p_wrapper)

@@ -6,6 +6,7 @@ h and w get 2 * (D // 6) each, t the rest). Rotation pairs are the two halves of
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,17 +36,56 @@ def rotary(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> tuple[n
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def _swap_pairs(x: jnp.ndarray) -> jnp.ndarray:
+    """x [..., D] with the two halves of each axis part exchanged: channel i lands where its rotation partner
+    was (an involution: applied twice it is the identity). Only slices and one concatenation."""
+    out, start = [], 0
+    for dim in axis_dims(x.shape[-1]):
+        half = dim // 2
+        out += [x[..., start + half:start + dim], x[..., start:start + half]]
+        start += dim
+    return jnp.concatenate(out, axis=-1)
+
+
+def _full_width(table: jnp.ndarray, sign: float) -> jnp.ndarray:
+    """A [S, D // 2] table of pair values as [S, D] per channel: both channels of a pair take their pair's
+    value, the first half of each part times `sign`."""
+    out, start = [], 0
+    for dim in axis_dims(2 * table.shape[-1]):
+        part = table[..., start:start + dim // 2]
+        out += [sign * part, part]
+        start += dim // 2
+    return jnp.concatenate(out, axis=-1)
+
+
+def _rotate(x, cos, sin):
+    """x * cos + swap(x) * signed sin per channel, in fp32: out_a = a c - b s, out_b = b c + a s for each pair."""
+    c = _full_width(jnp.asarray(cos, jnp.float32), 1.0)[None, :, None, :]
+    s = _full_width(jnp.asarray(sin, jnp.float32), -1.0)[None, :, None, :]
+    return (x.astype(jnp.float32) * c + _swap_pairs(x).astype(jnp.float32) * s).astype(x.dtype)
+
+
+# The backward of a rotation is the rotation by the opposite angle (same cos, sin negated): one elementwise
+# pass like the forward. Left to autodiff, the slices and concatenation transpose into pads and sums of
+# fp32 copies, several passes over q and k in every block.
+@jax.custom_vjp
+def _rope(x, cos, sin):
+    return _rotate(x, cos, sin)
+
+
+def _rope_fwd(x, cos, sin):
+    return _rotate(x, cos, sin), (cos, sin)
+
+
+def _rope_bwd(res, g):
+    cos, sin = res
+    return _rotate(g, cos, -sin), None, None
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
 def apply_rope(x: jnp.ndarray, rope) -> jnp.ndarray:
     """Rotate x [B, S, H, D] by rope = (cos, sin) [S, D // 2] (`rotary`); each axis part rotates its own halves."""
-    d = x.shape[-1]
-    cos, sin = (jnp.asarray(t, jnp.float32)[None, :, None, :] for t in rope)
-    xf = x.astype(jnp.float32)
-    out, start_x, start_a = [], 0, 0
-    for dim in axis_dims(d):
-        part = xf[..., start_x:start_x + dim]
-        c, s = cos[..., start_a:start_a + dim // 2], sin[..., start_a:start_a + dim // 2]
-        a, b = part[..., : dim // 2], part[..., dim // 2:]
-        out += [a * c - b * s, a * s + b * c]
-        start_x += dim
-        start_a += dim // 2
-    return jnp.concatenate(out, axis=-1).astype(x.dtype)
+    cos, sin = rope
+    return _rope(x, cos, sin)

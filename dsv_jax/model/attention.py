@@ -33,6 +33,7 @@ from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.predictor import predictor_loss, sample_positions, true_logits
 from dsv_jax.dsv.profiler import profile_rows
 from dsv_jax.dsv.selection import select_kv
+from pallas_kernels.sparse_attention import RESIDUAL_NAME
 
 log = logging.getLogger("dsv_jax")
 
@@ -44,9 +45,27 @@ CONTEXT_STATS = ("requested_blocks", "overflow_blocks", "fallback")
 SELECTION_NAME = "dsv_selection"
 
 
-def remat_policy():
-    """The jax.checkpoint policy of a transformer block: recompute everything but the DSV selection."""
-    return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
+# jax's cuDNN flash attention (jax.nn.dot_product_attention) binds one of these in its VJP's forward; their
+# outputs (o and the softmax statistics) are what its backward reads besides q, k and v.
+CUDNN_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"})
+
+
+def _cudnn_forward_saveable(prim, *_, **__) -> bool:
+    return prim.name in CUDNN_FORWARD_PRIMITIVES
+
+
+def remat_policy(keep_attention: bool = False):
+    """The jax.checkpoint policy of a transformer block: recompute everything but the DSV selection.
+
+    keep_attention (model.remat_keep_attention): also keep what the flash attention kernels' backward
+    reads, the output and softmax statistics of DSV's sparse kernels (`RESIDUAL_NAME`) and of cuDNN, so
+    the backward does not run attention's forward again; costs B S H (2 D + 4) bytes per block (bf16),
+    about 0.5 GB per block at 128k tokens and 16 x 128 heads. XLA's dense attention keeps nothing more
+    (its backward would need the whole probability matrix)."""
+    if not keep_attention:
+        return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
+    named = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME, RESIDUAL_NAME)
+    return jax.checkpoint_policies.save_from_both_policies(named, _cudnn_forward_saveable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,15 +193,16 @@ class VideoDiT(nnx.Module):
         def run(h, layer_state, plan, layer_inputs):
             return nnx.merge(graphdef, layer_state)(h, ctx, plan, layer_inputs)
 
+        policy = remat_policy(cfg.remat_keep_attention)
         if cfg.scan_layers and all(p == plans[0] for p in plans):
             def body(h, xs):
                 layer_state, layer_inputs = xs
                 return run(h, layer_state, plans[0], layer_inputs)
 
             if cfg.remat:
-                body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy())
+                body = jax.checkpoint(body, prevent_cse=False, policy=policy)
             return jax.lax.scan(body, h, (stacked, inputs))
-        step = jax.checkpoint(run, static_argnums=(2,), policy=remat_policy()) if cfg.remat else run
+        step = jax.checkpoint(run, static_argnums=(2,), policy=policy) if cfg.remat else run
         auxes = []
         for i, plan in enumerate(plans):
             layer = jax.tree.map(lambda a: a[i], (stacked, inputs))

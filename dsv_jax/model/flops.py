@@ -26,7 +26,8 @@ blocks / all). A train step is
                                     attention + (3 + R) x predictor + 1 x selection
 
 with R = 1 when blocks are rematerialised (model.remat: one more forward) and 0 otherwise (the
-recomputed forward keeps the selection: `dsv_jax.model.attention.remat_policy`); an
+recomputed forward keeps the selection: `dsv_jax.model.attention.remat_policy`), and R = 0 for the
+attention terms with model.remat_keep_attention (the remat keeps attention's output and statistics); an
 attention backward recomputes the scores (flash attention: 2.5 x its forward). MFU = FLOPs per second
 per device / the device's dense bf16 peak (`peak_flops`; None on CPUs and unknown devices).
 """
@@ -148,11 +149,13 @@ def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept:
     if selection is None:
         selection = bool(np.any(_per_block(kept, cfg.model.depth) < 1))
     r = 1.0 if cfg.model.remat else 0.0
+    r_attention = 0.0 if cfg.model.remat_keep_attention else r  # the remat keeps attention's outputs
     dense = 3 * (fwd["linear"] + fwd["video_attention_dense"] + fwd["text_attention"])
-    work = ((3 + r) * (fwd["linear"] + fwd["text_attention"]) + (ATTENTION_FWD_BWD + r) * fwd["video_attention"]
+    work = ((3 + r) * fwd["linear"] + (3 + r_attention) * fwd["text_attention"]
+            + (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"]
             + (3 + r) * fwd["predictor"] + fwd["selection"] * selection)
     return {"dense_equiv": dense, "work": work,
-            "work_video_attention": (ATTENTION_FWD_BWD + r) * fwd["video_attention"],
+            "work_video_attention": (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"],
             **{f"forward_{k}": v for k, v in fwd.items()}}
 
 
