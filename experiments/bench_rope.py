@@ -101,7 +101,8 @@ def bench_length(name, grid, heads, head_dim, copy_tbps):
         out = (fwd(x), both(x, g))
         if reference is None:
             reference = out
-        errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(out, reference)]
+        errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                  for a, b in zip(out, reference)]
         t_fwd = harness.time_fn(fwd, x)
         t_both = harness.time_fn(both, x, g)
         rows.append({"length": name, "tokens": s, "variant": variant, "max_abs_diff_fwd": errors[0],

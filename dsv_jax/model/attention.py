@@ -59,9 +59,11 @@ def remat_policy(keep_attention: bool = False):
 
     keep_attention (model.remat_keep_attention): also keep what the flash attention kernels' backward
     reads, the output and softmax statistics of DSV's sparse kernels (`RESIDUAL_NAME`) and of cuDNN, so
-    the backward does not run attention's forward again; costs B S H (2 D + 4) bytes per block (bf16),
-    about 0.5 GB per block at 128k tokens and 16 x 128 heads. XLA's dense attention keeps nothing more
-    (its backward would need the whole probability matrix)."""
+    the backward does not run attention's forward again; keeps B S H (2 D + 4) bytes per block (bf16),
+    about 0.5 GB per block at 128k tokens and 16 x 128 heads (the compiled peak grew by twice that on an
+    H200). XLA's dense attention keeps nothing more (its backward would need the whole probability
+    matrix). Measured: cuDNN's step 18-21% faster; the sparse kernels' forward still ran twice per block
+    on the GPU though jax's program has it once (experiments/results/RESULTS.md, 2026-12-03)."""
     if not keep_attention:
         return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
     named = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME, RESIDUAL_NAME)
