@@ -63,7 +63,7 @@ def remat_policy(keep_attention: bool = False):
     about 0.5 GB per block at 128k tokens and 16 x 128 heads (the compiled peak grew by twice that on an
     H200). XLA's dense attention keeps nothing more (its backward would need the whole probability
     matrix). Measured: cuDNN's step 18-21% faster; the sparse kernels' forward still ran twice per block
-    on the GPU though jax's program has it once (experiments/results/RESULTS.md, 2026-12-03)."""
+    on the GPU (jax 0.11.2) though jax 0.10.2's program has it once (experiments/results/RESULTS.md, 2026-12-03)."""
     if not keep_attention:
         return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
     named = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME, RESIDUAL_NAME)
