@@ -133,7 +133,7 @@ FLOPS_FORMULA = (
     "2 B L H (S / q_tile)(S / kv_block) r. model (dense-equivalent) = 3 x the dense forward without DSV. "
     "work done = 4 (linear + cross) [fwd, remat fwd, 2x bwd] + 4.5 kept attention [fwd, remat fwd, flash bwd 2.5x; "
     "kept = mean selected KV blocks / all] + DSV: 4 predictor + 1 selection (the remat keeps it); with "
-    "model.remat_keep_attention (--set) the attention terms drop their remat fwd (4 -> 3, 4.5 -> 3.5). "
+    "model.remat_keep_attention (--set) video attention drops its remat fwd (4.5 -> 3.5). "
     "MFU = FLOPs / step time / the device's dense bf16 peak (dsv_jax.model.flops.peak_flops: 989.4 TFLOP/s on "
     "an H200).")
 

@@ -97,8 +97,11 @@ def bench_length(name, grid, heads, head_dim, copy_tbps):
     rows, reference = [], None
     for variant, fn in VARIANTS.items():
         fwd = jax.jit(lambda x, fn=fn: fn(x, rope))
-        both = jax.jit(lambda x, g, fn=fn: jax.vjp(lambda y: fn(y, rope), x)[1](g)[0])
-        out = (fwd(x), both(x, g))
+        # forward and backward in one program: the output is returned too, or XLA would drop the forward
+        both = jax.jit(lambda x, g, fn=fn: harness.fwd_bwd(lambda y: fn(y, rope))(x, g))
+        y, (dx,) = both(x, g)
+        out = (fwd(x), dx)
+        assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - out[0].astype(jnp.float32)))) == 0.0
         if reference is None:
             reference = out
         errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))

@@ -150,7 +150,7 @@ def test_rope_rotates_pairs_and_is_relative():
 def test_rope_custom_vjp_is_the_rotation_by_the_opposite_angle(d):
     """apply_rope's hand-written backward (rotate the cotangent back) against numerical derivatives, and the
     forward against the per-pair formula a' = a cos - b sin, b' = a sin + b cos (pairs: the two halves of
-    each axis part), at head dims whose parts are uneven (24: 8 + 8 + 8; 128: 44 + 42 + 42)."""
+    each axis part), at head dims 4 (parts 4 + 0 + 0), 24 (8 + 8 + 8) and 128 (44 + 42 + 42: odd halves)."""
     from jax.test_util import check_grads
 
     from dsv_jax.attention.rope import axis_dims

@@ -116,16 +116,49 @@ def test_remat_keep_attention_runs_the_sparse_forward_once(arch, monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_remat_keep_attention_policy_keeps_cudnn_forward_outputs():
+def test_remat_keep_attention_policy_keeps_cudnn_self_attention_outputs():
     """cuDNN cannot run here, so this checks the policy against jax's own cuDNN primitives by object: the
-    forward's outputs (o and softmax statistics) are kept with the option and recomputed without; other
-    primitives are recomputed either way."""
+    self-attention forward's outputs (o and softmax statistics) are kept with the option and recomputed
+    without; cross attention's (16 text keys for 4096 queries) and other primitives are recomputed."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
     from dsv_jax.model.attention import remat_policy
 
     forward = cudnn_attention._dot_product_attention_fwd_p_wrapper
-    assert remat_policy(keep_attention=True)(forward)
-    assert not remat_policy(keep_attention=False)(forward)
-    assert not remat_policy(keep_attention=True)(jax.lax.dot_general_p)
-    assert not remat_policy(keep_attention=True)(cudnn_attention._dot_product_attention_bwd_p_wrapper)
+    video = jax.core.ShapedArray((1, 4096, 16, 128), jnp.bfloat16)
+    text = jax.core.ShapedArray((1, 16, 16, 128), jnp.bfloat16)
+    keep, recompute = remat_policy(keep_attention=True), remat_policy(keep_attention=False)
+    assert keep(forward, video, video, video) and not recompute(forward, video, video, video)
+    assert not keep(forward, video, text, text)  # cross attention
+    assert not keep(jax.lax.dot_general_p, video, video)
+    assert not keep(cudnn_attention._dot_product_attention_bwd_p_wrapper, video, video, video)
+
+
+def test_remat_keep_attention_traces_the_mosaic_gpu_forward_once(monkeypatch):
+    """The Hopper path (what an H200 runs) names its residuals too: traced, not run (no GPU here), the
+    gradient's program holds its forward kernel once per block with the option and twice without."""
+    from dsv_jax.dsv import backend
+    from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
+
+    def hopper(q, k, v, kv_index, kv_count, *, impl=None, **options):
+        return sparse_attention_mgpu(q, k, v, kv_index, kv_count, interpret=False, **options)
+
+    monkeypatch.setattr(backend, "sparse_attention", hopper)
+    x, t, text, mask = model_inputs((8, 32, 32))  # 8 x 8 x 8 tokens: tiles of 64, heads of 64, bf16
+    half = AttentionPlan(mode="dsv", sparse=True, keep=0.5)
+    inputs = {"keep": jnp.full((2, 2), 0.5)}
+
+    def kernels(keep_attention):
+        model = dsv_model("dit", patch=(1, 4, 4), tile=(4, 4, 4), remat=True, remat_keep_attention=keep_attention,
+                          hidden=128, dtype="bfloat16")
+        graphdef, state = nnx.split(model)
+        loss = lambda st: jnp.sum(nnx.merge(graphdef, st)(x, t, text, mask, attention=half,
+                                                           attention_inputs=inputs).astype(jnp.float32))
+        grad = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
+        return _count_primitive(jax.make_jaxpr(loss)(state).jaxpr, "custom_partitioning"), \
+            _count_primitive(grad, "custom_partitioning")
+
+    forward, recomputing = kernels(False)
+    _, keeping = kernels(True)
+    assert forward == 1  # the scanned block's forward kernel
+    assert recomputing - keeping == forward

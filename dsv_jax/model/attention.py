@@ -50,20 +50,26 @@ SELECTION_NAME = "dsv_selection"
 CUDNN_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"})
 
 
-def _cudnn_forward_saveable(prim, *_, **__) -> bool:
-    return prim.name in CUDNN_FORWARD_PRIMITIVES
+def _cudnn_forward_saveable(prim, *avals, **__) -> bool:
+    """cuDNN self- (or joint) attention's forward outputs; not cross attention's, whose few text keys make
+    it cheap to recompute while its output is as large as self-attention's (q, k are its first operands)."""
+    if prim.name not in CUDNN_FORWARD_PRIMITIVES:
+        return False
+    q, k = avals[0], avals[1]
+    return k.size >= q.size
 
 
 def remat_policy(keep_attention: bool = False):
     """The jax.checkpoint policy of a transformer block: recompute everything but the DSV selection.
 
     keep_attention (model.remat_keep_attention): also keep what the flash attention kernels' backward
-    reads, the output and softmax statistics of DSV's sparse kernels (`RESIDUAL_NAME`) and of cuDNN, so
-    the backward does not run attention's forward again; keeps B S H (2 D + 4) bytes per block (bf16),
-    about 0.5 GB per block at 128k tokens and 16 x 128 heads (the compiled peak grew by twice that on an
-    H200). XLA's dense attention keeps nothing more (its backward would need the whole probability
-    matrix). Measured: cuDNN's step 18-21% faster; the sparse kernels' forward still ran twice per block
-    on the GPU (jax 0.11.2) though jax 0.10.2's program has it once (experiments/results/RESULTS.md, 2026-12-03)."""
+    reads, the output and softmax statistics of DSV's sparse kernels and of the context-parallel ring
+    (`RESIDUAL_NAME`) and of cuDNN's self-attention, so the backward does not run attention's forward
+    again; keeps B S H (2 D + 4) bytes per block (bf16), 0.5 GiB per block at 128k tokens and 16 x 128
+    heads. Cross attention (few text keys) is recomputed, and XLA's dense attention keeps nothing more
+    (its backward would need the whole probability matrix). Measured on an H200: cuDNN's step 18-21%
+    faster; the sparse kernels' forward still ran twice per block there (jax 0.11.2) though jax 0.10.2's
+    program has it once (experiments/results/RESULTS.md, 2026-12-03)."""
     if not keep_attention:
         return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
     named = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME, RESIDUAL_NAME)

@@ -27,7 +27,7 @@ blocks / all). A train step is
 
 with R = 1 when blocks are rematerialised (model.remat: one more forward) and 0 otherwise (the
 recomputed forward keeps the selection: `dsv_jax.model.attention.remat_policy`), and R = 0 for the
-attention terms with model.remat_keep_attention (the remat keeps attention's output and statistics); an
+video attention with model.remat_keep_attention (the remat keeps the flash kernels' output and statistics); an
 attention backward recomputes the scores (flash attention: 2.5 x its forward). MFU = FLOPs per second
 per device / the device's dense bf16 peak (`peak_flops`; None on CPUs and unknown devices).
 """
@@ -149,9 +149,11 @@ def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept:
     if selection is None:
         selection = bool(np.any(_per_block(kept, cfg.model.depth) < 1))
     r = 1.0 if cfg.model.remat else 0.0
-    r_attention = 0.0 if cfg.model.remat_keep_attention else r  # the remat keeps attention's outputs
+    # the remat keeps the flash kernels' video attention outputs (cross attention is recomputed); assumes
+    # those kernels run (cuDNN, the sparse ones): XLA's dense attention recomputes either way
+    r_attention = 0.0 if cfg.model.remat_keep_attention else r
     dense = 3 * (fwd["linear"] + fwd["video_attention_dense"] + fwd["text_attention"])
-    work = ((3 + r) * fwd["linear"] + (3 + r_attention) * fwd["text_attention"]
+    work = ((3 + r) * (fwd["linear"] + fwd["text_attention"])
             + (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"]
             + (3 + r) * fwd["predictor"] + fwd["selection"] * selection)
     return {"dense_equiv": dense, "work": work,

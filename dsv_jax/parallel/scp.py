@@ -33,7 +33,7 @@ from dsv_jax.dsv.selection import apply_counts
 from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
 from pallas_kernels.lowrank_topk import reduce_block, row_flags, tile_proxies
-from pallas_kernels.sparse_attention import row_term, sparse_attention_backward
+from pallas_kernels.sparse_attention import name_residuals, row_term, sparse_attention_backward
 
 
 def _mask_fn(src, s_chunk, kv_lens, kv_mask):
@@ -165,7 +165,7 @@ def _ring_fwd(q, k, v, masks, axis, steps):
     carry = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), local.NEG, jnp.float32), k, v)
     carry = jax.lax.fori_loop(0, n - 1, step, carry)
     o, lse, _, _ = step(n - 1, carry, send=False)
-    out = o.astype(q.dtype)
+    out, lse = name_residuals(o.astype(q.dtype), lse)  # what model.remat_keep_attention keeps
     visible = jnp.where(lse > local.NEG / 2, lse, -jnp.inf)
     return (out, visible), (q, k, v, masks, out, lse)
 
