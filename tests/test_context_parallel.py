@@ -622,7 +622,8 @@ def _count_primitive(jaxpr, name: str) -> int:
 
 def test_remat_keep_attention_keeps_the_rings_output(mesh, inputs):
     """The ring names its merged output and lse (as the sparse kernels do), so model.remat_keep_attention's
-    policy keeps them: a rematerialised ring attention's gradient runs the forward ring loop (a scan) once, not twice."""
+    policy keeps them: a rematerialised ring attention's gradient runs the forward ring loop (a scan) once,
+    not twice."""
     from dsv_jax.model.attention import remat_policy
 
     q, k, v, _ = inputs
