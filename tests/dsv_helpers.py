@@ -7,6 +7,7 @@ from flax import nnx
 
 from dsv_jax.config import get_config
 from dsv_jax.model import VideoDiT
+from dsv_jax.parallel.comm import _subjaxprs
 
 
 def rand(key, shape):
@@ -46,3 +47,9 @@ def model_inputs(shape, b=2):
     mask = jnp.arange(5)[None] < jnp.array([3, 5])[:b, None]
     return x, t, text, mask
 
+
+
+def count_primitive(jaxpr, name: str) -> int:
+    """Occurrences of a primitive in a jaxpr and every jaxpr nested in its equations (scan, remat, pjit...)."""
+    return sum((eqn.primitive.name == name) + sum(count_primitive(sub, name) for _, sub in _subjaxprs(eqn))
+               for eqn in jaxpr.eqns)

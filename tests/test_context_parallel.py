@@ -615,24 +615,20 @@ def test_dense_with_a_key_mask_and_lse_equals_single_device(mesh, inputs, strate
     assert_close(got, want)
 
 
-def _count_primitive(jaxpr, name: str) -> int:
-    return sum((eqn.primitive.name == name) + sum(_count_primitive(sub, name) for _, sub in _subjaxprs(eqn))
-               for eqn in jaxpr.eqns)
-
-
 def test_remat_keep_attention_keeps_the_rings_output(mesh, inputs):
     """The ring names its merged output and lse (as the sparse kernels do), so model.remat_keep_attention's
     policy keeps them: a rematerialised ring attention's gradient runs the forward ring loop (a scan) once,
     not twice."""
     from dsv_jax.model.attention import remat_policy
+    from tests.dsv_helpers import count_primitive
 
     q, k, v, _ = inputs
     f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy="ring", q_chunk=16)
 
     def loops(keep):
         g = jax.checkpoint(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), policy=remat_policy(keep))
-        return _count_primitive(jax.make_jaxpr(jax.grad(g, argnums=(0, 1, 2)))(q, k, v).jaxpr, "scan")
+        return count_primitive(jax.make_jaxpr(jax.grad(g, argnums=(0, 1, 2)))(q, k, v).jaxpr, "scan")
 
-    forward = _count_primitive(jax.make_jaxpr(f)(q, k, v).jaxpr, "scan")
+    forward = count_primitive(jax.make_jaxpr(f)(q, k, v).jaxpr, "scan")
     assert forward >= 1
     assert loops(False) - loops(True) == forward

@@ -7,8 +7,7 @@ import pytest
 from flax import nnx
 
 from dsv_jax.dsv.plan import AttentionPlan
-from dsv_jax.parallel.comm import _subjaxprs
-from tests.dsv_helpers import dsv_model, model_inputs
+from tests.dsv_helpers import count_primitive, dsv_model, model_inputs
 
 
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
@@ -48,12 +47,6 @@ def test_model_with_sparse_plans_selecting_everything_equals_dense(arch, latent,
     assert 1e-4 < float(jnp.abs(sparse - dense).max())
 
 
-def _count_primitive(jaxpr, name: str) -> int:
-    """Occurrences of a primitive in a jaxpr and every jaxpr nested in its equations (scan, remat, pjit...)."""
-    return sum((eqn.primitive.name == name) + sum(_count_primitive(sub, name) for _, sub in _subjaxprs(eqn))
-               for eqn in jaxpr.eqns)
-
-
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 def test_a_rematerialised_block_keeps_its_selection_for_the_backward(scan):
     """With remat on, the backward recomputes each block but not its DSV selection: the selection is a
@@ -73,9 +66,9 @@ def test_a_rematerialised_block_keeps_its_selection_for_the_backward(scan):
     grad_fn = jax.grad(lambda st: loss(nnx.merge(graphdef, st)))
     forward_only = jax.make_jaxpr(lambda st: loss(nnx.merge(graphdef, st)))(state).jaxpr
     with_backward = jax.make_jaxpr(grad_fn)(state).jaxpr
-    per_forward = _count_primitive(forward_only, "top_k")
+    per_forward = count_primitive(forward_only, "top_k")
     assert per_forward >= 1
-    assert _count_primitive(with_backward, "top_k") == per_forward  # not recomputed in the backward
+    assert count_primitive(with_backward, "top_k") == per_forward  # not recomputed in the backward
     g_remat = grad_fn(state)
     g_plain = nnx.grad(loss)(plain)
     for a, b in zip(jax.tree.leaves(g_remat), jax.tree.leaves(nnx.state(g_plain))):
@@ -109,9 +102,9 @@ def test_remat_keep_attention_runs_the_sparse_forward_once(arch, monkeypatch):
 
     forward, recomputing, g_recomputed = programs(False)
     _, keeping, g_kept = programs(True)
-    per_forward = _count_primitive(forward, "pallas_call")
+    per_forward = count_primitive(forward, "pallas_call")
     assert per_forward >= 1
-    assert _count_primitive(recomputing, "pallas_call") - _count_primitive(keeping, "pallas_call") == per_forward
+    assert count_primitive(recomputing, "pallas_call") - count_primitive(keeping, "pallas_call") == per_forward
     for a, b in zip(jax.tree.leaves(g_kept), jax.tree.leaves(g_recomputed)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -155,8 +148,8 @@ def test_remat_keep_attention_traces_the_mosaic_gpu_forward_once(monkeypatch):
         loss = lambda st: jnp.sum(nnx.merge(graphdef, st)(x, t, text, mask, attention=half,
                                                            attention_inputs=inputs).astype(jnp.float32))
         grad = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
-        return _count_primitive(jax.make_jaxpr(loss)(state).jaxpr, "custom_partitioning"), \
-            _count_primitive(grad, "custom_partitioning")
+        return count_primitive(jax.make_jaxpr(loss)(state).jaxpr, "custom_partitioning"), \
+            count_primitive(grad, "custom_partitioning")
 
     forward, recomputing = kernels(False)
     _, keeping = kernels(True)
