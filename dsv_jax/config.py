@@ -63,6 +63,10 @@ class ModelConfig:
     text_dim: int = 128  # width of the text embeddings the model receives
     qk_norm: bool = True
     rope_theta: float = 10000.0
+    # also add a fixed sin-cos embedding of each token's (t, h, w) to its patch embedding (no parameters):
+    # RoPE alone tells attention only relative positions, so a token learns which frame or where in the
+    # frame it is only through its neighbours
+    absolute_position: bool = False
     dtype: str = "auto"  # compute dtype: auto (bfloat16 on accelerators, float32 on CPU) | bfloat16 | float32
     remat: bool = True  # jax.checkpoint per block
     # with remat: keep each block's flash-attention output and softmax statistics (DSV's sparse kernels,

@@ -118,6 +118,37 @@ def test_scan_and_loop_agree_and_gradients_flow(arch):
     assert all(np.isfinite(norms)) and sum(n > 0 for n in norms) > 0.9 * len(norms)
 
 
+@pytest.mark.parametrize("arch", ["dit", "mmdit"])
+def test_absolute_position_adds_fixed_features_and_no_parameters(arch):
+    """model.absolute_position: a token's sin-cos features of its (t, h, w), added to its embedding. The same
+    parameters as without (old checkpoints restore); the output now tells positions apart (with RoPE alone,
+    a DiT gives every token of a clip of identical tokens the same output: attention sees only relative
+    positions and identical values; MMDiT's joint text keys already break that); tile order and padding
+    stay invisible."""
+    from dsv_jax.model.layers import position_features
+
+    coords = np.array([[0, 0, 0], [1, 0, 0], [0, 2, 0], [0, 0, 3], [5, 7, 9]])
+    feats = np.asarray(position_features(coords, 32))
+    angles = rope_angles(coords, 32)
+    np.testing.assert_allclose(feats, np.concatenate([np.sin(angles), np.cos(angles)], 1), atol=1e-6)
+    assert len({tuple(np.round(f, 5)) for f in feats}) == len(coords)  # every position its own features
+
+    plain = small_model_cfg(arch=arch, patch=(1, 4, 4), tile=(1, 1, 1))
+    placed = dataclasses.replace(plain, absolute_position=True)
+    shapes = lambda cfg: jax.tree.map(jnp.shape, nnx.state(VideoDiT(cfg, rngs=nnx.Rngs(0))))
+    assert shapes(plain) == shapes(placed)
+
+    x, t, text, mask = inputs(shape=(4, 24, 24))
+    uniform = jnp.tile(x[:, :1, :4, :4], (1, 4, 6, 6, 1))  # every 4 x 4 patch the same
+    for cfg, same_everywhere in ((plain, True), (placed, False)) if arch == "dit" else ():  # MMDiT: text keys
+        out = perturbed_model(cfg)(uniform, t, text, mask).reshape(2, 4, 6, 4, 6, 4, 3)
+        spread = float(jnp.abs(out - out[:, :1, :1, :, :1]).max())
+        assert (spread < 1e-4) if same_everywhere else (spread > 1e-2), (cfg.absolute_position, spread)
+    ref = perturbed_model(placed)(x, t, text, mask)
+    padded = perturbed_model(dataclasses.replace(placed, tile=(4, 4, 4)))(x, t, text, mask)  # grid 4 x 6 x 6
+    np.testing.assert_allclose(padded, ref, atol=2e-5)
+
+
 def test_zero_init_blocks_start_as_identity():
     """AdaLN-Zero: with the gates and the final layer at zero the velocity starts at exactly zero."""
     model = VideoDiT(small_model_cfg(patch=(1, 4, 4)), rngs=nnx.Rngs(0))

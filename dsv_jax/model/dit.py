@@ -41,6 +41,7 @@ from dsv_jax.model.layers import (
     linear,
     merge_heads,
     modulate,
+    position_features,
 )
 from dsv_jax.model.tokens import patchify, unpatchify
 
@@ -152,6 +153,8 @@ class VideoDiT(nnx.Module):
         # context parallelism: every device holds whole tiles, and the tokens stay sharded over the sequence
         tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile, cp.token_multiple if cp else 1)
         x = self.patch_embed(tokens)
+        if cfg.absolute_position:
+            x = x + position_features(layout.coords, cfg.hidden).astype(x.dtype)
         if cp is not None:
             x = cp.constrain(x)
 

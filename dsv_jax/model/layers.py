@@ -8,10 +8,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsv_jax.attention import attention
-from dsv_jax.attention.rope import apply_rope
+from dsv_jax.attention.rope import apply_rope, rope_angles
 from dsv_jax.config import ModelConfig
 from dsv_jax.model.attention import context_backend, self_attention
 from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
@@ -46,6 +47,13 @@ def timestep_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0)
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     args = 1000.0 * t.astype(jnp.float32)[:, None] * freqs[None]
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def position_features(coords, dim: int, max_period: float = 10000.0) -> jax.Array:
+    """Fixed sin-cos features [S, dim] of token coordinates `coords` [S, 3] (t, h, w), the axes splitting
+    the channels as RoPE splits a head (rope.axis_dims): sines in the first half, cosines in the second."""
+    angles = rope_angles(coords, dim, max_period)
+    return jnp.asarray(np.concatenate([np.sin(angles), np.cos(angles)], axis=1), jnp.float32)
 
 
 class TimestepEmbedder(nnx.Module):
