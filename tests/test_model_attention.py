@@ -155,3 +155,18 @@ def test_remat_keep_attention_traces_the_mosaic_gpu_forward_once(monkeypatch):
     _, keeping = kernels(True)
     assert forward == 1  # the scanned block's forward kernel
     assert recomputing - keeping == forward
+
+
+def test_kept_residuals_sit_behind_an_optimization_barrier():
+    """name_residuals' values come out of an optimization barrier: without it, XLA on GPU fused the sparse
+    forward's custom call with the store of its kept output into the scan's stack and ran the kernel a
+    second time for the output's other users (experiments/remat_programs.py, RESULTS.md 2026-12-03)."""
+    from pallas_kernels.sparse_attention import RESIDUAL_NAME, name_residuals
+
+    o, lse = jnp.ones((1, 128, 2, 64), jnp.bfloat16), jnp.zeros((1, 2, 128), jnp.float32)
+    jaxpr = jax.make_jaxpr(name_residuals)(o, lse).jaxpr
+    barrier = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    names = [e for e in jaxpr.eqns if e.params.get("name") == RESIDUAL_NAME]
+    assert len(barrier) == 1 and len(names) == 2
+    assert {id(e.invars[0]) for e in names} == {id(v) for v in barrier[0].outvars}
+    assert list(jaxpr.outvars) == [e.outvars[0] for e in names]

@@ -67,9 +67,10 @@ def remat_policy(keep_attention: bool = False):
     (`RESIDUAL_NAME`) and of cuDNN's self-attention, so the backward does not run attention's forward
     again; keeps B S H (2 D + 4) bytes per block (bf16), 0.5 GiB per block at 128k tokens and 16 x 128
     heads. Cross attention (few text keys) is recomputed, and XLA's dense attention keeps nothing more
-    (its backward would need the whole probability matrix). Measured on an H200: cuDNN's step 18-21%
-    faster; the sparse kernels' forward still ran twice per block there (jax 0.11.2) though jax 0.10.2's
-    program has it once (experiments/results/RESULTS.md, 2026-12-03)."""
+    (its backward would need the whole probability matrix). Measured on an H200 (2.7B, 128k tokens):
+    cuDNN's step 19% faster, DSV 0.9's 11% (experiments/results/RESULTS.md, 2026-12-03); the sparse
+    kernels keep their residuals behind an optimization barrier, without which XLA ran their forward twice
+    (pallas_kernels.sparse_attention.name_residuals)."""
     if not keep_attention:
         return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
     named = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME, RESIDUAL_NAME)
