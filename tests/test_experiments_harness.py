@@ -175,3 +175,33 @@ def test_study_overrides_build_the_bucket_of_the_asked_tokens(setup):
         training.study_overrides("faces", 256, quick=True)
     with pytest.raises(ValueError, match="no study shape for 300 tokens"):
         training.study_overrides(setup, 300, quick=True)
+
+
+def test_remat_programs_reads_kernels_from_lowered_and_compiled_text():
+    """experiments/remat_programs.py: custom calls counted by target and result types in StableHLO and HLO
+    text, attention kernels placed in their computation, sparse forwards told from dQ and dK/dV."""
+    from experiments.remat_programs import attention_calls, compiled_calls, lowered_calls, sparse_forwards
+
+    lowered = (
+        '  %4:2 = stablehlo.custom_call @mosaic_gpu_v2(%1, %2) {api_version = 2 : i32} : (tensor<8xi32>) '
+        '-> (tensor<1x64x2x64xbf16>, tensor<1x2x64xf32>)\n'
+        '  %5 = stablehlo.custom_call @mosaic_gpu_v2(%1) : (tensor<8xi32>) -> tensor<1x64x2x64xbf16>\n')
+    assert lowered_calls(lowered) == {"mosaic_gpu_v2 x2 tensor<1x64x2x64xbf16>": 1,
+                                      "mosaic_gpu_v2 x1 tensor<1x64x2x64xbf16>": 1}
+    compiled = (
+        'HloModule jit_step, entry_computation_layout={(f32[])->f32[]}\n\n'
+        '%fused_body.3 (p: bf16[8]) -> bf16[8] {\n'
+        '  %a = (bf16[1,64,2,64]{3,2,1,0}, f32[1,2,64]{2,1,0}) custom-call(%p), custom_call_target="mosaic_gpu_v2", '
+        'metadata={op_name="jit(step)/jvp()/while/body/entry"}\n'
+        '}\n\n'
+        'ENTRY %main.9 (p: bf16[8]) -> bf16[8] {\n'
+        '  %b = (bf16[1,64,2,64]{3,2,1,0}, bf16[1,64,2,64]{3,2,1,0}) custom-call(%p), '
+        'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/transpose(jvp())/entry"}\n'
+        '  %c = f32[4,4]{1,0} custom-call(%p), custom_call_target="__cublas$gemm"\n'
+        '}\n')
+    assert compiled_calls(compiled) == {"mosaic_gpu_v2 x2 bf16[1,64,2,64]": 2, "__cublas$gemm x1 f32[4,4]": 1}
+    calls = attention_calls(compiled)
+    assert [(c["computation"], c["results"], c["op_name"].split("/")[1]) for c in calls] == [
+        ("fused_body.3", "(bf16[1,64,2,64], f32[1,2,64])", "jvp()"),
+        ("main.9", "(bf16[1,64,2,64], bf16[1,64,2,64])", "transpose(jvp())")]
+    assert sparse_forwards(calls) == 1
