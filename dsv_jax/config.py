@@ -71,7 +71,7 @@ class ModelConfig:
     remat: bool = True  # jax.checkpoint per block
     # with remat: keep each block's flash-attention output and softmax statistics (DSV's sparse kernels,
     # cuDNN self-attention) for the backward instead of running attention's forward again. H200, 2.7B at
-    # 128k: full attention's step -19%, DSV 0.9's -11%, +15-17 GiB (experiments/results/RESULTS.md, 2026-12-03)
+    # 128k: full attention's step -19%, DSV 0.9's -11%, +15-17 GiB (experiments/results/RESULTS.md, 2026-12-03 (later))
     remat_keep_attention: bool = False
     scan_layers: bool = True  # lax.scan over blocks when all blocks share one static attention plan
 

@@ -4,7 +4,8 @@ the program jax lowers (StableHLO) and in the one XLA compiles (HLO after optimi
 `model.remat_keep_attention` should leave one sparse attention forward per block (kept across the remat)
 where the default policy has two (the forward and its recompute in the backward). The CPU test
 (tests/test_model_attention.py) checks that on jax's side; this script looks at the GPU's programs, where
-jax and XLA are the ones a run uses. Usage (GPU):
+jax and XLA are the ones a run uses. It looks for the Hopper path's kernels (Mosaic GPU) and cuDNN's; on
+another GPU the sparse kernels are Triton calls, which it does not tell apart. Usage (an H200):
 
     python -m experiments.remat_programs [--preset 2.7b] [--set model.depth=2] [--shape 16 64 64]
 
@@ -87,7 +88,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU")
     p.add_argument("--preset", default=None, help="default: 2.7b on a GPU, tiny with --quick")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config overrides, after the defaults (model.depth=2 on a GPU)")
     p.add_argument("--shape", type=int, nargs=3, default=None, help="latent T H W (default 16 64 64 on a GPU)")
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--variants", default="full,full/keep,dsv,dsv/keep,dsv/keep/no_dsf",
@@ -97,7 +99,7 @@ def main():
     args = p.parse_args()
     preset = args.preset or ("tiny" if args.quick else "2.7b")
     shape = tuple(args.shape or ((4, 16, 16) if args.quick else (16, 64, 64)))
-    sets = args.set or (["model.depth=2"] if not args.quick else ["model.remat=true"])
+    sets = (["model.remat=true"] if args.quick else ["model.depth=2"]) + args.set  # later overrides win
     variants = {}
     for name in args.variants.split(","):
         attention, *options = name.split("/")

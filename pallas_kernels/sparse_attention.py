@@ -47,10 +47,9 @@ def name_residuals(o, lse):
     """A forward's (o, lse) tagged with RESIDUAL_NAME (visible to checkpoint policies), to be used as both its
     output and its VJP's residuals (the layers after attention need o in their backward too).
 
-    Behind an optimization barrier: when a policy keeps them, a scanned model stores them into its stack of
-    residuals, and XLA on GPU (jax 0.11.2) fuses the kernel's custom call with that store (dynamic-slice
-    fusion) and, the output having other users, runs the kernel a second time for them
-    (experiments/remat_programs.py)."""
+    Behind an optimization barrier: when a policy kept them (a scanned model stores them into its stack of
+    residuals), XLA on GPU (jax 0.11.2) compiled the kernel's custom call twice, one copy inside a
+    dynamic-slice fusion; with the barrier it runs once (experiments/remat_programs.py)."""
     o, lse = jax.lax.optimization_barrier((o, lse))
     return checkpoint_name(o, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 

@@ -121,16 +121,22 @@ def test_scan_and_loop_agree_and_gradients_flow(arch):
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
 def test_absolute_position_adds_fixed_features_and_no_parameters(arch):
     """model.absolute_position: a token's sin-cos features of its (t, h, w), added to its embedding. The same
-    parameters as without (old checkpoints restore); the output now tells positions apart (with RoPE alone,
+    parameters as without (checkpoints from before the option load with it off, its default); the output
+    now tells positions apart (with RoPE alone,
     a DiT gives every token of a clip of identical tokens the same output: attention sees only relative
     positions and identical values; MMDiT's joint text keys already break that); tile order and padding
     stay invisible."""
     from dsv_jax.model.layers import position_features
 
     coords = np.array([[0, 0, 0], [1, 0, 0], [0, 2, 0], [0, 0, 3], [5, 7, 9]])
-    feats = np.asarray(position_features(coords, 32))
-    angles = rope_angles(coords, 32)
-    np.testing.assert_allclose(feats, np.concatenate([np.sin(angles), np.cos(angles)], 1), atol=1e-6)
+    feats = np.asarray(position_features(coords, 32))  # 32 channels: t 12, h 10, w 10 -> 6, 5, 5 angles
+    assert feats.shape == (5, 32)
+    np.testing.assert_allclose(feats[0], [0.0] * 16 + [1.0] * 16, atol=1e-6)  # the origin: sin 0, cos 1
+    w_freqs = 10000.0 ** (-np.arange(0, 10, 2) / 10)  # the w axis: its own 5 frequencies, angles 11..15
+    np.testing.assert_allclose(feats[3, 11:16], np.sin(3 * w_freqs), atol=1e-6)
+    np.testing.assert_allclose(feats[3, 27:32], np.cos(3 * w_freqs), atol=1e-6)
+    np.testing.assert_allclose(feats[3, :11], 0.0, atol=1e-6)  # t and h at 0
+    np.testing.assert_allclose(feats[1, 0], np.sin(1.0), atol=1e-6)  # t = 1, the first t frequency is 1
     assert len({tuple(np.round(f, 5)) for f in feats}) == len(coords)  # every position its own features
 
     plain = small_model_cfg(arch=arch, patch=(1, 4, 4), tile=(1, 1, 1))
@@ -140,10 +146,13 @@ def test_absolute_position_adds_fixed_features_and_no_parameters(arch):
 
     x, t, text, mask = inputs(shape=(4, 24, 24))
     uniform = jnp.tile(x[:, :1, :4, :4], (1, 4, 6, 6, 1))  # every 4 x 4 patch the same
-    for cfg, same_everywhere in ((plain, True), (placed, False)) if arch == "dit" else ():  # MMDiT: text keys
+    spread = {}
+    for cfg in (plain, placed):
         out = perturbed_model(cfg)(uniform, t, text, mask).reshape(2, 4, 6, 4, 6, 4, 3)
-        spread = float(jnp.abs(out - out[:, :1, :1, :, :1]).max())
-        assert (spread < 1e-4) if same_everywhere else (spread > 1e-2), (cfg.absolute_position, spread)
+        spread[cfg.absolute_position] = float(jnp.abs(out - out[:, :1, :1, :, :1]).max())
+    if arch == "dit":  # MMDiT's joint text keys already tell positions apart
+        assert spread[False] < 1e-4, spread
+    assert spread[True] > 1e-2 and spread[True] > 2 * spread[False], spread
     ref = perturbed_model(placed)(x, t, text, mask)
     padded = perturbed_model(dataclasses.replace(placed, tile=(4, 4, 4)))(x, t, text, mask)  # grid 4 x 6 x 6
     np.testing.assert_allclose(padded, ref, atol=2e-5)
