@@ -205,3 +205,17 @@ def test_remat_programs_reads_kernels_from_lowered_and_compiled_text():
         ("fused_body.3", "(bf16[1,64,2,64], f32[1,2,64])", "jvp()"),
         ("main.9", "(bf16[1,64,2,64], bf16[1,64,2,64])", "transpose(jvp())")]
     assert sparse_forwards(calls) == 1
+
+
+def test_motion_probe_measures_a_clips_displacement_along_its_direction():
+    """experiments/motion_probe.py: the embedded clips' objects move several pixels along their captioned
+    direction by its centroid measure, the reversed clips the other way, a still clip not at all."""
+    from experiments.motion_probe import centroid_shift, flipped, moving_clips
+
+    clips, captions, directions = moving_clips(6, (8, 32, 32))
+    along = (centroid_shift(clips) * directions).sum(-1)
+    assert np.all(along > 3.0), along
+    assert np.all((centroid_shift(clips[:, ::-1]) * directions).sum(-1) < -3.0)
+    assert np.abs(centroid_shift(np.repeat(clips[:, :1], 8, axis=1))).max() < 1e-9
+    assert flipped("a small red circle moving left") == "a small red circle moving right"
+    assert all(c.rsplit(" ", 1)[1] in ("left", "right", "up", "down") for c in captions)
