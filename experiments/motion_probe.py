@@ -1,8 +1,8 @@
 """Does a trained model's motion follow its caption? A probe of a shapes run (`data.source` synthetic).
 
-For held-out moving clips x0 of the embedded dataset, noised to x_t = (1 - t) x0 + t eps, the model's
-prediction of x0 (x_t - t v) is measured for the object's displacement (salience centroid, second half of
-the frames minus the first) along the clip's true direction, with three captions: the clip's own, the same
+For moving clips x0 of the embedded dataset (renderer seed 123), noised to x_t = (1 - t) x0 + t eps, the
+model's prediction of x0 (x_t - t v) is measured for the object's displacement (salience centroid, second
+half of the frames minus the first) along the clip's true direction, with three captions: the clip's own, the same
 with the direction word flipped (left <-> right, up <-> down), and the empty caption. A model whose motion
 follows the text moves the object the flipped way under the flipped caption; one that reads motion only
 from the noisy input gives the same displacement under both, and at t = 1 (pure noise) has no motion to
