@@ -122,10 +122,9 @@ def test_scan_and_loop_agree_and_gradients_flow(arch):
 def test_absolute_position_adds_fixed_features_and_no_parameters(arch):
     """model.absolute_position: a token's sin-cos features of its (t, h, w), added to its embedding. The same
     parameters as without (checkpoints from before the option load with it off, its default); the output
-    now tells positions apart (with RoPE alone,
-    a DiT gives every token of a clip of identical tokens the same output: attention sees only relative
-    positions and identical values; MMDiT's joint text keys already break that); tile order and padding
-    stay invisible."""
+    now tells positions apart (with RoPE alone, a DiT gives every token of a clip of identical tokens the
+    same output: attention sees only relative positions and identical values; MMDiT's joint text keys
+    already break that); tile order and padding stay invisible."""
     from dsv_jax.model.layers import position_features
 
     coords = np.array([[0, 0, 0], [1, 0, 0], [0, 2, 0], [0, 0, 3], [5, 7, 9]])

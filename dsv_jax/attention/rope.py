@@ -16,12 +16,15 @@ def axis_dims(head_dim: int) -> tuple[int, int, int]:
     return head_dim - 2 * hw, hw, hw
 
 
+def axis_frequencies(head_dim: int, theta: float = 10000.0) -> list[np.ndarray]:
+    """The rotation frequencies of the t, h and w parts of `head_dim` channels (axis_dims): dim / 2 each."""
+    return [1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim) for dim in axis_dims(head_dim)]
+
+
 def rope_angles(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> np.ndarray:
     """Angles [S, head_dim // 2] for positions `coords` [S, 3] (numpy, computed once per shape)."""
-    parts = []
-    for axis, dim in enumerate(axis_dims(head_dim)):
-        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        parts.append(coords[:, axis, None].astype(np.float64) * freqs[None, :])
+    parts = [coords[:, axis, None].astype(np.float64) * freqs[None, :]
+             for axis, freqs in enumerate(axis_frequencies(head_dim, theta))]
     return np.concatenate(parts, axis=1)
 
 

@@ -8,11 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsv_jax.attention import attention
-from dsv_jax.attention.rope import apply_rope, axis_dims
+from dsv_jax.attention.rope import apply_rope, axis_frequencies
 from dsv_jax.config import ModelConfig
 from dsv_jax.model.attention import context_backend, self_attention
 from pallas_kernels.adaln import adaln_modulate, gated_residual_adaln
@@ -51,12 +50,11 @@ def timestep_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0)
 
 def position_features(coords, dim: int, max_period: float = 10000.0) -> jax.Array:
     """Fixed sin-cos features [S, dim] float32 of token coordinates `coords` [S, 3] (t, h, w), the axes
-    splitting the channels as RoPE splits a head (rope.axis_dims): sines in the first half, cosines in the
+    splitting the channels as RoPE splits a head (rope.axis_frequencies): sines in the first half, cosines in the
     second. Evaluated in the program from the coordinates (S x 3 numbers), not embedded as a table: at
     2.7B and 128k tokens the table alone would be a 1 GiB constant."""
-    per_axis = [max_period ** (-np.arange(0, d, 2) / d) for d in axis_dims(dim)]
     angles = jnp.concatenate([jnp.asarray(coords, jnp.float32)[:, axis, None] * jnp.asarray(f, jnp.float32)[None]
-                              for axis, f in enumerate(per_axis)], axis=1)
+                              for axis, f in enumerate(axis_frequencies(dim, max_period))], axis=1)
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=1)
 
 
