@@ -24,6 +24,7 @@ import sys
 
 from dsv_jax.config import PRESETS, ConfigError, config_yaml, get_config, load_config
 from dsv_jax.errors import is_disk_full, report
+from dsv_jax.host_memory import keep_freed_memory
 
 VIDEO_EXTS = (".gif", ".mp4")
 
@@ -337,6 +338,7 @@ def main(argv=None) -> int:
     args = parse_args(build_parser(), argv)
     debug = getattr(args, "debug", False)
     setup_logging(getattr(args, "verbose", False), debug)
+    keep_freed_memory()  # before jax starts its threads: the arenas they get are made after this
     try:
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
