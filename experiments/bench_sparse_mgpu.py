@@ -8,7 +8,9 @@ every tile keeping round((1 - sparsity) * S / 64) of them):
      (run per head on float32 inputs, so it fits), relative Frobenius error;
   2. median time of fwd and fwd+bwd (jax.vjp) of the Mosaic GPU path, the Triton path and cuDNN full
      attention, in the same run; kept-work TFLOP/s (fwd 4 B H S kept D, fwd+bwd 3.5x that) and the
-     ratio to cuDNN's rate.
+     ratio to cuDNN's rate;
+  3. selection (lowrank_topk, rank 16) + fwd + bwd of the Mosaic GPU path as one program, and the
+     selection alone, against cuDNN's fwd+bwd of the same run.
 Every measurement runs in a child process with a time limit (a barrier deadlock costs that limit, not
 the run). Writes experiments/results/bench_sparse_mgpu.json (and $OUT/ when set); prints a table last.
 """
@@ -28,6 +30,7 @@ from experiments import harness
 from experiments.harness import error_text
 
 HEADS, HEAD_DIM, Q_TILE, KV_BLOCK = 16, 128, 64, 64
+RANK = 16  # of the low-rank q, k the selection scores (DSV's predictor rank)
 
 
 def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=Q_TILE, kv_block=KV_BLOCK, seed=0):
@@ -228,6 +231,32 @@ def parts(q, k, v, w, index, count, options):
     return out
 
 
+def select_and_attend(q, k, v, w, top_k, options):
+    """Selection (lowrank_topk on random rank-16 q, k: its picks are random blocks) then fwd+bwd of the Mosaic
+    GPU path on them, compiled as one program: the issue's "selection + fwd + bwd" time. Also the selection
+    alone. Median ms of each."""
+    from pallas_kernels.lowrank_topk import lowrank_topk
+    from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
+
+    b, seq, heads, _ = q.shape
+    k_q, k_k = jax.random.split(jax.random.key(7))
+    q_lr, k_lr = (jax.random.normal(key, (b, seq, heads, RANK), jnp.bfloat16) for key in (k_q, k_k))
+
+    def select(q_lr, k_lr):
+        return lowrank_topk(q_lr, k_lr, top_k, q_tile=Q_TILE, kv_block=KV_BLOCK)
+
+    @jax.jit
+    def step(q, k, v, w, q_lr, k_lr):
+        ids = select(q_lr, k_lr)
+        count = jnp.full(ids.shape[:3], top_k, jnp.int32)
+        attend = lambda q, k, v: sparse_attention_mgpu(q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK,
+                                                       tuning=options)
+        return harness.fwd_bwd(attend)(q, k, v, w)
+
+    return {"top_k": top_k, "select": timed(jax.jit(select), q_lr, k_lr),
+            "select_fwd_bwd": timed(step, q, k, v, w, q_lr, k_lr)}
+
+
 def measure(job):
     """Child process: one job, returns a dict (never raises)."""
     out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
@@ -246,6 +275,8 @@ def measure(job):
         fwd, fwd_bwd = attention_fns(impl, index, count, **options)
         if job.get("parts"):
             out["parts"] = parts(q, k, v, w, index, count, options)
+        if job.get("select"):
+            out["with_selection"] = select_and_attend(q, k, v, w, int(count[0, 0, 0]), options)
         t0 = time.perf_counter()
         out["fwd"] = timed(fwd, q, k, v)
         out["fwd_bwd"] = timed(fwd_bwd, q, k, v, w)
@@ -275,7 +306,8 @@ def plan(seqs, sparsities, variants, small_check=True, check_all=True):
         for sparsity in sparsities:
             for i, options in enumerate(variants):
                 jobs.append({"seq": seq, "sparsity": sparsity, "impl": "mgpu", "options": options,
-                             "check": i == 0 and (check_all or sparsity == sparsities[0]), "parts": i == 0})
+                             "check": i == 0 and (check_all or sparsity == sparsities[0]), "parts": i == 0,
+                             "select": i == 0})
             jobs.append({"seq": seq, "sparsity": sparsity, "impl": "triton"})
     return jobs
 
@@ -307,6 +339,14 @@ def summarise(results):
                 row["fwd_vs_cudnn_rate"] = r["fwd_tflops"] / base["fwd_tflops"]
                 row["fwd_bwd_vs_cudnn_rate"] = r["fwd_bwd_tflops"] / base["fwd_bwd_tflops"]
                 row["fwd_bwd_speedup"] = base["fwd_bwd"]["median_ms"] / r["fwd_bwd"]["median_ms"]
+        if "with_selection" in r:
+            sel = r["with_selection"]
+            row["select_ms"] = sel["select"]["median_ms"]
+            row["select_fwd_bwd_ms"] = sel["select_fwd_bwd"]["median_ms"]
+            row["sfb_spread"] = f"{sel['select_fwd_bwd']['min_ms']:.3g}-{sel['select_fwd_bwd']['max_ms']:.3g}"
+            base = dense.get(job["seq"])
+            if base is not None:
+                row["select_fwd_bwd_speedup"] = base["fwd_bwd"]["median_ms"] / row["select_fwd_bwd_ms"]
         rows.append(row)
     return rows
 
@@ -357,7 +397,8 @@ def main():
     print(f"\nwrote {path}")
     harness.print_table(rows, ["seq", "sparsity", "impl", "options", "correct", "max_err", "fwd_ms", "fwd_spread",
                                "fwd_bwd_ms", "fb_spread", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_cudnn_rate",
-                               "fwd_bwd_vs_cudnn_rate", "fwd_bwd_speedup"])
+                               "fwd_bwd_vs_cudnn_rate", "fwd_bwd_speedup", "select_ms", "select_fwd_bwd_ms",
+                               "sfb_spread", "select_fwd_bwd_speedup"])
     part_rows = [r for r in rows if "dq_kernel_ms" in r]
     if part_rows:
         print("\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs):")

@@ -219,3 +219,21 @@ def test_motion_probe_measures_a_clips_displacement_along_its_direction():
     assert np.abs(centroid_shift(np.repeat(clips[:, :1], 8, axis=1))).max() < 1e-9
     assert flipped("a small red circle moving left") == "a small red circle moving right"
     assert all(c.rsplit(" ", 1)[1] in ("left", "right", "up", "down") for c in captions)
+
+
+def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
+    from experiments.bench_sparse_mgpu import plan, summarise
+
+    jobs = plan([65536], [0.9], [{}, {"fwd_stages": 2}], small_check=False)
+    mgpu = [j for j in jobs if j["impl"] == "mgpu"]
+    assert [j["select"] for j in mgpu] == [True, False]  # the first variant only
+
+    t = lambda ms: {"median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.1}
+    results = [{"job": {"seq": 65536, "impl": "cudnn"}, "fwd": t(60.0), "fwd_bwd": t(240.0), "fwd_tflops": 500.0,
+                "fwd_bwd_tflops": 560.0},
+               {"job": mgpu[0], "fwd": t(7.5), "fwd_bwd": t(29.0), "fwd_tflops": 420.0, "fwd_bwd_tflops": 430.0,
+                "with_selection": {"top_k": 102, "select": t(1.0), "select_fwd_bwd": t(30.0)}}]
+    row = summarise(results)[1]
+    assert row["select_ms"] == 1.0 and row["select_fwd_bwd_ms"] == 30.0
+    assert row["select_fwd_bwd_speedup"] == pytest.approx(8.0)
+    assert row["fwd_bwd_speedup"] == pytest.approx(240.0 / 29.0)
