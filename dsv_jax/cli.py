@@ -3,11 +3,11 @@
     dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [--checkpoint STEP]
         [key=value ...] [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM /
         OpenMPI: detected)
-    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--checkpoint STEP]
+    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
         [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
     dsv-jax presets [--show NAME]
-    dsv-jax eval --workdir DIR [--clips N] [--steps N] [--json FILE] [--gif FILE] [--weights auto|ema|raw]
+    dsv-jax eval --workdir DIR [--clips N] [--steps N] [--shift S] [--json FILE] [--gif FILE] [--weights auto|ema|raw]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 
@@ -48,9 +48,15 @@ def _train(args) -> int:
     return 0
 
 
+def _check_shift(shift: float | None) -> None:
+    if shift is not None and not shift > 0:
+        raise ConfigError(f"--shift {shift:g} must be > 0 (1: the uniform time grid)")
+
+
 def _sample(args) -> int:
     from dsv_jax.sample import sample_from_workdir
 
+    _check_shift(args.shift)
     try:
         shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
     except ValueError:
@@ -64,7 +70,7 @@ def _sample(args) -> int:
         args.log_dir = args.model
     paths = sample_from_workdir(args.model, args.out, prompts=args.prompt or None, steps=args.steps,
                                 guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint,
-                                text_encoder=args.text_encoder, weights=args.weights)
+                                text_encoder=args.text_encoder, weights=args.weights, shift=args.shift)
     print("wrote " + ", ".join(paths))
     return 0
 
@@ -83,13 +89,14 @@ def _eval(args) -> int:
 
     from dsv_jax.evaluate import evaluate_workdir, json_ready, report
 
+    _check_shift(args.shift)
     if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
         raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
     if args.clips < 0:
         raise ConfigError(f"--clips {args.clips} must be >= 0")
     cfg, step, results = evaluate_workdir(args.workdir, step=args.checkpoint, weights=args.weights,
                                           batches=args.batches, clips=args.clips, steps=args.steps,
-                                          guidance=args.guidance, seed=args.seed)
+                                          guidance=args.guidance, seed=args.seed, shift=args.shift)
     print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
     print("\n".join(report(results)))
     if args.json:
@@ -233,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
+    p.add_argument("--shift", type=float, help="time-grid shift towards noise (default: the run's train.sample_shift)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
     p.add_argument("--checkpoint", type=int, metavar="STEP",
@@ -248,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="videos generated from held-out captions for the semantic score (0: none)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
+    p.add_argument("--shift", type=float, help="time-grid shift towards noise (default: the run's train.sample_shift)")
     p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")

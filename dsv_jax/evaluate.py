@@ -23,10 +23,11 @@ SEMANTIC_KEY = 77_777  # the eval split's rows used for semantic captions (apart
 
 
 def semantic_eval(cfg: Config, graphdef, params, controller: dict | None = None, *, clips: int = 8,
-                  steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None) -> dict:
+                  steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
+                  shift: float | None = None) -> dict:
     """{"score", "truth" (score_clips summaries), "captions", "frames" float32 [N, T, H, W, 3]} for
     `clips` videos generated from held-out captions of an embedded dataset at `shape` (default: the
-    config's longest bucket)."""
+    config's longest bucket; `shift`: of the sampler's time grid, default the config's train.sample_shift)."""
     from dsv_jax.data.feed import SyntheticFeed
     from dsv_jax.data.semantic import score_clips
     from dsv_jax.dsv.policy import make_policy
@@ -43,14 +44,15 @@ def semantic_eval(cfg: Config, graphdef, params, controller: dict | None = None,
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     latents = generate(cfg, graphdef, params, captions, shape, steps=steps,
                        guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                       attention=attention, attention_inputs=inputs)
+                       attention=attention, attention_inputs=inputs, shift=shift)
     frames = encode_frames(decode_latents(latents, cfg.data.codec))
     return {"score": score_clips(frames, captions), "truth": score_clips([f for f, _ in truth], captions),
             "captions": captions, "frames": frames}
 
 
 def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None, *, batches: int | None = None,
-                   clips: int = 8, steps: int = 30, guidance: float | None = None, seed: int = 0) -> dict:
+                   clips: int = 8, steps: int = 30, guidance: float | None = None, seed: int = 0,
+                   shift: float | None = None) -> dict:
     """Held-out loss(es) and, for an embedded dataset with clips > 0, the semantic score (see the module)."""
     from dsv_jax.data.feed import make_feed
     from dsv_jax.dsv.policy import make_policy
@@ -83,7 +85,7 @@ def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None
                                                   name="real_clip_loss")
     if clips > 0 and not cfg.data.path and cfg.data.source != "arrayrecord":
         out["semantic"] = semantic_eval(cfg, graphdef, params, controller, clips=clips, steps=steps,
-                                        guidance=guidance, seed=seed)
+                                        guidance=guidance, seed=seed, shift=shift)
     return out
 
 

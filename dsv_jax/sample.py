@@ -142,7 +142,7 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
 def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], *,
                       prompts: Sequence[str] | None = None, shape=None, steps: int = 30, guidance: float = 3.0,
                       seed: int = 0, controller_state: dict | None = None,
-                      text_encoder: Callable | None = None) -> list[str]:
+                      text_encoder: Callable | None = None, shift: float | None = None) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (or to each of several
     paths, .gif or .mp4: the same videos). Returns the paths written. A DSV run samples with the sparse
     plans of its controller state (stage 2 decisions), a window run with its windows."""
@@ -153,7 +153,8 @@ def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], 
     policy = make_policy(cfg, controller_state)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     latents = generate(cfg, graphdef, params, prompts or default_prompts(cfg), shape, steps=steps, guidance=guidance,
-                       seed=seed, attention=attention, attention_inputs=inputs, text_encoder=text_encoder)
+                       seed=seed, attention=attention, attention_inputs=inputs, text_encoder=text_encoder,
+                       shift=shift)
     if not np.isfinite(latents).all():
         raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
     frames = decode_latents(latents, cfg.data.codec)
@@ -163,16 +164,16 @@ def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], 
 def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequence[str] | None = None,
                         steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
                         step: int | None = None, text_encoder: str | None = None,
-                        weights: str = "auto") -> list[str]:
+                        weights: str = "auto", shift: float | None = None) -> list[str]:
     """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
     written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
     text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
-    where the run kept one."""
+    where the run kept one. `shift`: of the sampler's time grid (default: the run's train.sample_shift)."""
     from dsv_jax.export import load_for_sampling
 
     cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step, weights)
     encoder = load_text_encoder(cfg, text_encoder, hint)
     return sample_from_state(cfg, graphdef, params, out, prompts=prompts, shape=shape,
                              steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                             controller_state=controller, text_encoder=encoder)
+                             controller_state=controller, text_encoder=encoder, shift=shift)

@@ -108,6 +108,8 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     (["train", "--workdir", "{tmp}/run", "attention=bogus"], "attention='bogus' is not one of"),
     (["sample", "--workdir", "{tmp}/typo", "--out", "{tmp}/x.gif"], "'{tmp}/typo' is neither an exported model"),
     (["train", "--config", "{tmp}/nowhere/run.yaml"], "config file '{tmp}/nowhere/run.yaml' does not exist"),
+    (["sample", "--workdir", "{tmp}/run", "--out", "{tmp}/x.gif", "--shift", "0"], "--shift 0 must be > 0"),
+    (["eval", "--workdir", "{tmp}/run", "--shift", "-1"], "--shift -1 must be > 0"),
 ])
 def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):
     r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120)

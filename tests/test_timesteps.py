@@ -63,6 +63,25 @@ def test_generate_reads_the_shift_from_the_run_config():
     assert np.abs(from_config - run(cfg)).max() > 1e-3
 
 
+def test_sample_and_eval_hand_an_asked_shift_to_the_sampler(tmp_path, monkeypatch):
+    """`dsv-jax sample --shift` and `eval --shift` override the run's train.sample_shift."""
+    import dsv_jax.sample
+    from dsv_jax.evaluate import semantic_eval
+
+    cfg = small_config("model.depth=1", "data.buckets=[[2,8,8]]", "data.bucket_weights=[1.0]")
+    seen = []
+
+    def recording(cfg, graphdef, params, prompts, shape, **kw):
+        seen.append(kw.get("shift"))
+        return np.random.default_rng(0).normal(size=(len(prompts), *shape, cfg.model.in_channels)).astype(np.float32)
+
+    monkeypatch.setattr(dsv_jax.sample, "generate", recording)
+    semantic_eval(cfg, None, None, clips=1, steps=2, shift=2.5)
+    dsv_jax.sample.sample_from_state(cfg, None, None, str(tmp_path / "x.gif"), steps=2, shift=4.0)
+    dsv_jax.sample.sample_from_state(cfg, None, None, str(tmp_path / "y.gif"), steps=2)
+    assert seen == [2.5, 4.0, None]  # None: generate takes the config's
+
+
 @pytest.mark.parametrize("override", ["train.sample_shift=0", "train.sample_steps=0"])
 def test_bad_shift_or_steps_is_rejected(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
