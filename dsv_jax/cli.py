@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -49,14 +50,14 @@ def _train(args) -> int:
 
 
 def _check_shift(shift: float | None) -> None:
-    if shift is not None and not shift > 0:
-        raise ConfigError(f"--shift {shift:g} must be > 0 (1: the uniform time grid)")
+    if shift is not None and not (math.isfinite(shift) and shift > 0):
+        raise ConfigError(f"--shift {shift:g} must be a finite number > 0 (1: the uniform time grid)")
 
 
 def _sample(args) -> int:
+    _check_shift(args.shift)
     from dsv_jax.sample import sample_from_workdir
 
-    _check_shift(args.shift)
     try:
         shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
     except ValueError:
@@ -87,9 +88,9 @@ def _export(args) -> int:
 def _eval(args) -> int:
     import json
 
+    _check_shift(args.shift)
     from dsv_jax.evaluate import evaluate_workdir, json_ready, report
 
-    _check_shift(args.shift)
     if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
         raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
     if args.clips < 0:
@@ -101,7 +102,10 @@ def _eval(args) -> int:
     print("\n".join(report(results)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workdir": args.workdir, "step": step, **json_ready(results)}, f, indent=2)
+            sampler = {"clips": args.clips, "steps": args.steps, "seed": args.seed,
+                       "guidance": cfg.train.guidance if args.guidance is None else args.guidance,
+                       "shift": cfg.train.sample_shift if args.shift is None else args.shift}
+            json.dump({"workdir": args.workdir, "step": step, "sampler": sampler, **json_ready(results)}, f, indent=2)
         print(f"wrote {args.json}")
     if args.gif and "semantic" in results:
         from dsv_jax.data.codec import decode_latents
@@ -194,6 +198,8 @@ CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config
                "it extends (a run's config.json re-runs it)")
 
 
+SHIFT_HELP = "time-grid shift (> 1: more steps near noise; default: the run's train.sample_shift)"
+
 WEIGHTS_HELP = ("which weights of a training workdir's checkpoint: auto (default) the EMA of the weights where the "
                 "run kept one (train.ema_decay > 0), else the trained weights; ema; raw (the trained weights)")
 
@@ -240,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
-    p.add_argument("--shift", type=float, help="time-grid shift towards noise (default: the run's train.sample_shift)")
+    p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
     p.add_argument("--checkpoint", type=int, metavar="STEP",
@@ -256,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="videos generated from held-out captions for the semantic score (0: none)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
-    p.add_argument("--shift", type=float, help="time-grid shift towards noise (default: the run's train.sample_shift)")
+    p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
@@ -343,11 +349,16 @@ def setup_logging(verbose: bool, debug: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose or debug else level)
 
 
+# the commands that run XLA:CPU programs step after step (dsv_jax/host_memory.py)
+HOST_MEMORY_COMMANDS = ("train", "sample", "eval", "fit-cost")
+
+
 def main(argv=None) -> int:
     args = parse_args(build_parser(), argv)
     debug = getattr(args, "debug", False)
     setup_logging(getattr(args, "verbose", False), debug)
-    keep_freed_memory()  # before jax starts its threads: the arenas they get are made after this
+    if args.command in HOST_MEMORY_COMMANDS:
+        keep_freed_memory()  # before jax starts its threads: the arenas they get are made after this
     try:
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit

@@ -7,10 +7,6 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from dsv_jax.host_memory import keep_freed_memory
-
-keep_freed_memory()  # as the CLI does: XLA:CPU's big buffers stay mapped between calls
-
 
 def _xla_accepts(flag: str) -> bool:
     """Whether this jaxlib's XLA knows `flag` (an unknown flag in XLA_FLAGS aborts the process)."""

@@ -54,7 +54,7 @@ def test_train_then_sample_gif(tmp_path):
     assert frames.shape[0] == 4 and frames.shape[1] == 16 and frames.shape[2] == 2 * 16 + 1  # 4 frames, 2 clips
     # eval: the held-out loss the trainer logged at the end, and the semantic score of generated clips
     report = str(tmp_path / "eval.json")
-    r = run_cli("eval", "--workdir", wd, "--clips", "3", "--steps", "2", "--json", report)
+    r = run_cli("eval", "--workdir", wd, "--clips", "3", "--steps", "2", "--shift", "2.5", "--json", report)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out loss" in r.stdout and "semantic score" in r.stdout and "ground-truth clips" in r.stdout
     with open(report) as f:
@@ -64,6 +64,7 @@ def test_train_then_sample_gif(tmp_path):
     semantic = result["semantic"]
     assert len(semantic["captions"]) == 3 and semantic["truth"]["accuracy"] >= 0.9
     assert set(semantic["score"]["questions"]) == {"colour", "shape", "motion"}
+    assert result["sampler"] == {"clips": 3, "steps": 2, "seed": 0, "guidance": 3.0, "shift": 2.5}
 
     # a full disk: one line naming the folder, the space needed and the space free; the traceback goes to
     # the workdir's error.log; the checkpoint of step 3 stays the newest
@@ -108,8 +109,9 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     (["train", "--workdir", "{tmp}/run", "attention=bogus"], "attention='bogus' is not one of"),
     (["sample", "--workdir", "{tmp}/typo", "--out", "{tmp}/x.gif"], "'{tmp}/typo' is neither an exported model"),
     (["train", "--config", "{tmp}/nowhere/run.yaml"], "config file '{tmp}/nowhere/run.yaml' does not exist"),
-    (["sample", "--workdir", "{tmp}/run", "--out", "{tmp}/x.gif", "--shift", "0"], "--shift 0 must be > 0"),
-    (["eval", "--workdir", "{tmp}/run", "--shift", "-1"], "--shift -1 must be > 0"),
+    (["sample", "--workdir", "{tmp}/run", "--out", "{tmp}/x.gif", "--shift", "0"],
+     "--shift 0 must be a finite number > 0"),
+    (["eval", "--workdir", "{tmp}/run", "--shift", "inf"], "--shift inf must be a finite number > 0"),
 ])
 def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):
     r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120)

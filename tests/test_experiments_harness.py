@@ -237,3 +237,7 @@ def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
     assert row["select_ms"] == 1.0 and row["select_fwd_bwd_ms"] == 30.0
     assert row["select_fwd_bwd_speedup"] == pytest.approx(8.0)
     assert row["fwd_bwd_speedup"] == pytest.approx(240.0 / 29.0)
+    results[1]["with_selection"] = {"error": "RuntimeError: no Triton\ntraceback"}
+    row = summarise(results)[1]
+    assert row["select_error"] == "RuntimeError: no Triton" and "select_fwd_bwd_ms" not in row
+    assert row["fwd_bwd_ms"] == 29.0  # the kernel timings stay
