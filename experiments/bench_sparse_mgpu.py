@@ -235,6 +235,7 @@ def select_and_attend(q, k, v, w, top_k, options):
     """Selection (lowrank_topk on random rank-16 q, k: its picks are random blocks) then fwd+bwd of the Mosaic
     GPU path on them, compiled as one program: the issue's "selection + fwd + bwd" time. Also the selection
     alone. Median ms of each."""
+    from pallas_kernels.lowering import triton_missing
     from pallas_kernels.lowrank_topk import lowrank_topk
     from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
 
@@ -252,8 +253,6 @@ def select_and_attend(q, k, v, w, top_k, options):
         attend = lambda q, k, v: sparse_attention_mgpu(q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK,
                                                        tuning=options)
         return harness.fwd_bwd(attend)(q, k, v, w)
-
-    from pallas_kernels.lowering import triton_missing
 
     return {"top_k": top_k, "select_impl": "xla" if triton_missing() else "pallas (Triton)",
             "select": timed(jax.jit(select), q_lr, k_lr),
