@@ -125,9 +125,10 @@ SMALL_CASES = [  # (q_tile, kv_block, D, masked): both list modes of every kerne
     (64, 64, 128, False), (64, 64, 64, True), (128, 128, 128, True), (128, 64, 64, False), (64, 192, 128, True)]
 
 
-def small_check():
+def small_check(options=None):
     """The compiled kernels at S=1536, H=2 against dense_masked_reference: random counts including empty
-    tiles, random kv_valid including empty blocks, lse with its cotangent. Errors per case."""
+    tiles, random kv_valid including empty blocks, lse with its cotangent. Errors per case. `options`:
+    tuning of the Mosaic GPU path (a variant's)."""
     from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
 
     b, s, h = 1, 1536, 2
@@ -156,7 +157,7 @@ def small_check():
 
             kernel = loss(lambda q, k, v: sparse_attention_mgpu(q, k, v, index, count, q_tile=q_tile,
                                                                 kv_block=kv_block, kv_valid=kv_valid,
-                                                                return_lse=True))
+                                                                return_lse=True, tuning=options or None))
             ref = loss(lambda q, k, v: dense_masked_reference(q, k, v, index, count, kv_valid, q_tile=q_tile,
                                                               kv_block=kv_block, sm_scale=scale))
             (_, got), got_g = kernel(q, k, v)
@@ -264,7 +265,7 @@ def measure(job):
     out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     try:
         if job["impl"] == "small_check":
-            out["cases"] = small_check()
+            out["cases"] = small_check(job.get("options"))
             return out
         seq, impl = job["seq"], job["impl"]
         options = job.get("options", {})
@@ -304,16 +305,18 @@ def run_child(job, timeout_s):
     return result
 
 
-def plan(seqs, sparsities, variants, small_check=True, check_all=True):
-    jobs = [{"seq": 1536, "impl": "small_check"}] if small_check else []
+def plan(seqs, sparsities, variants, small_check=True, check_all=True, triton=True):
+    """Jobs in order. Every variant is checked (at the first sparsity only unless check_all) and timed in
+    pieces and with the selection, so that variants compare piece by piece in one run."""
+    jobs = [{"seq": 1536, "impl": "small_check", "options": options} for options in variants] if small_check else []
     for seq in seqs:
         jobs.append({"seq": seq, "impl": "cudnn"})
         for sparsity in sparsities:
-            for i, options in enumerate(variants):
+            for options in variants:
                 jobs.append({"seq": seq, "sparsity": sparsity, "impl": "mgpu", "options": options,
-                             "check": i == 0 and (check_all or sparsity == sparsities[0]), "parts": i == 0,
-                             "select": i == 0})
-            jobs.append({"seq": seq, "sparsity": sparsity, "impl": "triton"})
+                             "check": check_all or sparsity == sparsities[0], "parts": True, "select": True})
+            if triton:
+                jobs.append({"seq": seq, "sparsity": sparsity, "impl": "triton"})
     return jobs
 
 
@@ -369,6 +372,7 @@ def main():
     parser.add_argument("--no-small-check", action="store_true", help="skip the small-shape check of all geometries")
     parser.add_argument("--check-first-sparsity-only", action="store_true",
                         help="check against the reference at the first sparsity of each size only")
+    parser.add_argument("--no-triton", action="store_true", help="leave the Triton path out")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
@@ -378,7 +382,7 @@ def main():
     budget = harness.Budget(args.budget_s)
     results, skipped = [], []
     for job in plan(args.seqs, args.sparsities, json.loads(args.variants), not args.no_small_check,
-                    not args.check_first_sparsity_only):
+                    not args.check_first_sparsity_only, not args.no_triton):
         if not budget.allows(30):
             skipped.append(job)
             continue
@@ -399,8 +403,8 @@ def main():
         if "error" in r:
             print(f"\nERROR {json.dumps(r['job'])}:\n{r['error'][-1200:]}")
         for case in r.get("cases", []):
-            print("small check:", {k_: (f"{v_:.2e}" if isinstance(v_, float) else v_) for k_, v_ in case.items()
-                                   if k_ != "error"}, case.get("error", "")[:600])
+            shown = {k_: (f"{v_:.2e}" if isinstance(v_, float) else v_) for k_, v_ in case.items() if k_ != "error"}
+            print("small check", json.dumps(r["job"].get("options", {})), shown, case.get("error", "")[:600])
     print(f"\nwrote {path}")
     harness.print_table(rows, ["seq", "sparsity", "impl", "options", "correct", "max_err", "fwd_ms", "fwd_spread",
                                "fwd_bwd_ms", "fb_spread", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_cudnn_rate",

@@ -224,9 +224,14 @@ def test_motion_probe_measures_a_clips_displacement_along_its_direction():
 def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
     from experiments.bench_sparse_mgpu import plan, summarise
 
-    jobs = plan([65536], [0.9], [{}, {"fwd_stages": 2}], small_check=False)
+    variants = [{}, {"fwd_overlap": True}]
+    jobs = plan([65536], [0.9, 0.95], variants, check_all=False, triton=False)
+    assert [j["options"] for j in jobs if j["impl"] == "small_check"] == variants  # each variant's kernels checked
+    assert {j["impl"] for j in jobs} == {"small_check", "cudnn", "mgpu"}
     mgpu = [j for j in jobs if j["impl"] == "mgpu"]
-    assert [j["select"] for j in mgpu] == [True, False]  # the first variant only
+    assert [(j["sparsity"], j["options"], j["check"]) for j in mgpu] == [
+        (0.9, {}, True), (0.9, {"fwd_overlap": True}, True), (0.95, {}, False), (0.95, {"fwd_overlap": True}, False)]
+    assert all(j["parts"] and j["select"] for j in mgpu)  # variants compare piece by piece
 
     t = lambda ms: {"median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.1}
     results = [{"job": {"seq": 65536, "impl": "cudnn"}, "fwd": t(60.0), "fwd_bwd": t(240.0), "fwd_tflops": 500.0,
