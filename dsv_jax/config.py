@@ -191,6 +191,11 @@ class TrainConfig:
     # dsv_jax/train/loss.py: shift_timesteps. 1: a uniform grid. The same shift of the training t is
     # t_logit_mean += log(s). Every sampler (end-of-run GIF, `sample`, `eval`) reads it from the run's config.
     sample_shift: float = 1.0
+    # Resolution-dependent shift (SD3, section 5.3.2): a clip of n latent positions (T x H x W) has n / ref
+    # times the reference's positions and keeps its layout at more noise, so its training t_logit_mean gains
+    # 0.5 * log(n / ref) and the sampler's shift is multiplied by sqrt(n / ref). t_logit_mean and
+    # sample_shift are the values at ref positions. 0: off (every shape trains and samples alike).
+    resolution_shift_ref: int = 0
     # An exponential moving average (EMA) of the weights, kept in the train state beside them and updated
     # after every applied step: ema <- d ema + (1 - d) params. When it is on, everything that samples or
     # evaluates a trained run (end-of-run GIF, `sample`, `eval`, `export`, dsv_jax.load_model) uses it.
@@ -217,6 +222,9 @@ class TrainConfig:
         _positive("train.divergence_window", self.divergence_window)
         _positive("train.lr", self.lr)
         _positive("train.sample_shift", self.sample_shift)
+        if self.resolution_shift_ref < 0:
+            raise ConfigError(f"train.resolution_shift_ref={self.resolution_shift_ref} must be >= 0 (0: off; else "
+                              "the latent positions T x H x W at which t_logit_mean and sample_shift apply)")
         _positive("train.sample_steps", self.sample_steps)
         _positive("train.ckpt_every", self.ckpt_every)
         _positive("train.keep_checkpoints", self.keep_checkpoints)

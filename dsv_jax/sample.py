@@ -8,6 +8,7 @@ guidance g, v = v(empty caption) + g * (v(caption) - v(empty caption)).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Callable, Sequence
 
@@ -19,7 +20,7 @@ from flax import nnx
 from dsv_jax.config import Config
 from dsv_jax.data.codec import decode_latents, load_callable
 from dsv_jax.data.text import tokenize_batch
-from dsv_jax.train.loss import shift_timesteps
+from dsv_jax.train.loss import resolution_shift, shift_timesteps
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple
     the time grid, default the config's train.sample_shift)."""
     batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
     n = len(prompts)
-    t_grid = time_grid(steps, cfg.train.sample_shift if shift is None else shift)
+    if shift is None:  # the run's shift, at this shape (train.resolution_shift_ref)
+        shift = cfg.train.sample_shift * resolution_shift(cfg.train, math.prod(shape))
+    t_grid = time_grid(steps, shift)
 
     @jax.jit
     def run(params, batch, key, attention_inputs):

@@ -10,7 +10,7 @@ import pytest
 
 from dsv_jax.config import ConfigError, get_config
 from dsv_jax.sample import generate, time_grid
-from dsv_jax.train.loss import sample_timesteps, shift_timesteps
+from dsv_jax.train.loss import flow_matching_loss, sample_timesteps, shift_timesteps
 from dsv_jax.train.step import init_state
 from tests.conftest import small_config
 
@@ -38,6 +38,39 @@ def test_training_t_with_logit_mean_log_s_is_the_shifted_t():
     assert float(jnp.median(t1)) == pytest.approx(0.75, abs=0.02)  # sigmoid(log 3): 3/4 of the draws at t < 0.75
 
 
+def test_resolution_shift_moves_larger_clips_towards_noise_in_training():
+    """train.resolution_shift_ref: a clip with n latent positions trains at t_logit_mean + log(sqrt(n / ref)),
+    i.e. the shifted t of sqrt(n / ref); at ref, and with the option off, nothing changes."""
+    plain = dataclasses.replace(get_config("tiny").train, t_logit_mean=0.5, t_logit_std=1.2)
+    ref = dataclasses.replace(plain, resolution_shift_ref=1024)
+    key = jax.random.key(3)
+    base = sample_timesteps(key, 2048, plain, positions=8192)
+    np.testing.assert_array_equal(np.asarray(sample_timesteps(key, 2048, ref, positions=1024)), np.asarray(base))
+    for positions in (256, 8192):
+        np.testing.assert_allclose(np.asarray(sample_timesteps(key, 2048, ref, positions=positions)),
+                                   np.asarray(shift_timesteps(base, np.sqrt(positions / 1024))), rtol=1e-5, atol=1e-6)
+
+
+def test_the_loss_samples_t_at_its_clips_resolution(monkeypatch):
+    """flow_matching_loss hands the batch's latent positions (T x H x W) to the timestep sampler."""
+    import dsv_jax.train.loss as loss_module
+
+    seen = []
+    monkeypatch.setattr(loss_module, "sample_timesteps", lambda key, b, cfg, positions=0: seen.append(positions) or
+                        jnp.full((b,), 0.5))
+
+    class Model:  # the loss's view of a model: text encoding and a velocity
+        def encode_text(self, batch, drop=None):
+            return None, None
+
+        def __call__(self, x, t, text, mask, **kw):
+            return x, {}
+
+    batch = {"latents": jnp.ones((2, 3, 4, 5, 6))}
+    flow_matching_loss(Model(), batch, jax.random.key(0), get_config("tiny").train)
+    assert seen == [3 * 4 * 5]
+
+
 def test_sampler_grid_runs_from_noise_to_data_and_spends_more_steps_near_noise():
     uniform, shifted = np.asarray(time_grid(10)), np.asarray(time_grid(10, 3.0))
     np.testing.assert_allclose(uniform, np.linspace(1, 0, 11), atol=1e-6)
@@ -61,6 +94,9 @@ def test_generate_reads_the_shift_from_the_run_config():
     from_config = run(shifted)
     np.testing.assert_allclose(from_config, run(cfg, shift=4.0), rtol=1e-5, atol=1e-5)
     assert np.abs(from_config - run(cfg)).max() > 1e-3
+    # train.resolution_shift_ref: a (2, 8, 8) clip has 4x the positions of ref 32, so its grid shifts 2x more
+    by_size = dataclasses.replace(shifted, train=dataclasses.replace(shifted.train, resolution_shift_ref=32))
+    np.testing.assert_allclose(run(by_size), run(cfg, shift=8.0), rtol=1e-5, atol=1e-5)
 
 
 def test_sample_and_eval_hand_an_asked_shift_to_the_sampler(tmp_path, monkeypatch):
@@ -82,7 +118,7 @@ def test_sample_and_eval_hand_an_asked_shift_to_the_sampler(tmp_path, monkeypatc
     assert seen == [2.5, 4.0, None]  # None: generate takes the config's
 
 
-@pytest.mark.parametrize("override", ["train.sample_shift=0", "train.sample_steps=0"])
+@pytest.mark.parametrize("override", ["train.sample_shift=0", "train.sample_steps=0", "train.resolution_shift_ref=-1"])
 def test_bad_shift_or_steps_is_rejected(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         get_config("tiny", [override])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -15,10 +17,19 @@ def shift_timesteps(t, shift: float):
     return shift * t / (1.0 + (shift - 1.0) * t)
 
 
-def sample_timesteps(key, batch: int, cfg: TrainConfig) -> jax.Array:
+def resolution_shift(cfg: TrainConfig, positions: int) -> float:
+    """The factor by which a clip of `positions` latent positions (T x H x W) shifts towards noise relative
+    to train.resolution_shift_ref: sqrt(positions / ref), 1 when the option is off (0)."""
+    if not cfg.resolution_shift_ref:
+        return 1.0
+    return math.sqrt(positions / cfg.resolution_shift_ref)
+
+
+def sample_timesteps(key, batch: int, cfg: TrainConfig, positions: int = 0) -> jax.Array:
     """Logit-normal t: sigmoid(N(mean, std)), which favours the middle of the path (a mean > 0 favours
-    noise, see `shift_timesteps`)."""
-    return jax.nn.sigmoid(cfg.t_logit_mean + cfg.t_logit_std * jax.random.normal(key, (batch,)))
+    noise, see `shift_timesteps`). `positions`: latent positions per clip, for train.resolution_shift_ref."""
+    mean = cfg.t_logit_mean + (math.log(resolution_shift(cfg, positions)) if positions else 0.0)
+    return jax.nn.sigmoid(mean + cfg.t_logit_std * jax.random.normal(key, (batch,)))
 
 
 def noised(x0, eps, t):
@@ -32,7 +43,7 @@ def flow_matching_loss(model, batch, key, cfg: TrainConfig, attention="auto", at
     x0 = batch["latents"].astype(jnp.float32)
     b = x0.shape[0]
     k_t, k_eps, k_drop = jax.random.split(key, 3)
-    t = sample_timesteps(k_t, b, cfg)
+    t = sample_timesteps(k_t, b, cfg, positions=math.prod(x0.shape[1:-1]))
     xt, target = noised(x0, jax.random.normal(k_eps, x0.shape), t)
     drop = jax.random.bernoulli(k_drop, cfg.caption_dropout, (b,)) if cfg.caption_dropout > 0 else None
     text, mask = model.encode_text(batch, drop)
