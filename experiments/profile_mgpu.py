@@ -1,8 +1,11 @@
 """Run each Mosaic GPU kernel of block-sparse attention (forward, dQ, dK/dV) twice on fixed inputs, so that a
 profiler wrapped around this process reads their hardware counters:
 
-    ncu --clock-control none --section SpeedOfLight --section WarpStateStats ... \\
-        python -m experiments.profile_mgpu [--seq 32768] [--sparsity 0.9] [--options '{"fwd_overlap": true}']
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:dsv_sparse --set full \\
+        python -m experiments.profile_mgpu [--seq 32768] [--sparsity 0.9] [--options '{"fwd_stages": 2}']
+
+(Without the preallocation switched off, ncu saves and restores jax's whole memory pool around every replay
+of a kernel: minutes per kernel. The kernels are named dsv_sparse_fwd, dsv_sparse_dq, dsv_sparse_dkdv.)
 
 The inputs are made on the host (numpy) and copied over, and the index is sanitized and transposed
 beforehand, so the kernels launched are the three Mosaic GPU kernels in that order (each twice), plus the

@@ -193,10 +193,6 @@ class AttentionConfig:
     masked: kv_valid was given (per-block counts of valid keys; the others are masked).
     fwd_stages, bwd_stages: SMEM ring depth per list (forward; dQ and dK/dV). The dQ consumer waits for
     its next K slice while the current one is still in use, so the backward needs two or more.
-    fwd_overlap: the forward issues the next step's S = Q K^T with this step's P V (one wait for both)
-    instead of staggering the consumers by a schedule barrier. dq_overlap: the dQ kernel issues the next
-    S, dP with this step's dQ += dS K (one wait a step, not two). dkdv_overlap: the dK/dV kernel issues the
-    next S^T with this step's dK += dS^T Q (two waits a step, not three).
     """
 
     q_tile: int
@@ -207,9 +203,6 @@ class AttentionConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     tiles_fastest: bool = False
-    fwd_overlap: bool = False
-    dq_overlap: bool = False
-    dkdv_overlap: bool = False
     interpret: bool = False
 
     def __post_init__(self):

@@ -94,69 +94,32 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
             def _():
                 plgpu.barrier_wait(k_ready.at[base])
 
-            def slot_of(step):
-                return base + lax.rem(step, stages)
-
-            def grad_logits(logits, dp, n_valid):
-                """dS (bf16) of this step from S and dP."""
-                p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
-                if masked:
-                    p = jnp.where(ops.iota(p.shape, 1) < n_valid, p, 0.0)
-                return (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
-
             def step_fn(step, carry):
                 acc, n_valid = carry
-                slot = slot_of(step)
+                slot = base + lax.rem(step, stages)
                 plgpu.barrier_wait(v_ready.at[slot])
                 logits, dp = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True),
                                       ((ROWS, ROWS), my_do, v_smem.at[slot], True)])
                 plgpu.barrier_arrive(v_free.at[slot])
-                ds = grad_logits(logits, dp, n_valid)
+                p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
                 if masked:
+                    p = jnp.where(ops.iota(p.shape, 1) < n_valid, p, 0.0)
                     n_valid = valid_keys(step + 1)
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
                 def wait_next_k():
                     nxt = step + 1
 
                     @pl.when(nxt < n)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+                        plgpu.barrier_wait(k_ready.at[base + lax.rem(nxt, stages)])
 
-                (acc,) = ops.mma([(acc, ds, k_smem.at[slot], False)], after=wait_next_k)
+                (acc,) = ops.mma([(acc, ds.astype(dtype), k_smem.at[slot], False)], after=wait_next_k)
                 plgpu.barrier_arrive(k_free.at[slot])
                 return acc, n_valid
 
-            def overlapped_step(step, carry):
-                """The next step's S and dP are issued with this step's dQ += dS K (one wait for the
-                three); K of this step and the next are both held. The last step's extra S, dP read stale
-                slots and are dropped."""
-                acc, logits, dp, n_valid = carry
-                slot, nxt = slot_of(step), step + 1
-                ds = grad_logits(logits, dp, n_valid)
-                if masked:
-                    n_valid = valid_keys(nxt)
-
-                @pl.when(nxt < n)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
-                    plgpu.barrier_wait(v_ready.at[slot_of(nxt)])
-
-                acc, logits, dp = ops.mma([(acc, ds, k_smem.at[slot], False),
-                                           ((ROWS, ROWS), my_q, k_smem.at[slot_of(nxt)], True),
-                                           ((ROWS, ROWS), my_do, v_smem.at[slot_of(nxt)], True)])
-                plgpu.barrier_arrive(k_free.at[slot])
-                pl.when(nxt < n)(lambda: plgpu.barrier_arrive(v_free.at[slot_of(nxt)]))
-                return acc, logits, dp, n_valid
-
             init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), valid_keys(0) if masked else jnp.int32(0))
-            if cfg.dq_overlap:
-                pl.when(n > 0)(lambda: plgpu.barrier_wait(v_ready.at[base]))
-                logits, dp = ops.mma([((ROWS, ROWS), my_q, k_smem.at[base], True),  # stale when n == 0: unused
-                                      ((ROWS, ROWS), my_do, v_smem.at[base], True)])
-                pl.when(n > 0)(lambda: plgpu.barrier_arrive(v_free.at[base]))
-                acc, _, _, _ = lax.fori_loop(0, n, overlapped_step, (init[0], logits, dp, init[1]))
-            else:
-                acc, _ = lax.fori_loop(0, n, step_fn, init)
+            acc, _ = lax.fori_loop(0, n, step_fn, init)
             my_q[...] = (acc * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
@@ -180,7 +143,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
             produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
                             Group(copier(v_ref, v_smem), v_ready, v_free)], counts, stages)
 
-    def entry(*refs):
+    def dsv_sparse_dq(*refs):  # the kernel's name in profiles
         if not masked:
             refs = refs[:8] + (None,) + refs[8:]
         ring = lists * stages
@@ -195,7 +158,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         )
 
     call = kernel_call(
-        plgpu, entry, result_type(q.shape, dtype, q),
+        plgpu, dsv_sparse_dq, result_type(q.shape, dtype, q),
         **cfg.grid(h, s // _PAIR, b),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
@@ -248,11 +211,11 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
             plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])
             plgpu.barrier_wait(kv_ready.at[wg])
 
-            def slot_of(step):
-                return base + lax.rem(step, stages)
-
-            def grads_from(logits_t, slot, dk_acc, dv_acc):
-                """P^T from S^T; dV += P^T dO and dP^T = V dO^T (one wait); -> dS^T (bf16), dk, dv."""
+            def step_fn(step, carry):
+                dk_acc, dv_acc = carry
+                slot = base + lax.rem(step, stages)
+                plgpu.barrier_wait(a_ready.at[slot])
+                (logits_t,) = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True)])
                 lse = ops.load(lse_ring.at[slot], ops.col_layout())
                 p_t = jnp.exp2(logits_t * qk_scale - lax.broadcast_in_dim(lse, logits_t.shape, [1]))
                 plgpu.barrier_wait(b_ready.at[slot])
@@ -261,37 +224,12 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
                 delta = ops.load(delta_ring.at[slot], ops.col_layout())
                 plgpu.barrier_arrive(b_free.at[slot])
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-                return ds_t.astype(dtype), dk_acc, dv_acc
-
-            def step_fn(step, carry):
-                dk_acc, dv_acc = carry
-                slot = slot_of(step)
-                plgpu.barrier_wait(a_ready.at[slot])
-                (logits_t,) = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True)])
-                ds_t, dk_acc, dv_acc = grads_from(logits_t, slot, dk_acc, dv_acc)
-                (dk_acc,) = ops.mma([(dk_acc, ds_t, q_ring.at[slot], False)])
+                (dk_acc,) = ops.mma([(dk_acc, ds_t.astype(dtype), q_ring.at[slot], False)])
                 plgpu.barrier_arrive(a_free.at[slot])
                 return dk_acc, dv_acc
 
-            def overlapped_step(step, carry):
-                """The next step's S^T is issued with this step's dK += dS^T Q (one wait for both), so a
-                step waits twice instead of three times; the last step's extra S^T reads a stale slot."""
-                dk_acc, dv_acc, logits_t = carry
-                slot, nxt = slot_of(step), step + 1
-                ds_t, dk_acc, dv_acc = grads_from(logits_t, slot, dk_acc, dv_acc)
-                pl.when(nxt < n)(lambda: plgpu.barrier_wait(a_ready.at[slot_of(nxt)]))
-                dk_acc, logits_t = ops.mma([(dk_acc, ds_t, q_ring.at[slot], False),
-                                            ((ROWS, ROWS), my_k, q_ring.at[slot_of(nxt)], True)])
-                plgpu.barrier_arrive(a_free.at[slot])
-                return dk_acc, dv_acc, logits_t
-
             zeros = ops.full((ROWS, d), 0.0, ops.wgmma_layout)
-            if cfg.dkdv_overlap:
-                pl.when(n > 0)(lambda: plgpu.barrier_wait(a_ready.at[base]))
-                (first,) = ops.mma([((ROWS, ROWS), my_k, q_ring.at[base], True)])  # stale when n == 0: unused
-                dk_acc, dv_acc, _ = lax.fori_loop(0, n, overlapped_step, (zeros, zeros, first))
-            else:
-                dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
+            dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
             dk_acc = dk_acc * cfg.sm_scale
             if masked:  # masked keys get no gradient (their rows of P were not part of the softmax)
                 keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, ci * CONSUMERS + wg]
@@ -325,7 +263,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
 
             produce(plgpu, [Group(copy_a, a_ready, a_free), Group(copy_b, b_ready, b_free)], counts, stages)
 
-    def entry(*refs):
+    def dsv_sparse_dkdv(*refs):  # the kernel's name in profiles
         if not masked:
             refs = refs[:8] + (None,) + refs[8:]
         ring = lists * stages
@@ -340,7 +278,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
         )
 
     call = kernel_call(
-        plgpu, entry, [result_type(k.shape, dtype, q), result_type(v.shape, dtype, q)],
+        plgpu, dsv_sparse_dkdv, [result_type(k.shape, dtype, q), result_type(v.shape, dtype, q)],
         **cfg.grid(h, s // _PAIR, b),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),

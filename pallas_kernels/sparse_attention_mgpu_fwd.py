@@ -81,14 +81,17 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
             def _():
                 plgpu.barrier_wait(k_ready.at[base])
 
-            pingpong = not cfg.fwd_overlap  # the schedule barrier staggers the consumers
-            if pingpong:
-                pl.when(wg == 1)(lambda: schedule_round(plgpu, sched))
+            pl.when(wg == 1)(lambda: schedule_round(plgpu, sched))
 
-            def online_softmax(logits, m_i, l_i, acc, n_valid):
-                """P (bf16) of this step's logits, the accumulator rescaled to the new row max, m and l."""
+            def step_fn(step, carry):
+                acc, m_i, l_i, n_valid = carry
+                slot = base + lax.rem(step, stages)
+                (logits,) = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True)],
+                                    after=lambda: schedule_round(plgpu, sched))
+                plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     logits = jnp.where(ops.iota(logits.shape, 1) < n_valid, logits, -jnp.inf)
+                    n_valid = valid_keys(step + 1)
                 m_new = jnp.maximum(m_i, logits.max(axis=1) * qk_scale)
                 # A row whose keys so far are all masked keeps m = -inf; exponents then use 0.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -96,20 +99,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                 p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(m_use, logits.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
-                return p.astype(dtype), acc, m_new, l_i
-
-            def slot_of(step):
-                return base + lax.rem(step, stages)
-
-            def step_fn(step, carry):
-                acc, m_i, l_i, n_valid = carry
-                slot = slot_of(step)
-                (logits,) = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True)],
-                                    after=lambda: schedule_round(plgpu, sched))
-                plgpu.barrier_arrive(k_free.at[slot])
-                p16, acc, m_new, l_i = online_softmax(logits, m_i, l_i, acc, n_valid)
-                if masked:
-                    n_valid = valid_keys(step + 1)
+                p16 = p.astype(dtype)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(sched)  # softmax done: the other consumer may issue
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -120,46 +110,23 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
                     @pl.when(nxt < n)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+                        plgpu.barrier_wait(k_ready.at[base + lax.rem(nxt, stages)])
 
                 (acc,) = ops.mma([(acc, p16, v_smem.at[slot], False)], after=wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i, n_valid
 
-            def overlapped_step(step, carry):
-                """S of the next step is issued with this step's P V, so one wait covers both products and
-                the softmax runs while the other consumer's pair holds the tensor cores (no schedule
-                barrier). The last step's extra S reads a stale slot and is dropped."""
-                acc, m_i, l_i, logits, n_valid = carry
-                slot, nxt = slot_of(step), step + 1
-                p16, acc, m_new, l_i = online_softmax(logits, m_i, l_i, acc, n_valid)
-                if masked:
-                    n_valid = valid_keys(nxt)
-                plgpu.barrier_wait(v_ready.at[slot])
-                pl.when(nxt < n)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(nxt)]))
-                acc, logits = ops.mma([(acc, p16, v_smem.at[slot], False),
-                                       ((ROWS, ROWS), my_q, k_smem.at[slot_of(nxt)], True)])
-                plgpu.barrier_arrive(v_free.at[slot])
-                pl.when(nxt < n)(lambda: plgpu.barrier_arrive(k_free.at[slot_of(nxt)]))
-                return acc, m_new, l_i, logits, n_valid
-
             init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
                     ops.full((ROWS,), 0.0, ops.row_layout()), valid_keys(0) if masked else jnp.int32(0))
-            if cfg.fwd_overlap:
-                (first,) = ops.mma([((ROWS, ROWS), my_q, k_smem.at[base], True)])  # stale when n == 0: unused
-                pl.when(n > 0)(lambda: plgpu.barrier_arrive(k_free.at[base]))
-                acc, m_i, l_i, _, _ = lax.fori_loop(0, n, overlapped_step, (*init[:3], first, init[3]))
-            else:
-                acc, m_i, l_i, _ = lax.fori_loop(0, n, step_fn, init)
-            if pingpong and lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
+            acc, m_i, l_i, _ = lax.fori_loop(0, n, step_fn, init)
+            if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
 
                 @pl.loop(n, longest)
                 def _pad(_):
                     schedule_round(plgpu, sched)
                     schedule_round(plgpu, sched)
 
-            if pingpong:
-                pl.when(wg == 0)(lambda: schedule_round(plgpu, sched))
+            pl.when(wg == 0)(lambda: schedule_round(plgpu, sched))
 
             empty = l_i == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
@@ -188,7 +155,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
             produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
                             Group(copier(v_ref, v_smem), v_ready, v_free)], counts, stages)
 
-    def entry(*refs):
+    def dsv_sparse_fwd(*refs):  # the kernel's name in profiles
         if masked:
             q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref = refs
         else:
@@ -207,7 +174,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
         )
 
     call = kernel_call(
-        plgpu, entry, [result_type(q.shape, dtype, q), result_type((b, h, s), jnp.float32, q)],
+        plgpu, dsv_sparse_fwd, [result_type(q.shape, dtype, q), result_type((b, h, s), jnp.float32, q)],
         **cfg.grid(h, s // (CONSUMERS * ROWS), b),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),

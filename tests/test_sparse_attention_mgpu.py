@@ -31,11 +31,6 @@ def selection(key, b, h, tiles, blocks, n_sel, counts):
     return jnp.where(jnp.arange(n_sel) < count[..., None], ids, garbage).astype(jnp.int32), count
 
 
-def overlapped(on: bool) -> dict:
-    """Tuning that turns the next-step overlap of all three kernels on or off."""
-    return {"fwd_overlap": on, "dq_overlap": on, "dkdv_overlap": on}
-
-
 def outputs_and_grads(fn, q, k, v, wo, wl):
     """(o, lse, dq, dk, dv) of loss = sum(o * wo) + sum(lse * wl) over rows with finite lse."""
     def loss(q, k, v):
@@ -69,30 +64,26 @@ def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning):
     return got
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter(overlap):
+def test_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter():
     """q_tile 64: the two consumers walk different lists (one empty: no keys, o = 0, lse = -inf, zero
     grads, the schedule barrier kept in step; the other two blocks); kv_block 64: dK/dV walks one list
-    per 64 key rows. kv_valid masks keys, and one block has none valid. With overlap the forward issues
-    the next S with P V (the empty list's consumer computes one S from a slot never filled, and drops it)."""
+    per 64 key rows. kv_valid masks keys, and one block has none valid."""
     kv_valid = jnp.array([[0, 37]], jnp.int32)
     o, lse, dq, dk, dv = check_against_dense(64, 64, 64, 128, [0, 2], kv_valid, seed=3,
-                                             tuning={"fwd_stages": 1, **overlapped(overlap)})
+                                             tuning={"fwd_stages": 1})
     assert np.all(np.asarray(o[:, :64]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :64])))
     assert np.all(np.asarray(dq[:, :64]) == 0)
     assert np.all(np.asarray(dk[:, :64]) == 0) and np.all(np.asarray(dv[:, 64 + 37:]) == 0)
     assert np.any(np.asarray(dq[:, 64:]) != 0) and np.any(np.asarray(dk[:, 64:64 + 37]) != 0)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_shared_lists_in_gpu_interpreter(overlap):
+def test_shared_lists_in_gpu_interpreter():
     """q_tile 128 and kv_block 128: both consumers share one list and one ring (a stage is freed by
     both), a block and a tile take two 64-row steps each, D = 128."""
-    check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1, **overlapped(overlap)})
+    check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1})
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_backward_under_merged_statistics_in_gpu_interpreter(overlap):
+def test_backward_under_merged_statistics_in_gpu_interpreter():
     """sparse_attention_mgpu_backward: a selection split into disjoint A and B; under the whole selection's
     (o, lse) (what merging A's and B's gives) the two calls sum to the whole's gradients, with masked
     keys, a tile A leaves empty and a tile with kv_count 0 (lse = -inf, nonzero lse cotangent)."""
@@ -106,8 +97,7 @@ def test_backward_under_merged_statistics_in_gpu_interpreter(overlap):
     whole = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, return_lse=True, **kw)
     (o, lse), pullback = jax.vjp(whole, *(x.astype(jnp.float32) for x in (q, k, v)))
     want = pullback((cot_o, cot_lse))
-    parts = [sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True,
-                                            tuning=overlapped(overlap), **kw)
+    parts = [sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True, **kw)
              for idx, cnt in split_selection(index, count, (0, 0, 1))]
     for name, a, bb, w in zip(["dq", "dk", "dv"], *parts, want):
         got, w = np.asarray(a, np.float64) + np.asarray(bb, np.float64), np.asarray(w, np.float64)
@@ -117,9 +107,8 @@ def test_backward_under_merged_statistics_in_gpu_interpreter(overlap):
     assert np.all(np.asarray(parts[0][0][:, :128]) == 0)  # A: tile 0 has no key, tile 1 none of A's
 
 
-@pytest.mark.parametrize("q_tile,kv_block,d,masked,overlap", [(64, 64, 128, False, False), (128, 192, 64, True, False),
-                                                              (64, 64, 128, True, True), (128, 128, 64, False, True)])
-def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, overlap):
+@pytest.mark.parametrize("q_tile,kv_block,d,masked", [(64, 64, 128, False), (128, 192, 64, True)])
+def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 3), jnp.int32)
@@ -128,13 +117,13 @@ def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, overlap):
 
     def loss(q, k, v, i, c, kv):
         o, lse = sparse_attention_mgpu(q, k, v, i, c, q_tile=q_tile, kv_block=kv_block,
-                                       kv_valid=kv if masked else None, return_lse=True,
-                                       tuning=overlapped(overlap))
+                                       kv_valid=kv if masked else None, return_lse=True)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt, valid).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dQ, dK/dV
+    assert all(name in text for name in ("dsv_sparse_fwd", "dsv_sparse_dq", "dsv_sparse_dkdv"))  # named in profiles
 
 
 def test_unsupported_geometry_and_bad_kv_valid_are_named():
