@@ -33,8 +33,21 @@ HEADS, HEAD_DIM, Q_TILE, KV_BLOCK = 16, 128, 64, 64
 RANK = 16  # of the low-rank q, k the selection scores (DSV's predictor rank)
 
 
-def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=Q_TILE, kv_block=KV_BLOCK, seed=0):
+GEOMETRY_KEYS = ("q_tile", "kv_block")  # variant keys that set the selection's geometry, not the kernels' tuning
+
+
+def set_geometry(options: dict) -> dict:
+    """A child process's variant: its q_tile / kv_block (if any) become this process's Q_TILE / KV_BLOCK;
+    returns the remaining options (the kernels' tuning)."""
+    global Q_TILE, KV_BLOCK
+    options = dict(options)
+    Q_TILE, KV_BLOCK = options.pop("q_tile", Q_TILE), options.pop("kv_block", KV_BLOCK)
+    return options
+
+
+def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=None, kv_block=None, seed=0):
     """q, k, v, cotangent (bf16 normal) and a uniformly random selection (ascending ids, full counts)."""
+    q_tile, kv_block = q_tile or Q_TILE, kv_block or KV_BLOCK
     k_qkv, k_sel = jax.random.split(jax.random.key(seed))
     q, k, v, w = harness.random_qkv(k_qkv, seq, heads, head_dim)
     index, count = harness.random_selection(k_sel, seq=seq, heads=heads, q_tile=q_tile, kv_block=kv_block,
@@ -265,10 +278,10 @@ def measure(job):
     out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     try:
         if job["impl"] == "small_check":
-            out["cases"] = small_check(job.get("options"))
+            out["cases"] = small_check({k: v for k, v in job.get("options", {}).items() if k not in GEOMETRY_KEYS})
             return out
         seq, impl = job["seq"], job["impl"]
-        options = job.get("options", {})
+        options = set_geometry(job.get("options", {}))
         if job.get("check"):
             t0 = time.perf_counter()
             out["check"] = check(seq, job["sparsity"], options)
@@ -366,7 +379,7 @@ def main():
     parser.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95])
     parser.add_argument("--variants", default='[{}]', help="JSON list of option dicts for the Mosaic GPU path "
-                        "(e.g. fwd_stages / bwd_stages); the first is also checked")
+                        "(its tuning, e.g. fwd_stages; or the geometry: q_tile, kv_block)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this")
     parser.add_argument("--job-timeout-s", type=float, default=180.0)
     parser.add_argument("--no-small-check", action="store_true", help="skip the small-shape check of all geometries")

@@ -246,3 +246,17 @@ def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
     row = summarise(results)[1]
     assert row["select_error"] == "RuntimeError: no Triton" and "select_fwd_bwd_ms" not in row
     assert row["fwd_bwd_ms"] == 29.0  # the kernel timings stay
+
+
+def test_bench_sparse_mgpu_variants_can_set_the_selection_geometry(monkeypatch):
+    """A variant's q_tile / kv_block set the child's geometry (its random selection and the kernels' call) and
+    are not handed to the kernels as tuning."""
+    import experiments.bench_sparse_mgpu as bench
+
+    monkeypatch.setattr(bench, "Q_TILE", 64)
+    monkeypatch.setattr(bench, "KV_BLOCK", 64)
+    assert bench.set_geometry({"q_tile": 128, "fwd_stages": 2}) == {"fwd_stages": 2}
+    assert (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
+    _, _, _, _, index, count = bench.inputs(1024, 0.75, heads=2, head_dim=16)
+    assert index.shape[:3] == (1, 2, 1024 // 128) and int(count[0, 0, 0]) == 4  # a quarter of the 16 blocks
+    assert bench.set_geometry({}) == {} and (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
