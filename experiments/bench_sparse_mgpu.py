@@ -278,7 +278,7 @@ def measure(job):
     out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     try:
         if job["impl"] == "small_check":
-            out["cases"] = small_check({k: v for k, v in job.get("options", {}).items() if k not in GEOMETRY_KEYS})
+            out["cases"] = small_check(job.get("options"))
             return out
         seq, impl = job["seq"], job["impl"]
         options = set_geometry(job.get("options", {}))
@@ -321,7 +321,12 @@ def run_child(job, timeout_s):
 def plan(seqs, sparsities, variants, small_check=True, check_all=True, triton=True):
     """Jobs in order. Every variant is checked (at the first sparsity only unless check_all) and timed in
     pieces and with the selection, so that variants compare piece by piece in one run."""
-    jobs = [{"seq": 1536, "impl": "small_check", "options": options} for options in variants] if small_check else []
+    tunings = []  # the small check compiles each distinct tuning once (it has its own geometries)
+    for options in variants:
+        tuning = {k: v for k, v in options.items() if k not in GEOMETRY_KEYS}
+        if tuning not in tunings:
+            tunings.append(tuning)
+    jobs = [{"seq": 1536, "impl": "small_check", "options": tuning} for tuning in tunings] if small_check else []
     for seq in seqs:
         jobs.append({"seq": seq, "impl": "cudnn"})
         for sparsity in sparsities:

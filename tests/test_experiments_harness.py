@@ -224,13 +224,13 @@ def test_motion_probe_measures_a_clips_displacement_along_its_direction():
 def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
     from experiments.bench_sparse_mgpu import plan, summarise
 
-    variants = [{}, {"fwd_overlap": True}]
+    variants = [{}, {"fwd_stages": 2}]
     jobs = plan([65536], [0.9, 0.95], variants, check_all=False, triton=False)
     assert [j["options"] for j in jobs if j["impl"] == "small_check"] == variants  # each variant's kernels checked
     assert {j["impl"] for j in jobs} == {"small_check", "cudnn", "mgpu"}
     mgpu = [j for j in jobs if j["impl"] == "mgpu"]
     assert [(j["sparsity"], j["options"], j["check"]) for j in mgpu] == [
-        (0.9, {}, True), (0.9, {"fwd_overlap": True}, True), (0.95, {}, False), (0.95, {"fwd_overlap": True}, False)]
+        (0.9, {}, True), (0.9, {"fwd_stages": 2}, True), (0.95, {}, False), (0.95, {"fwd_stages": 2}, False)]
     assert all(j["parts"] and j["select"] for j in mgpu)  # variants compare piece by piece
 
     t = lambda ms: {"median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.1}
@@ -260,3 +260,5 @@ def test_bench_sparse_mgpu_variants_can_set_the_selection_geometry(monkeypatch):
     _, _, _, _, index, count = bench.inputs(1024, 0.75, heads=2, head_dim=16)
     assert index.shape[:3] == (1, 2, 1024 // 128) and int(count[0, 0, 0]) == 4  # a quarter of the 16 blocks
     assert bench.set_geometry({}) == {} and (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
+    jobs = bench.plan([65536], [0.9], [{}, {"q_tile": 128}, {"dkdv_two_waits": True}, {"q_tile": 128, "kv_block": 128}])
+    assert [j["options"] for j in jobs if j["impl"] == "small_check"] == [{}, {"dkdv_two_waits": True}]
