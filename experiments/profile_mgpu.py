@@ -27,11 +27,11 @@ import numpy as np
 from experiments.bench_sparse_mgpu import HEAD_DIM, HEADS, KV_BLOCK, Q_TILE
 
 
-def host_inputs(seq, sparsity, seed=0):
+def host_inputs(seq, sparsity, q_tile=Q_TILE, seed=0):
     """q, k, v, w (bf16 normal) and a uniformly random full-count selection, made with numpy."""
     rng = np.random.default_rng(seed)
     x = lambda: jnp.asarray(rng.standard_normal((1, seq, HEADS, HEAD_DIM), np.float32), jnp.bfloat16)
-    tiles, blocks = seq // Q_TILE, seq // KV_BLOCK
+    tiles, blocks = seq // q_tile, seq // KV_BLOCK
     keep = round((1.0 - sparsity) * blocks)
     ids = np.sort(np.argsort(rng.random((1, HEADS, tiles, blocks)), axis=-1)[..., :keep], axis=-1)
     return x(), x(), x(), x(), jnp.asarray(ids, jnp.int32), jnp.full((1, HEADS, tiles), keep, jnp.int32)
@@ -41,6 +41,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--q-tile", type=int, default=Q_TILE, help="query rows per selection tile (64 or 128)")
     parser.add_argument("--options", default="{}", help="JSON tuning of the Mosaic GPU path")
     parser.add_argument("--interpret", action="store_true", help="jax's GPU interpreter (a CPU smoke run)")
     args = parser.parse_args()
@@ -50,8 +51,8 @@ def main():
     from pallas_kernels import sparse_attention_mgpu_fwd as fwd
     from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
-    q, k, v, w, index, count = host_inputs(args.seq, args.sparsity)
-    cfg = dataclasses.replace(mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5,
+    q, k, v, w, index, count = host_inputs(args.seq, args.sparsity, args.q_tile)
+    cfg = dataclasses.replace(mgpu.default_config(args.q_tile, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5,
                                                   interpret=args.interpret), **json.loads(args.options))
     index, count = jax.block_until_ready(sanitize_index(index, count, args.seq // KV_BLOCK))
     order, starts, _, per_tile = dkdv_worklist(index, count, kv_block=KV_BLOCK, rows=cfg.dkdv_rows,
