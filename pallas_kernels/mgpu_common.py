@@ -193,8 +193,6 @@ class AttentionConfig:
     masked: kv_valid was given (per-block counts of valid keys; the others are masked).
     fwd_stages, bwd_stages: SMEM ring depth per list (forward; dQ and dK/dV). The dQ consumer waits for
     its next K slice while the current one is still in use, so the backward needs two or more.
-    dkdv_two_waits: the dK/dV kernel issues S^T with dP^T and dV with dK (two waits a step, fewer live
-    registers) instead of S^T; dV with dP^T; dK.
     """
 
     q_tile: int
@@ -205,7 +203,6 @@ class AttentionConfig:
     fwd_stages: int = 2
     bwd_stages: int = 2
     tiles_fastest: bool = False
-    dkdv_two_waits: bool = False
     interpret: bool = False
 
     def __post_init__(self):

@@ -30,7 +30,7 @@ from pallas_kernels.sparse_attention import name_residuals
 from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
-TUNABLE = frozenset({"fwd_stages", "bwd_stages", "tiles_fastest", "dkdv_two_waits"})
+TUNABLE = frozenset({"fwd_stages", "bwd_stages", "tiles_fastest"})
 
 
 def available(device=None) -> str | None:

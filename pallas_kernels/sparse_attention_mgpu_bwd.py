@@ -10,7 +10,7 @@ dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in 
   query tiles that selected them: the transposed index (sparse_index.dkdv_worklist, by counting, no
   atomics), one list per consumer for 64-token blocks, one shared list when a block spans both.
   The producer streams Q, lse2 (group a) and dO, delta (group b) of those tiles. Per step
-  S^T = K Q^T, P^T, then dV += P^T dO with dP^T = V dO^T (one wait), dK += dS^T Q.
+  S^T = K Q^T with dP^T = V dO^T (one wait), P^T and dS^T, then dV += P^T dO with dK += dS^T Q.
 """
 
 from __future__ import annotations
@@ -211,10 +211,11 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
             plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])
             plgpu.barrier_wait(kv_ready.at[wg])
 
-            def two_wait_step(step, carry):
+            def step_fn(step, carry):
                 """S^T = K Q^T and dP^T = V dO^T together (one wait), P^T and dS^T in their registers, then
                 dV += P^T dO and dK += dS^T Q together: two waits a step, and at most two fp32 64 x 64 tiles
-                live beside the accumulators (the three-wait order keeps P^T alive across dP^T's product)."""
+                live beside the accumulators. (S^T; dV with dP^T; dK, three waits, kept P^T alive across a
+                product and spilled registers: 2% slower at 64k, experiments/results/mgpu_notes.md.)"""
                 dk_acc, dv_acc = carry
                 slot = base + lax.rem(step, stages)
                 plgpu.barrier_wait(a_ready.at[slot])
@@ -231,25 +232,8 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
                 plgpu.barrier_arrive(a_free.at[slot])
                 return dk_acc, dv_acc
 
-            def step_fn(step, carry):
-                dk_acc, dv_acc = carry
-                slot = base + lax.rem(step, stages)
-                plgpu.barrier_wait(a_ready.at[slot])
-                (logits_t,) = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True)])
-                lse = ops.load(lse_ring.at[slot], ops.col_layout())
-                p_t = jnp.exp2(logits_t * qk_scale - lax.broadcast_in_dim(lse, logits_t.shape, [1]))
-                plgpu.barrier_wait(b_ready.at[slot])
-                dv_acc, dp_t = ops.mma([(dv_acc, p_t.astype(dtype), do_ring.at[slot], False),
-                                        ((ROWS, ROWS), my_v, do_ring.at[slot], True)])
-                delta = ops.load(delta_ring.at[slot], ops.col_layout())
-                plgpu.barrier_arrive(b_free.at[slot])
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-                (dk_acc,) = ops.mma([(dk_acc, ds_t.astype(dtype), q_ring.at[slot], False)])
-                plgpu.barrier_arrive(a_free.at[slot])
-                return dk_acc, dv_acc
-
             zeros = ops.full((ROWS, d), 0.0, ops.wgmma_layout)
-            dk_acc, dv_acc = lax.fori_loop(0, n, two_wait_step if cfg.dkdv_two_waits else step_fn, (zeros, zeros))
+            dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
             dk_acc = dk_acc * cfg.sm_scale
             if masked:  # masked keys get no gradient (their rows of P were not part of the softmax)
                 keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, ci * CONSUMERS + wg]

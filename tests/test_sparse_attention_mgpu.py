@@ -77,15 +77,13 @@ def test_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter():
     assert np.any(np.asarray(dq[:, 64:]) != 0) and np.any(np.asarray(dk[:, 64:64 + 37]) != 0)
 
 
-@pytest.mark.parametrize("two_waits", [False, True])
-def test_shared_lists_in_gpu_interpreter(two_waits):
+def test_shared_lists_in_gpu_interpreter():
     """q_tile 128 and kv_block 128: both consumers share one list and one ring (a stage is freed by
     both), a block and a tile take two 64-row steps each, D = 128."""
-    check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1, "dkdv_two_waits": two_waits})
+    check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1})
 
 
-@pytest.mark.parametrize("two_waits", [False, True])
-def test_backward_under_merged_statistics_in_gpu_interpreter(two_waits):
+def test_backward_under_merged_statistics_in_gpu_interpreter():
     """sparse_attention_mgpu_backward: a selection split into disjoint A and B; under the whole selection's
     (o, lse) (what merging A's and B's gives) the two calls sum to the whole's gradients, with masked
     keys, a tile A leaves empty and a tile with kv_count 0 (lse = -inf, nonzero lse cotangent)."""
@@ -99,8 +97,7 @@ def test_backward_under_merged_statistics_in_gpu_interpreter(two_waits):
     whole = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, return_lse=True, **kw)
     (o, lse), pullback = jax.vjp(whole, *(x.astype(jnp.float32) for x in (q, k, v)))
     want = pullback((cot_o, cot_lse))
-    parts = [sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True,
-                                            tuning={"dkdv_two_waits": two_waits}, **kw)
+    parts = [sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True, **kw)
              for idx, cnt in split_selection(index, count, (0, 0, 1))]
     for name, a, bb, w in zip(["dq", "dk", "dv"], *parts, want):
         got, w = np.asarray(a, np.float64) + np.asarray(bb, np.float64), np.asarray(w, np.float64)
@@ -110,9 +107,8 @@ def test_backward_under_merged_statistics_in_gpu_interpreter(two_waits):
     assert np.all(np.asarray(parts[0][0][:, :128]) == 0)  # A: tile 0 has no key, tile 1 none of A's
 
 
-@pytest.mark.parametrize("q_tile,kv_block,d,masked,two_waits", [
-    (64, 64, 128, False, False), (128, 192, 64, True, False), (64, 64, 128, True, True), (128, 128, 64, False, True)])
-def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, two_waits):
+@pytest.mark.parametrize("q_tile,kv_block,d,masked", [(64, 64, 128, False), (128, 192, 64, True), (128, 64, 64, False)])
+def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 3), jnp.int32)
@@ -121,8 +117,7 @@ def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, two_waits)
 
     def loss(q, k, v, i, c, kv):
         o, lse = sparse_attention_mgpu(q, k, v, i, c, q_tile=q_tile, kv_block=kv_block,
-                                       kv_valid=kv if masked else None, return_lse=True,
-                                       tuning={"dkdv_two_waits": two_waits})
+                                       kv_valid=kv if masked else None, return_lse=True)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt, valid).lower(
