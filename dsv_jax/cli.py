@@ -90,6 +90,7 @@ def _eval(args) -> int:
 
     _check_shift(args.shift)
     from dsv_jax.evaluate import evaluate_workdir, json_ready, report
+    from dsv_jax.sample import default_shape, sampler_shift
 
     if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
         raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
@@ -104,7 +105,7 @@ def _eval(args) -> int:
         with open(args.json, "w") as f:
             sampler = {"clips": args.clips, "steps": args.steps, "seed": args.seed,
                        "guidance": cfg.train.guidance if args.guidance is None else args.guidance,
-                       "shift": cfg.train.sample_shift if args.shift is None else args.shift}
+                       "shift": sampler_shift(cfg, default_shape(cfg), args.shift)}
             json.dump({"workdir": args.workdir, "step": step, "sampler": sampler, **json_ready(results)}, f, indent=2)
         print(f"wrote {args.json}")
     if args.gif and "semantic" in results:
@@ -198,7 +199,8 @@ CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config
                "it extends (a run's config.json re-runs it)")
 
 
-SHIFT_HELP = "time-grid shift (> 1: more steps near noise; default: the run's train.sample_shift)"
+SHIFT_HELP = ("time-grid shift at the sampled shape (> 1: more steps near noise; default: the run's "
+              "train.sample_shift, scaled to the shape when train.resolution_shift_ref is set)")
 
 WEIGHTS_HELP = ("which weights of a training workdir's checkpoint: auto (default) the EMA of the weights where the "
                 "run kept one (train.ema_decay > 0), else the trained weights; ema; raw (the trained weights)")

@@ -27,7 +27,7 @@ def semantic_eval(cfg: Config, graphdef, params, controller: dict | None = None,
                   shift: float | None = None) -> dict:
     """{"score", "truth" (score_clips summaries), "captions", "frames" float32 [N, T, H, W, 3]} for
     `clips` videos generated from held-out captions of an embedded dataset at `shape` (default: the
-    config's longest bucket). `shift`: of the sampler's time grid (default: the config's train.sample_shift)."""
+    config's longest bucket). `shift`: of the sampler's time grid (default: the run's, dsv_jax.sample.sampler_shift)."""
     from dsv_jax.data.feed import SyntheticFeed
     from dsv_jax.data.semantic import score_clips
     from dsv_jax.dsv.policy import make_policy

@@ -80,16 +80,22 @@ def time_grid(steps: int, shift: float = 1.0) -> jax.Array:
     return shift_timesteps(jnp.linspace(1.0, 0.0, steps + 1), shift)
 
 
+def sampler_shift(cfg: Config, shape: tuple[int, int, int], shift: float | None = None) -> float:
+    """The time grid's shift for clips of latent `shape`: `shift` as given (absolute, at any shape), else the
+    run's train.sample_shift, scaled by sqrt(T H W / train.resolution_shift_ref) when that is set."""
+    if shift is not None:
+        return shift
+    return cfg.train.sample_shift * resolution_shift(cfg.train, math.prod(shape))
+
+
 def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple[int, int, int], *,
              steps: int = 30, guidance: float = 3.0, seed: int = 0, attention="auto",
              attention_inputs=None, text_encoder: Callable | None = None, shift: float | None = None) -> np.ndarray:
     """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`; `shift`: of
-    the time grid, default the config's train.sample_shift)."""
+    the time grid, see `sampler_shift`)."""
     batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
     n = len(prompts)
-    if shift is None:  # the run's shift, at this shape (train.resolution_shift_ref)
-        shift = cfg.train.sample_shift * resolution_shift(cfg.train, math.prod(shape))
-    t_grid = time_grid(steps, shift)
+    t_grid = time_grid(steps, sampler_shift(cfg, shape, shift))
 
     @jax.jit
     def run(params, batch, key, attention_inputs):
@@ -172,7 +178,7 @@ def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequ
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
     written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
     text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
-    where the run kept one. `shift`: of the sampler's time grid (default: the run's train.sample_shift)."""
+    where the run kept one. `shift`: of the sampler's time grid (default: the run's, see `sampler_shift`)."""
     from dsv_jax.export import load_for_sampling
 
     cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step, weights)

@@ -411,8 +411,10 @@ def main():
 
     rows = summarise(results)
     path = harness.write_results("bench_sparse_mgpu", {
-        "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "q_tile": Q_TILE,
-                   "kv_block": KV_BLOCK, "selection": "uniform random blocks, full counts", "seqs": args.seqs,
+        "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+                   "q_tile": Q_TILE, "kv_block": KV_BLOCK, "geometry": "q_tile, kv_block: the default; a "
+                   "variant's own q_tile / kv_block override them for its jobs",
+                   "selection": "uniform random blocks, full counts", "seqs": args.seqs,
                    "sparsities": args.sparsities, "variants": json.loads(args.variants),
                    "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x", "timing": "harness.time_fn: median of 7 "
                    "repetitions, each n back-to-back calls blocked once (~200 ms)"},

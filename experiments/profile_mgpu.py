@@ -9,8 +9,9 @@ of a kernel: minutes per kernel. The kernels are named dsv_sparse_fwd, dsv_spars
 
 The inputs are made on the host (numpy) and copied over, and the index is sanitized and transposed
 beforehand, so the kernels launched are the three Mosaic GPU kernels in that order (each twice), plus the
-einsum for delta. Shapes as experiments/bench_sparse_mgpu.py (B=1, H=16, D=128, bf16, q_tile = kv_block = 64,
-uniformly random blocks, full counts). Prints the kernels' names and medians of wall time (without a profiler).
+einsum for delta. Shapes as experiments/bench_sparse_mgpu.py (B=1, H=16, D=128, bf16, kv_block 64, q_tile
+--q-tile (64), uniformly random blocks, full counts). Prints each kernel's faster of two wall times (under a
+profiler: its replay time).
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ def main():
     from pallas_kernels import sparse_attention_mgpu_fwd as fwd
     from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
+    options = json.loads(args.options)
+    if {"q_tile", "kv_block"} & set(options):
+        parser.error("--options is the kernels' tuning; the geometry is --q-tile (kv_block is 64)")
     q, k, v, w, index, count = host_inputs(args.seq, args.sparsity, args.q_tile)
     cfg = dataclasses.replace(mgpu.default_config(args.q_tile, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5,
-                                                  interpret=args.interpret), **json.loads(args.options))
+                                                  interpret=args.interpret), **options)
     index, count = jax.block_until_ready(sanitize_index(index, count, args.seq // KV_BLOCK))
     order, starts, _, per_tile = dkdv_worklist(index, count, kv_block=KV_BLOCK, rows=cfg.dkdv_rows,
                                                seq_len=args.seq)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dsv_jax.config import ConfigError, get_config
-from dsv_jax.sample import generate, time_grid
+from dsv_jax.sample import generate, sampler_shift, time_grid
 from dsv_jax.train.loss import flow_matching_loss, sample_timesteps, shift_timesteps
 from dsv_jax.train.step import init_state
 from tests.conftest import small_config
@@ -49,6 +49,8 @@ def test_resolution_shift_moves_larger_clips_towards_noise_in_training():
     for positions in (256, 8192):
         np.testing.assert_allclose(np.asarray(sample_timesteps(key, 2048, ref, positions=positions)),
                                    np.asarray(shift_timesteps(base, np.sqrt(positions / 1024))), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="resolution_shift_ref"):  # a caller that forgets the clips' size
+        sample_timesteps(key, 4, ref)
 
 
 def test_the_loss_samples_t_at_its_clips_resolution(monkeypatch):
@@ -94,8 +96,11 @@ def test_generate_reads_the_shift_from_the_run_config():
     from_config = run(shifted)
     np.testing.assert_allclose(from_config, run(cfg, shift=4.0), rtol=1e-5, atol=1e-5)
     assert np.abs(from_config - run(cfg)).max() > 1e-3
-    # train.resolution_shift_ref: a (2, 8, 8) clip has 4x the positions of ref 32, so its grid shifts 2x more
+    # train.resolution_shift_ref: a (2, 8, 8) clip has 4x the positions of ref 32, so its grid shifts 2x more;
+    # an explicit shift is the one used, at any shape
     by_size = dataclasses.replace(shifted, train=dataclasses.replace(shifted.train, resolution_shift_ref=32))
+    assert sampler_shift(by_size, (2, 8, 8)) == pytest.approx(8.0) and sampler_shift(by_size, (1, 4, 8)) == 4.0
+    assert sampler_shift(by_size, (2, 8, 8), 1.5) == 1.5 and sampler_shift(shifted, (2, 8, 8)) == 4.0
     np.testing.assert_allclose(run(by_size), run(cfg, shift=8.0), rtol=1e-5, atol=1e-5)
 
 

@@ -90,7 +90,7 @@ class Geometry:
         return opts if self.kv_valid is None else {**opts, "kv_valid": self.kv_valid}
 
 
-def _geometry(plan: AttentionPlan, layout, batch: int) -> Geometry | None:
+def sparse_geometry(plan: AttentionPlan, layout, batch: int) -> Geometry | None:
     """The sparse geometry of a plan on this layout, or None where it must run dense."""
     if layout is None:
         return None
@@ -120,7 +120,7 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
     layout = ctx.layout
     b, s, h, d = q.shape
     aux = {}
-    geometry = _geometry(plan, layout, b)
+    geometry = sparse_geometry(plan, layout, b)
     positions = layout.valid_positions[sample_positions(ctx.n_real, plan.query_stride, plan.max_queries)]
     if plan.mode == "dsv" and predictor is None and (plan.predictor or plan.selects):
         raise ValueError("a DSV plan that selects or trains needs the block's predictor: build the model with "

@@ -28,6 +28,8 @@ def resolution_shift(cfg: TrainConfig, positions: int) -> float:
 def sample_timesteps(key, batch: int, cfg: TrainConfig, positions: int = 0) -> jax.Array:
     """Logit-normal t: sigmoid(N(mean, std)), which favours the middle of the path (a mean > 0 favours
     noise, see `shift_timesteps`). `positions`: latent positions per clip, for train.resolution_shift_ref."""
+    if cfg.resolution_shift_ref and not positions:
+        raise ValueError("train.resolution_shift_ref is set: sample_timesteps needs the clips' latent positions")
     mean = cfg.t_logit_mean + (math.log(resolution_shift(cfg, positions)) if positions else 0.0)
     return jax.nn.sigmoid(mean + cfg.t_logit_std * jax.random.normal(key, (batch,)))
 
