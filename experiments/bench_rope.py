@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv_jax.attention.rope import _full_width, apply_rope, axis_dims, rotary
+from dsv_jax.attention.rope import apply_rope, axis_dims, full_width_table, rotary
 from dsv_jax.model.tokens import token_layout
 from experiments import harness
 
@@ -70,8 +70,8 @@ def vjp_matmul(x, rope):
     p = jnp.asarray(swap_matrix(x.shape[-1]), x.dtype)
 
     def rotate(x, cos, sin):
-        c = _full_width(jnp.asarray(cos, jnp.float32), 1.0)[None, :, None, :]
-        s = _full_width(jnp.asarray(sin, jnp.float32), -1.0)[None, :, None, :]
+        c = full_width_table(jnp.asarray(cos, jnp.float32), 1.0)[None, :, None, :]
+        s = full_width_table(jnp.asarray(sin, jnp.float32), -1.0)[None, :, None, :]
         swapped = jnp.einsum("bshd,de->bshe", x, p, preferred_element_type=x.dtype)
         return (x.astype(jnp.float32) * c + swapped.astype(jnp.float32) * s).astype(x.dtype)
 

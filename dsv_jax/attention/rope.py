@@ -48,7 +48,7 @@ def _swap_pairs(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.concatenate(out, axis=-1)
 
 
-def _full_width(table: jnp.ndarray, sign: float) -> jnp.ndarray:
+def full_width_table(table: jnp.ndarray, sign: float) -> jnp.ndarray:
     """A [S, D // 2] table of pair values as [S, D] per channel: both channels of a pair take their pair's
     value, the first half of each part times `sign`."""
     out, start = [], 0
@@ -61,8 +61,8 @@ def _full_width(table: jnp.ndarray, sign: float) -> jnp.ndarray:
 
 def _rotate(x, cos, sin):
     """x * cos + swap(x) * signed sin per channel, in fp32: out_a = a c - b s, out_b = b c + a s for each pair."""
-    c = _full_width(jnp.asarray(cos, jnp.float32), 1.0)[None, :, None, :]
-    s = _full_width(jnp.asarray(sin, jnp.float32), -1.0)[None, :, None, :]
+    c = full_width_table(jnp.asarray(cos, jnp.float32), 1.0)[None, :, None, :]
+    s = full_width_table(jnp.asarray(sin, jnp.float32), -1.0)[None, :, None, :]
     return (x.astype(jnp.float32) * c + _swap_pairs(x).astype(jnp.float32) * s).astype(x.dtype)
 
 
