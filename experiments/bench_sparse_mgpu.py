@@ -207,10 +207,11 @@ def forward_vs_triton(q, k, v, index, count):
     return out
 
 
-def parts(q, k, v, w, index, count, options):
-    """Median ms of the Mosaic GPU path's pieces: forward kernel, transposed index (dkdv_worklist),
-    dQ kernel, dK/dV kernel, and their kept-work TFLOP/s as executed (dQ recomputes S and dP: 3 products;
-    dK/dV 4 products; the forward 2)."""
+def pieces(q, k, v, w, index, count, options, interpret=False):
+    """The Mosaic GPU path's pieces as separate jitted calls at this process's geometry: [(name, fn, args,
+    products)] for the forward kernel, the transposed index (dkdv_worklist), the dQ kernel and the dK/dV
+    kernel; products: the 64 x 64 x D products each runs per (query tile, KV block) pair (the forward 2,
+    dQ 3 as it recomputes S and dP, dK/dV 4)."""
     import dataclasses
 
     from pallas_kernels import sparse_attention_mgpu as mgpu
@@ -219,7 +220,8 @@ def parts(q, k, v, w, index, count, options):
     from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
     seq = q.shape[1]
-    cfg = dataclasses.replace(mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5), **options)
+    cfg = dataclasses.replace(mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5, interpret=interpret),
+                              **options)
     index, count = sanitize_index(index, count, seq // KV_BLOCK)
     forward = jax.jit(lambda q, k, v: fwd.forward(q, k, v, index, count, None, cfg))
     o, lse2 = forward(q, k, v)
@@ -233,11 +235,16 @@ def parts(q, k, v, w, index, count, options):
     tiles, starts = worklist(index, count)
     dq = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dq(q, k, v, w, lse2, delta, index, count, None, cfg))
     dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, None, cfg))
-    unit = 2.0 * q.shape[0] * HEADS * seq * float(count[0, 0, 0]) * KV_BLOCK * HEAD_DIM  # one product
+    grads_in = (q, k, v, w, lse2, delta)
+    return [("fwd", forward, (q, k, v), 2), ("worklist", worklist, (index, count), 0),
+            ("dq", dq, grads_in, 3), ("dkdv", dkdv, grads_in, 4)]
+
+
+def parts(q, k, v, w, index, count, options):
+    """Median ms of each of `pieces` and the kernels' kept-work TFLOP/s as executed."""
+    unit = 2.0 * q.shape[0] * HEADS * q.shape[1] * float(count[0, 0, 0]) * KV_BLOCK * HEAD_DIM  # one product
     out = {}
-    for name, fn, args, products in [("fwd", forward, (q, k, v), 2), ("worklist", worklist, (index, count), 0),
-                                     ("dq", dq, (q, k, v, w, lse2, delta), 3),
-                                     ("dkdv", dkdv, (q, k, v, w, lse2, delta), 4)]:
+    for name, fn, args, products in pieces(q, k, v, w, index, count, options):
         t = timed(fn, *args, reps=5, min_ms=100.0)
         out[name + "_kernel_ms"] = t["median_ms"]
         if products:

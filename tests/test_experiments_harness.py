@@ -262,3 +262,28 @@ def test_bench_sparse_mgpu_variants_can_set_the_selection_geometry(monkeypatch):
     assert bench.set_geometry({}) == {} and (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
     jobs = bench.plan([65536], [0.9], [{}, {"q_tile": 128}, {"bwd_stages": 3}, {"q_tile": 128, "kv_block": 128}])
     assert [j["options"] for j in jobs if j["impl"] == "small_check"] == [{}, {"bwd_stages": 3}]
+
+
+def test_bench_sparse_mgpu_pieces_compute_the_gradients_in_the_gpu_interpreter(monkeypatch):
+    """`pieces` (timed by bench_sparse_mgpu, run under ncu by profile_mgpu): the forward, the transposed index,
+    dQ and dK/dV as separate calls give the reference's o, dq, dk, dv (lse2 and delta made as the VJP does)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import experiments.bench_sparse_mgpu as bench
+    from pallas_kernels.sparse_attention import sparse_attention_reference
+
+    monkeypatch.setattr(bench, "Q_TILE", 64)
+    monkeypatch.setattr(bench, "KV_BLOCK", 64)
+    monkeypatch.setattr(bench, "HEAD_DIM", 64)
+    q, k, v, w, index, count = bench.inputs(256, 0.5, heads=1, head_dim=64)
+    calls = bench.pieces(q, k, v, w, index, count, {"fwd_stages": 1}, interpret=True)
+    assert [(name, products) for name, _, _, products in calls] == [("fwd", 2), ("worklist", 0), ("dq", 3), ("dkdv", 4)]
+    outs = {name: fn(*args) for name, fn, args, _ in calls}
+    ref = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=64, kv_block=64)
+    o, pullback = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+    dq, dk, dv = pullback(w.astype(jnp.float32))
+    err = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+    assert err(outs["fwd"][0], o) < 1e-2
+    assert err(outs["dq"], dq) < 2e-2
+    assert err(outs["dkdv"][0], dk) < 2e-2 and err(outs["dkdv"][1], dv) < 2e-2
