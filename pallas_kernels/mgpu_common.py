@@ -25,6 +25,8 @@ from jax.experimental import pallas as pl
 
 ROWS = 64  # rows of a consumer warpgroup's tile and of one streamed step
 CONSUMERS = 2
+WARPGROUP = 128  # threads
+REGISTERS_PER_SM = 65536
 
 
 def import_plgpu():
@@ -173,6 +175,35 @@ def produce(plgpu, groups: Sequence[Group], counts: Sequence, stages: int):
                     plgpu.barrier_wait(group.free.at[list_id * stages + slot])
 
 
+def split_slice(sl, per_block: int):
+    """(entry of the work list, row offset inside its block) of the list's 64-row slice `sl`."""
+    if per_block == 1:
+        return sl, 0
+    return lax.div(sl, per_block), lax.rem(sl, per_block) * ROWS
+
+
+def step_count(slices, sub: int):
+    """Steps of `sub` 64-row slices that cover `slices` slices (the last step may be partial)."""
+    return slices if sub == 1 else lax.div(slices + (sub - 1), sub)
+
+
+def step_slices(step, sub: int, slices):
+    """The list's 64-row slices that step `step` covers. Past the list's end the last slice is repeated:
+    its copy keeps the ring stage finite (a masked column of P still multiplies its V row), and the
+    consumer masks it (slice_limit)."""
+    return [step if sub == 1 else jnp.minimum(step * sub + i, slices - 1) for i in range(sub)]  # slices >= 1
+
+
+def slice_limit(ops, shape, valid: Sequence):
+    """Column c of a [64, 64 * len(valid)] tile is kept iff c < this: slice i's valid keys, each in
+    [0, 64], counted from the slice's first column."""
+    col = ops.iota(shape, 1)
+    limit = valid[0]
+    for i, v in enumerate(valid[1:], 1):
+        limit = jnp.where(col >= i * ROWS, i * ROWS + v, limit)
+    return col < limit
+
+
 def schedule_round(plgpu, barrier):
     """One round of the schedule barrier: both consumers arrive, each waits for the other."""
     plgpu.barrier_arrive(barrier)
@@ -191,8 +222,13 @@ class AttentionConfig:
     The two consumers share one work list when a query tile (forward, dQ) or a KV block (dK/dV) spans
     both of them, else each walks its own.
     masked: kv_valid was given (per-block counts of valid keys; the others are masked).
-    fwd_stages, bwd_stages: SMEM ring depth per list (forward; dQ and dK/dV). The dQ consumer waits for
-    its next K slice while the current one is still in use, so the backward needs two or more.
+    fwd_stages, dq_stages, dkdv_stages: SMEM ring depth per list of each kernel. The dQ consumer waits for
+    its next K slice while the current one is still in use, so the backward kernels need two or more.
+    fwd_step_rows, dq_step_rows: KV rows per loop step of the forward and dQ kernels, 64 or 128 (two
+    64-row slices of the work list per step: half the steps, so half the per-step softmax rescaling,
+    barrier waits and wgmma issues, for a ring stage twice as large).
+    producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
+    24..256); the two consumers share the rest of the SM's 64K (consumer_registers).
     """
 
     q_tile: int
@@ -201,13 +237,43 @@ class AttentionConfig:
     sm_scale: float
     masked: bool = False
     fwd_stages: int = 2
-    bwd_stages: int = 2
+    dq_stages: int = 2
+    dkdv_stages: int = 2
+    producer_registers: int = 40
+    fwd_step_rows: int = ROWS
+    dq_step_rows: int = ROWS
     tiles_fastest: bool = False
     interpret: bool = False
 
     def __post_init__(self):
-        if self.fwd_stages < 1 or self.bwd_stages < 2:
-            raise ValueError(f"fwd_stages={self.fwd_stages} must be >= 1 and bwd_stages={self.bwd_stages} >= 2")
+        if self.fwd_stages < 1 or self.dq_stages < 2 or self.dkdv_stages < 2:
+            raise ValueError(f"fwd_stages={self.fwd_stages} must be >= 1, dq_stages={self.dq_stages} and "
+                             f"dkdv_stages={self.dkdv_stages} >= 2")
+        for name in ("fwd_step_rows", "dq_step_rows"):
+            if getattr(self, name) not in (ROWS, 2 * ROWS):
+                raise ValueError(f"{name}={getattr(self, name)} must be {ROWS} or {2 * ROWS}")
+        if self.producer_registers % 8 or not 24 <= self.producer_registers <= 256:
+            raise ValueError(f"producer_registers={self.producer_registers} must be a multiple of 8 in 24..256")
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers per consumer thread: what the producer leaves of 64K per SM, rounded down to 8."""
+        per_thread = (REGISTERS_PER_SM - WARPGROUP * self.producer_registers) // (CONSUMERS * WARPGROUP)
+        return min(256, per_thread // 8 * 8)
+
+    def smem_bytes(self, kernel: str, itemsize: int = 2) -> int:
+        """SMEM that `kernel` ("fwd", "dq" or "dkdv") allocates: resident tiles, rings, row statistics."""
+        tile = ROWS * self.head_dim * itemsize
+        rows_f32 = ROWS * 4
+        if kernel == "fwd":  # Q per consumer; K, V per ring stage; lse out
+            step = self.fwd_step_rows * self.head_dim * itemsize
+            return CONSUMERS * (tile + rows_f32) + 2 * self.fwd_lists * self.fwd_stages * step
+        if kernel == "dq":  # Q, dO, lse, delta per consumer; K, V per ring stage
+            step = self.dq_step_rows * self.head_dim * itemsize
+            return CONSUMERS * (2 * tile + 2 * rows_f32) + 2 * self.fwd_lists * self.dq_stages * step
+        if kernel == "dkdv":  # K, V per consumer; Q, dO, lse, delta per ring stage
+            return 2 * CONSUMERS * tile + self.dkdv_lists * self.dkdv_stages * (2 * tile + 2 * rows_f32)
+        raise ValueError(f"unknown kernel {kernel!r}")
 
     def grid(self, heads: int, pairs: int, batch: int) -> dict:
         """Launch grid, heads fastest by default: the CTAs resident at one time cover every head. Tiles

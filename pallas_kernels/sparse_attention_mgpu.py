@@ -30,7 +30,9 @@ from pallas_kernels.sparse_attention import name_residuals
 from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
-TUNABLE = frozenset({"fwd_stages", "bwd_stages", "tiles_fastest"})
+TUNABLE = frozenset({"fwd_stages", "dq_stages", "dkdv_stages", "fwd_step_rows", "dq_step_rows", "producer_registers",
+                     "tiles_fastest"})
+KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
 def available(device=None) -> str | None:
@@ -64,16 +66,36 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
     return None
 
 
-def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False) -> AttentionConfig:
-    """The deepest rings that fit in SMEM (3 stages at most in the forward, 2 in the backward; 1 KiB
-    left for barriers and alignment)."""
-    from pallas_kernels import sparse_attention_mgpu_fwd as fwd
-
+def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False,
+                   tuning=None) -> AttentionConfig:
+    """The launch config of one call: `tuning`'s fields over the defaults, with the forward's ring as
+    deep as fits in SMEM (3 stages at most) unless tuning sets it (1 KiB left for barriers and alignment).
+    With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
+    measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json)."""
+    tuning = dict(tuning or {})
+    unknown = set(tuning) - TUNABLE
+    if unknown:
+        raise ValueError(f"sparse_attention_mgpu: unknown tuning keys {sorted(unknown)}; known: {sorted(TUNABLE)}")
+    defaults = {"fwd_stages": 3}
+    if q_tile == 2 * ROWS:
+        defaults.update(fwd_step_rows=2 * ROWS, dq_step_rows=2 * ROWS)
     cfg = AttentionConfig(q_tile=q_tile, kv_block=kv_block, head_dim=head_dim, sm_scale=float(sm_scale),
-                          masked=masked, fwd_stages=3, bwd_stages=2, interpret=interpret)
-    while cfg.fwd_stages > 2 and fwd.smem_bytes(cfg) + 1024 > SMEM_LIMIT:
+                          masked=masked, interpret=interpret, **{**defaults, **tuning})
+    while "fwd_stages" not in tuning and cfg.fwd_stages > 2 and cfg.smem_bytes("fwd") + 1024 > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, fwd_stages=cfg.fwd_stages - 1)
     return cfg
+
+
+def check_smem(cfg: AttentionConfig, itemsize: int = 2):
+    """A ValueError naming the kernel and its rings if a tuning asks for more SMEM than a CTA may have."""
+    for kernel, name in KERNELS.items():
+        need = cfg.smem_bytes(kernel, itemsize) + 1024
+        if need > SMEM_LIMIT:
+            raise ValueError(f"sparse_attention_mgpu: the {name} kernel would need {need // 1024} KiB of SMEM with "
+                             f"fwd_stages={cfg.fwd_stages}, dq_stages={cfg.dq_stages}, dkdv_stages={cfg.dkdv_stages}, "
+                             f"fwd_step_rows={cfg.fwd_step_rows}, dq_step_rows={cfg.dq_step_rows} "
+                             f"(q_tile={cfg.q_tile}, kv_block={cfg.kv_block}, head dim {cfg.head_dim}); "
+                             f"a CTA may have {SMEM_LIMIT // 1024} KiB")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -182,12 +204,8 @@ def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scal
     b, s, _, d = q.shape
     _check_kv_valid(kv_valid, b, s, kv_block)
     scale = d ** -0.5 if sm_scale is None else sm_scale
-    cfg = default_config(q_tile, kv_block, d, scale, masked=kv_valid is not None, interpret=interpret)
-    if tuning:
-        unknown = set(tuning) - TUNABLE
-        if unknown:
-            raise ValueError(f"sparse_attention_mgpu: unknown tuning keys {sorted(unknown)}; known: {sorted(TUNABLE)}")
-        cfg = dataclasses.replace(cfg, **tuning)
+    cfg = default_config(q_tile, kv_block, d, scale, masked=kv_valid is not None, interpret=interpret, tuning=tuning)
+    check_smem(cfg, jnp.dtype(q.dtype).itemsize)
     index, count = sanitize_index(kv_index, kv_count, s // kv_block)
     valid = None if kv_valid is None else prepare_masks(index, kv_valid, kv_block, s)
     return cfg, index, count, valid
@@ -197,7 +215,8 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
                           return_lse=False, tuning=None, interpret=False):
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
-    fields ({"fwd_stages": 3, "bwd_stages": 2, "tiles_fastest": True}). interpret=True simulates the kernels
+    fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "producer_registers": 40,
+    "tiles_fastest": True}). interpret=True simulates the kernels
     on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
     cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
                                         sm_scale=sm_scale, tuning=tuning, interpret=interpret)

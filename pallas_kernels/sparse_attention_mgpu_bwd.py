@@ -15,6 +15,8 @@ dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in 
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -30,6 +32,10 @@ from pallas_kernels.mgpu_common import (
     import_plgpu,
     kernel_call,
     produce,
+    slice_limit,
+    split_slice,
+    step_count,
+    step_slices,
     swizzled,
 )
 from pallas_kernels.sparse_index import result_type
@@ -49,15 +55,11 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     ops = Ops(plgpu, cfg.interpret)
     b, s, h, d = q.shape
     dtype = q.dtype
-    lists, stages = cfg.fwd_lists, cfg.bwd_stages
-    per_block = cfg.kv_block // ROWS
+    lists, stages = cfg.fwd_lists, cfg.dq_stages
+    per_block = cfg.kv_block // ROWS  # 64-row slices per selected block
+    sub = cfg.dq_step_rows // ROWS  # slices per step
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
-
-    def split(step):
-        if per_block == 1:
-            return step, 0
-        return lax.div(step, per_block), lax.rem(step, per_block) * ROWS
 
     def body(refs, scratch):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, index_ref, count_ref, valid_ref, dq_ref = refs
@@ -66,14 +68,16 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
         tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
-        counts = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
+        slices = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
+        steps = [step_count(n, sub) for n in slices]
 
         @pl.when(wg < CONSUMERS)
         def _consume():
-            ops.set_registers(232, "increase")
+            ops.set_registers(cfg.consumer_registers, "increase")
             list_id = wg if lists == 2 else 0
             tile = tile_of(list_id)
-            n = count_ref[bi, hi, tile] * per_block
+            n_slices = count_ref[bi, hi, tile] * per_block
+            n = step_count(n_slices, sub)
             base = list_id * stages
             rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
@@ -86,24 +90,32 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
             lse = ops.load(lse_smem.at[wg], ops.row_layout())
             delta = ops.load(delta_smem.at[wg], ops.row_layout())
 
-            def valid_keys(step):
-                entry, offset = split(jnp.clip(step, 0, jnp.maximum(n - 1, 0)))
-                return valid_ref[bi, hi, tile, entry] - offset
+            def valid_keys(step):  # valid keys of each 64-row slice of this step, in [0, 64] (0 past the end)
+                out = []
+                for i in range(sub):
+                    sl = step * sub + i
+                    if masked:
+                        entry, offset = split_slice(jnp.clip(sl, 0, jnp.maximum(n_slices - 1, 0)), per_block)
+                        keys = jnp.clip(valid_ref[bi, hi, tile, entry] - offset, 0, ROWS)
+                    else:
+                        keys = ROWS
+                    out.append(jnp.where(sl < n_slices, keys, 0))
+                return tuple(out)
 
             @pl.when(n > 0)
             def _():
                 plgpu.barrier_wait(k_ready.at[base])
 
-            def step_fn(step, carry):
+            def step_fn(step, carry, mask):
                 acc, n_valid = carry
                 slot = base + lax.rem(step, stages)
                 plgpu.barrier_wait(v_ready.at[slot])
-                logits, dp = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True),
-                                      ((ROWS, ROWS), my_do, v_smem.at[slot], True)])
+                logits, dp = ops.mma([((ROWS, cfg.dq_step_rows), my_q, k_smem.at[slot], True),
+                                      ((ROWS, cfg.dq_step_rows), my_do, v_smem.at[slot], True)])
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
-                if masked:
-                    p = jnp.where(ops.iota(p.shape, 1) < n_valid, p, 0.0)
+                if mask:
+                    p = jnp.where(slice_limit(ops, p.shape, n_valid), p, 0.0)
                     n_valid = valid_keys(step + 1)
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
@@ -118,8 +130,13 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                 plgpu.barrier_arrive(k_free.at[slot])
                 return acc, n_valid
 
-            init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), valid_keys(0) if masked else jnp.int32(0))
-            acc, _ = lax.fori_loop(0, n, step_fn, init)
+            # Without kv_valid only a last, partial step (sub > 1, odd slice count) needs the mask.
+            full = n if masked or sub == 1 else lax.div(n_slices, sub)
+            carry = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), valid_keys(0 if masked else full))
+            carry = lax.fori_loop(0, full, functools.partial(step_fn, mask=masked), carry)
+            if not masked and sub > 1:
+                carry = lax.fori_loop(full, n, functools.partial(step_fn, mask=True), carry)
+            acc, _ = carry
             my_q[...] = (acc * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
@@ -127,33 +144,31 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            ops.set_registers(40, "decrease")
-
-            def source(list_id, step):
-                entry, offset = split(step)
-                block = index_ref[bi, hi, tile_of(list_id), entry]
-                return pl.ds(block * cfg.kv_block + offset, ROWS)
+            ops.set_registers(cfg.producer_registers, "decrease")
 
             def copier(src_ref, dst_smem):
                 def copies(list_id, step, slot, barrier):
-                    plgpu.copy_gmem_to_smem(src_ref.at[bi, source(list_id, step), hi],
-                                            dst_smem.at[list_id * stages + slot], barrier)
+                    for i, sl in enumerate(step_slices(step, sub, slices[list_id])):
+                        entry, offset = split_slice(sl, per_block)
+                        block = index_ref[bi, hi, tile_of(list_id), entry]
+                        plgpu.copy_gmem_to_smem(src_ref.at[bi, pl.ds(block * cfg.kv_block + offset, ROWS), hi],
+                                                dst_smem.at[list_id * stages + slot, pl.ds(i * ROWS, ROWS)], barrier)
                 return copies
 
             produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
-                            Group(copier(v_ref, v_smem), v_ready, v_free)], counts, stages)
+                            Group(copier(v_ref, v_smem), v_ready, v_free)], steps, stages)
 
     def dsv_sparse_dq(*refs):  # the kernel's name in profiles
         if not masked:
             refs = refs[:8] + (None,) + refs[8:]
         ring = lists * stages
-        wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)
+        wide = lambda n, rows=ROWS: swizzled(plgpu, (n, rows, d), dtype)
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
             (wide(CONSUMERS), wide(CONSUMERS), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
-             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), wide(ring), wide(ring)),
-            (plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS), *_barriers(plgpu, lists, stages, 1),
-             *_barriers(plgpu, lists, stages, 1)),
+             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), wide(ring, cfg.dq_step_rows), wide(ring, cfg.dq_step_rows)),
+            (plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS), *_barriers(plgpu, lists, stages, sub),
+             *_barriers(plgpu, lists, stages, sub)),
             collective_axes="wg",
         )
 
@@ -178,7 +193,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
     ops = Ops(plgpu, cfg.interpret)
     b, s, h, d = q.shape
     dtype = q.dtype
-    lists, stages = cfg.dkdv_lists, cfg.bwd_stages
+    lists, stages = cfg.dkdv_lists, cfg.dkdv_stages
     per_tile = cfg.q_tile // ROWS  # steps per query tile of the list
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
@@ -200,7 +215,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
 
         @pl.when(wg < CONSUMERS)
         def _consume():
-            ops.set_registers(232, "increase")
+            ops.set_registers(cfg.consumer_registers, "increase")
             list_id = wg if lists == 2 else 0
             block = block_of(list_id)
             n = (starts_ref[bi, hi, block + 1] - starts_ref[bi, hi, block]) * per_tile
@@ -247,7 +262,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            ops.set_registers(40, "decrease")
+            ops.set_registers(cfg.producer_registers, "decrease")
 
             def source(list_id, step):
                 entry, offset = split(step)

@@ -15,6 +15,8 @@ sm_scale * log2(e) (-inf for a row that selected no valid key; its o is 0).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -31,6 +33,10 @@ from pallas_kernels.mgpu_common import (
     kernel_call,
     produce,
     schedule_round,
+    slice_limit,
+    split_slice,
+    step_count,
+    step_slices,
     swizzled,
 )
 from pallas_kernels.sparse_index import result_type
@@ -44,38 +50,44 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     b, s, h, d = q.shape
     dtype = q.dtype
     lists, stages = cfg.fwd_lists, cfg.fwd_stages
-    per_block = cfg.kv_block // ROWS  # steps per selected block
+    per_block = cfg.kv_block // ROWS  # 64-row slices per selected block
+    sub = cfg.fwd_step_rows // ROWS  # slices per step
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
-
-    def split(step):  # (entry of the list, row offset inside the block)
-        if per_block == 1:
-            return step, 0
-        return lax.div(step, per_block), lax.rem(step, per_block) * ROWS
 
     def body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch):
         (q_smem, k_smem, v_smem, lse_smem), (q_ready, k_ready, v_ready, k_free, v_free, sched) = scratch
         hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
         tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
-        counts = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
+        slices = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
+        steps = [step_count(n, sub) for n in slices]
 
         @pl.when(wg < CONSUMERS)
         def _consume():
-            ops.set_registers(232, "increase")
+            ops.set_registers(cfg.consumer_registers, "increase")
             list_id = wg if lists == 2 else 0
             tile = tile_of(list_id)
-            n = count_ref[bi, hi, tile] * per_block
-            longest = counts[0] if lists == 1 else jnp.maximum(counts[0], counts[1])
+            n_slices = count_ref[bi, hi, tile] * per_block
+            n = step_count(n_slices, sub)
+            longest = steps[0] if lists == 1 else jnp.maximum(steps[0], steps[1])
             base = list_id * stages
             rows = pl.ds(ci * (CONSUMERS * ROWS) + wg * ROWS, ROWS)
             my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
 
-            def valid_keys(step):  # valid keys of this step's 64 rows (may be <= 0 or >= 64)
-                entry, offset = split(jnp.clip(step, 0, jnp.maximum(n - 1, 0)))
-                return valid_ref[bi, hi, tile, entry] - offset
+            def valid_keys(step):  # valid keys of each 64-row slice of this step, in [0, 64] (0 past the end)
+                out = []
+                for i in range(sub):
+                    sl = step * sub + i
+                    if masked:
+                        entry, offset = split_slice(jnp.clip(sl, 0, jnp.maximum(n_slices - 1, 0)), per_block)
+                        keys = jnp.clip(valid_ref[bi, hi, tile, entry] - offset, 0, ROWS)
+                    else:
+                        keys = ROWS
+                    out.append(jnp.where(sl < n_slices, keys, 0))
+                return tuple(out)
 
             @pl.when(n > 0)
             def _():
@@ -83,18 +95,18 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
             pl.when(wg == 1)(lambda: schedule_round(plgpu, sched))
 
-            def step_fn(step, carry):
+            def step_fn(step, carry, mask):
                 acc, m_i, l_i, n_valid = carry
                 slot = base + lax.rem(step, stages)
-                (logits,) = ops.mma([((ROWS, ROWS), my_q, k_smem.at[slot], True)],
+                (logits,) = ops.mma([((ROWS, cfg.fwd_step_rows), my_q, k_smem.at[slot], True)],
                                     after=lambda: schedule_round(plgpu, sched))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:
-                    logits = jnp.where(ops.iota(logits.shape, 1) < n_valid, logits, -jnp.inf)
+                if mask:
+                    logits = jnp.where(slice_limit(ops, logits.shape, n_valid), logits, -jnp.inf)
                     n_valid = valid_keys(step + 1)
                 m_new = jnp.maximum(m_i, logits.max(axis=1) * qk_scale)
                 # A row whose keys so far are all masked keeps m = -inf; exponents then use 0.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if mask else m_new
                 alpha = jnp.exp2(m_i - m_use)
                 p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(m_use, logits.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -116,9 +128,14 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i, n_valid
 
+            # Without kv_valid only a last, partial step (sub > 1, odd slice count) needs the mask.
+            full = n if masked or sub == 1 else lax.div(n_slices, sub)
             init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
-                    ops.full((ROWS,), 0.0, ops.row_layout()), valid_keys(0) if masked else jnp.int32(0))
-            acc, m_i, l_i, _ = lax.fori_loop(0, n, step_fn, init)
+                    ops.full((ROWS,), 0.0, ops.row_layout()), valid_keys(0 if masked else full))
+            carry = lax.fori_loop(0, full, functools.partial(step_fn, mask=masked), init)
+            if not masked and sub > 1:
+                carry = lax.fori_loop(full, n, functools.partial(step_fn, mask=True), carry)
+            acc, m_i, l_i, _ = carry
             if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
 
                 @pl.loop(n, longest)
@@ -139,21 +156,19 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            ops.set_registers(40, "decrease")
-
-            def source(list_id, step):
-                entry, offset = split(step)
-                block = index_ref[bi, hi, tile_of(list_id), entry]
-                return pl.ds(block * cfg.kv_block + offset, ROWS)
+            ops.set_registers(cfg.producer_registers, "decrease")
 
             def copier(src_ref, dst_smem):
                 def copies(list_id, step, slot, barrier):
-                    plgpu.copy_gmem_to_smem(src_ref.at[bi, source(list_id, step), hi],
-                                            dst_smem.at[list_id * stages + slot], barrier)
+                    for i, sl in enumerate(step_slices(step, sub, slices[list_id])):
+                        entry, offset = split_slice(sl, per_block)
+                        block = index_ref[bi, hi, tile_of(list_id), entry]
+                        plgpu.copy_gmem_to_smem(src_ref.at[bi, pl.ds(block * cfg.kv_block + offset, ROWS), hi],
+                                                dst_smem.at[list_id * stages + slot, pl.ds(i * ROWS, ROWS)], barrier)
                 return copies
 
             produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
-                            Group(copier(v_ref, v_smem), v_ready, v_free)], counts, stages)
+                            Group(copier(v_ref, v_smem), v_ready, v_free)], steps, stages)
 
     def dsv_sparse_fwd(*refs):  # the kernel's name in profiles
         if masked:
@@ -163,10 +178,10 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
         ring = lists * stages
         pl.run_scoped(
             lambda *scratch: body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch),
-            (swizzled(plgpu, (CONSUMERS, ROWS, d), dtype), swizzled(plgpu, (ring, ROWS, d), dtype),
-             swizzled(plgpu, (ring, ROWS, d), dtype), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
-            (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=ring),
-             plgpu.Barrier(num_barriers=ring),
+            (swizzled(plgpu, (CONSUMERS, ROWS, d), dtype), swizzled(plgpu, (ring, cfg.fwd_step_rows, d), dtype),
+             swizzled(plgpu, (ring, cfg.fwd_step_rows, d), dtype), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
+            (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_arrivals=sub, num_barriers=ring),
+             plgpu.Barrier(num_arrivals=sub, num_barriers=ring),
              plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
              plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
              plgpu.Barrier(num_arrivals=CONSUMERS)),
@@ -181,10 +196,4 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     )
     args = (q, k, v, index, count) + ((valid,) if masked else ())
     return call(*args)
-
-
-def smem_bytes(cfg: AttentionConfig, itemsize: int = 2) -> int:
-    """SMEM the forward allocates (a check against the 227 KiB a CTA may have)."""
-    tile = ROWS * cfg.head_dim * itemsize
-    return CONSUMERS * tile + 2 * cfg.fwd_lists * cfg.fwd_stages * tile + CONSUMERS * ROWS * 4
 

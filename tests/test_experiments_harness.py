@@ -260,8 +260,8 @@ def test_bench_sparse_mgpu_variants_can_set_the_selection_geometry(monkeypatch):
     _, _, _, _, index, count = bench.inputs(1024, 0.75, heads=2, head_dim=16)
     assert index.shape[:3] == (1, 2, 1024 // 128) and int(count[0, 0, 0]) == 4  # a quarter of the 16 blocks
     assert bench.set_geometry({}) == {} and (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
-    jobs = bench.plan([65536], [0.9], [{}, {"q_tile": 128}, {"bwd_stages": 3}, {"q_tile": 128, "kv_block": 128}])
-    assert [j["options"] for j in jobs if j["impl"] == "small_check"] == [{}, {"bwd_stages": 3}]
+    jobs = bench.plan([65536], [0.9], [{}, {"q_tile": 128}, {"dq_stages": 3}, {"q_tile": 128, "kv_block": 128}])
+    assert [j["options"] for j in jobs if j["impl"] == "small_check"] == [{}, {"dq_stages": 3}]
 
 
 def test_bench_sparse_mgpu_pieces_compute_the_gradients_in_the_gpu_interpreter(monkeypatch):

@@ -83,6 +83,22 @@ def test_shared_lists_in_gpu_interpreter():
     check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1})
 
 
+def test_two_slices_per_step_in_gpu_interpreter():
+    """fwd_step_rows = dq_step_rows = 128: a forward and dQ step covers two 64-row slices of the list. Odd
+    slice counts (1 and 3 blocks of 64) end in a half step whose second slice repeats the first and is
+    masked; one ring stage, so the producer refills it."""
+    check_against_dense(64, 64, 64, 256, [1, 3, 4, 2], None, seed=6,
+                        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128})
+
+
+def test_two_slices_per_step_with_masked_keys_in_gpu_interpreter():
+    """Two slices per step with kv_valid and 192-key blocks (three slices per block: a step spans two
+    blocks), a 128-row tile sharing one list: per-slice valid counts, a block with no valid key."""
+    kv_valid = jnp.array([[150, 0]], jnp.int32)
+    check_against_dense(128, 192, 64, 384, [2, 1, 2], kv_valid, seed=7,
+                        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128})
+
+
 def test_backward_under_merged_statistics_in_gpu_interpreter():
     """sparse_attention_mgpu_backward: a selection split into disjoint A and B; under the whole selection's
     (o, lse) (what merging A's and B's gives) the two calls sum to the whole's gradients, with masked
@@ -107,8 +123,12 @@ def test_backward_under_merged_statistics_in_gpu_interpreter():
     assert np.all(np.asarray(parts[0][0][:, :128]) == 0)  # A: tile 0 has no key, tile 1 none of A's
 
 
-@pytest.mark.parametrize("q_tile,kv_block,d,masked", [(64, 64, 128, False), (128, 192, 64, True), (128, 64, 64, False)])
-def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked):
+@pytest.mark.parametrize("q_tile,kv_block,d,masked,tuning", [
+    (64, 64, 128, False, None), (128, 192, 64, True, None), (128, 64, 64, False, None),
+    (128, 64, 128, False, {"producer_registers": 24, "fwd_stages": 5, "dq_stages": 4, "fwd_step_rows": 64,
+                           "dq_step_rows": 64}),
+    (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128})])
+def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 3), jnp.int32)
@@ -117,7 +137,7 @@ def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked):
 
     def loss(q, k, v, i, c, kv):
         o, lse = sparse_attention_mgpu(q, k, v, i, c, q_tile=q_tile, kv_block=kv_block,
-                                       kv_valid=kv if masked else None, return_lse=True)
+                                       kv_valid=kv if masked else None, return_lse=True, tuning=tuning)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt, valid).lower(
@@ -139,8 +159,13 @@ def test_unsupported_geometry_and_bad_kv_valid_are_named():
         sparse_attention_mgpu(q, q, q, jnp.zeros((1, 1, 4, 1), jnp.int32), cnt, q_tile=64, kv_block=16)
     with pytest.raises(ValueError, match=r"kv_valid must be integer \[B, S // kv_block\] = \[1, 4\]"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, kv_valid=jnp.zeros((1, 3), jnp.int32))
-    with pytest.raises(ValueError, match="bwd_stages=1 >= 2"):
-        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"bwd_stages": 1})
+    with pytest.raises(ValueError, match="dkdv_stages=1 >= 2"):
+        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"dkdv_stages": 1})
+    with pytest.raises(ValueError, match="producer_registers=30 must be a multiple of 8"):
+        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"producer_registers": 30})
+    with pytest.raises(ValueError, match=r"the dK/dV kernel would need 260 KiB .* dkdv_stages=3, .* 227 KiB"):
+        sparse_attention_mgpu(*(jnp.zeros((1, 256, 1, 128), jnp.bfloat16),) * 3, idx, cnt, q_tile=64, kv_block=64,
+                              tuning={"dkdv_stages": 3})
     with pytest.raises(ValueError, match="unknown tuning keys"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"stages": 2})
     assert "not a GPU" in mgpu.available()  # the tests run on the CPU
