@@ -4,8 +4,8 @@ Both recompute P = exp2(S * sm_scale * log2 e - lse2) from the forward's lse2 an
 delta = rowsum(o * do) - dlse (plain JAX, before the kernels); dS = P * (dP - delta).
 
 dQ: CTA (head, pair of 64-row query tiles, batch) as the forward: two consumers hold Q and dO in
-  SMEM, the producer streams the selected K and V slices. Per step S = Q K^T and dP = dO V^T (one
-  wait), dQ += dS K.
+  SMEM, the producer streams the selected K and V slices, cfg.dq_step_rows // 64 per step (as the
+  forward's steps). Per step S = Q K^T and dP = dO V^T (one wait), dQ += dS K.
 dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in SMEM) and walks the
   query tiles that selected them: the transposed index (sparse_index.dkdv_worklist, by counting, no
   atomics), one list per consumer for 64-token blocks, one shared list when a block spans both.

@@ -4,8 +4,11 @@ CTA (head, pair of 64-row query tiles, batch), three warpgroups:
   consumers 0 and 1: 64 query rows each, Q resident in SMEM. Per step: S = Q K^T by wgmma, online
     softmax in base 2 in registers, O += P V by wgmma with P from registers. A schedule barrier
     staggers the two (one's softmax runs while the other's products hold the tensor cores).
-  producer: streams the 64-row K and V slices of the selected blocks, kv_index[tile, step] for
-    kv_count[tile] blocks, into a ring of SMEM stages (mgpu_common.produce).
+  producer: streams the 64-row K and V slices of the selected blocks, kv_index[tile, entry] for
+    kv_count[tile] blocks, into a ring of SMEM stages (mgpu_common.produce), cfg.fwd_step_rows // 64
+    slices per stage: with 128-row steps S is [64, 128] and a step costs one rescale of O, one wait and
+    two wgmma issues for twice the keys. An odd slice count ends in a half step whose second slice
+    repeats the first (finite data) and is masked.
 With q_tile = 128 both consumers walk the tile's one list and share the ring; with q_tile = 64 each
 walks its own tile's list through its own ring.
 
