@@ -175,23 +175,62 @@ def produce(plgpu, groups: Sequence[Group], counts: Sequence, stages: int):
                     plgpu.barrier_wait(group.free.at[list_id * stages + slot])
 
 
-def split_slice(sl, per_block: int):
-    """(entry of the work list, row offset inside its block) of the list's 64-row slice `sl`."""
-    if per_block == 1:
-        return sl, 0
-    return lax.div(sl, per_block), lax.rem(sl, per_block) * ROWS
+@dataclasses.dataclass(frozen=True)
+class KVWalk:
+    """How the forward and dQ walk a query tile's list of selected KV blocks: in 64-row slices of the
+    blocks (kv_block // 64 per block), `step_rows // 64` slices per loop step. A last, partial step
+    repeats the list's last slice: its copy keeps the ring stage finite (a masked column of P still
+    multiplies its V row), and the consumer masks it (valid_keys, slice_limit)."""
 
+    kv_block: int
+    step_rows: int
 
-def step_count(slices, sub: int):
-    """Steps of `sub` 64-row slices that cover `slices` slices (the last step may be partial)."""
-    return slices if sub == 1 else lax.div(slices + (sub - 1), sub)
+    @property
+    def per_block(self) -> int:
+        return self.kv_block // ROWS
 
+    @property
+    def sub(self) -> int:
+        return self.step_rows // ROWS
 
-def step_slices(step, sub: int, slices):
-    """The list's 64-row slices that step `step` covers. Past the list's end the last slice is repeated:
-    its copy keeps the ring stage finite (a masked column of P still multiplies its V row), and the
-    consumer masks it (slice_limit)."""
-    return [step if sub == 1 else jnp.minimum(step * sub + i, slices - 1) for i in range(sub)]  # slices >= 1
+    def steps(self, slices):
+        """Steps that cover `slices` slices (the last may be partial)."""
+        return slices if self.sub == 1 else lax.div(slices + (self.sub - 1), self.sub)
+
+    def full_steps(self, slices):
+        return slices if self.sub == 1 else lax.div(slices, self.sub)
+
+    def split(self, sl):
+        """(entry of the list, row offset inside its block) of slice `sl`."""
+        if self.per_block == 1:
+            return sl, 0
+        return lax.div(sl, self.per_block), lax.rem(sl, self.per_block) * ROWS
+
+    def valid_keys(self, step, slices, valid_of_entry=None) -> tuple:
+        """Valid keys of each slice of `step`, in [0, 64], 0 past the list's end. valid_of_entry(entry):
+        the valid keys of the list's entry-th block (kv_valid); None: every key is valid."""
+        out = []
+        for i in range(self.sub):
+            sl = step * self.sub + i
+            if valid_of_entry is None:
+                keys = ROWS
+            else:
+                entry, offset = self.split(jnp.clip(sl, 0, jnp.maximum(slices - 1, 0)))
+                keys = jnp.clip(valid_of_entry(entry) - offset, 0, ROWS)
+            out.append(jnp.where(sl < slices, keys, 0))
+        return tuple(out)
+
+    def copier(self, plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi):
+        """A producer Group's copies: step `step` of list `list_id` into its ring stage, one TMA copy per
+        slice. block_of(list_id, entry): the KV block id; slices[list_id]: the list's slice count (>= 1)."""
+        def copies(list_id, step, slot, barrier):
+            for i in range(self.sub):
+                sl = step if self.sub == 1 else jnp.minimum(step * self.sub + i, slices[list_id] - 1)
+                entry, offset = self.split(sl)
+                rows = pl.ds(block_of(list_id, entry) * self.kv_block + offset, ROWS)
+                plgpu.copy_gmem_to_smem(src_ref.at[bi, rows, hi],
+                                        dst_smem.at[list_id * stages + slot, pl.ds(i * ROWS, ROWS)], barrier)
+        return copies
 
 
 def slice_limit(ops, shape, valid: Sequence):

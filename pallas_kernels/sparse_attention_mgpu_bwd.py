@@ -27,15 +27,13 @@ from pallas_kernels.mgpu_common import (
     ROWS,
     AttentionConfig,
     Group,
+    KVWalk,
     Ops,
     compiler_params,
     import_plgpu,
     kernel_call,
     produce,
     slice_limit,
-    split_slice,
-    step_count,
-    step_slices,
     swizzled,
 )
 from pallas_kernels.sparse_index import result_type
@@ -56,8 +54,8 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     b, s, h, d = q.shape
     dtype = q.dtype
     lists, stages = cfg.fwd_lists, cfg.dq_stages
-    per_block = cfg.kv_block // ROWS  # 64-row slices per selected block
-    sub = cfg.dq_step_rows // ROWS  # slices per step
+    walk = KVWalk(cfg.kv_block, cfg.dq_step_rows)
+    per_block, sub = walk.per_block, walk.sub
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
@@ -69,7 +67,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         wg = lax.axis_index("wg")
         tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
         slices = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
-        steps = [step_count(n, sub) for n in slices]
+        steps = [walk.steps(n) for n in slices]
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -77,7 +75,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
             list_id = wg if lists == 2 else 0
             tile = tile_of(list_id)
             n_slices = count_ref[bi, hi, tile] * per_block
-            n = step_count(n_slices, sub)
+            n = walk.steps(n_slices)
             base = list_id * stages
             rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
@@ -90,17 +88,8 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
             lse = ops.load(lse_smem.at[wg], ops.row_layout())
             delta = ops.load(delta_smem.at[wg], ops.row_layout())
 
-            def valid_keys(step):  # valid keys of each 64-row slice of this step, in [0, 64] (0 past the end)
-                out = []
-                for i in range(sub):
-                    sl = step * sub + i
-                    if masked:
-                        entry, offset = split_slice(jnp.clip(sl, 0, jnp.maximum(n_slices - 1, 0)), per_block)
-                        keys = jnp.clip(valid_ref[bi, hi, tile, entry] - offset, 0, ROWS)
-                    else:
-                        keys = ROWS
-                    out.append(jnp.where(sl < n_slices, keys, 0))
-                return tuple(out)
+            def valid_keys(step):  # valid keys of each 64-row slice of this step
+                return walk.valid_keys(step, n_slices, (lambda e: valid_ref[bi, hi, tile, e]) if masked else None)
 
             @pl.when(n > 0)
             def _():
@@ -131,7 +120,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                 return acc, n_valid
 
             # Without kv_valid only a last, partial step (sub > 1, odd slice count) needs the mask.
-            full = n if masked or sub == 1 else lax.div(n_slices, sub)
+            full = n if masked else walk.full_steps(n_slices)
             carry = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), valid_keys(0 if masked else full))
             carry = lax.fori_loop(0, full, functools.partial(step_fn, mask=masked), carry)
             if not masked and sub > 1:
@@ -146,14 +135,11 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         def _produce():
             ops.set_registers(cfg.producer_registers, "decrease")
 
+            def block_of(list_id, entry):
+                return index_ref[bi, hi, tile_of(list_id), entry]
+
             def copier(src_ref, dst_smem):
-                def copies(list_id, step, slot, barrier):
-                    for i, sl in enumerate(step_slices(step, sub, slices[list_id])):
-                        entry, offset = split_slice(sl, per_block)
-                        block = index_ref[bi, hi, tile_of(list_id), entry]
-                        plgpu.copy_gmem_to_smem(src_ref.at[bi, pl.ds(block * cfg.kv_block + offset, ROWS), hi],
-                                                dst_smem.at[list_id * stages + slot, pl.ds(i * ROWS, ROWS)], barrier)
-                return copies
+                return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
 
             produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
                             Group(copier(v_ref, v_smem), v_ready, v_free)], steps, stages)
