@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-ROWS = 64  # rows of a consumer warpgroup's tile and of one streamed step
+ROWS = 64  # rows of a consumer warpgroup's tile and of one streamed slice (a step is one or two slices)
 CONSUMERS = 2
 WARPGROUP = 128  # threads
 REGISTERS_PER_SM = 65536
+LAUNCH_REGISTERS = REGISTERS_PER_SM // ((CONSUMERS + 1) * WARPGROUP) // 8 * 8  # per thread before setmaxnreg: 168
 
 
 def import_plgpu():
@@ -262,12 +263,14 @@ class AttentionConfig:
     both of them, else each walks its own.
     masked: kv_valid was given (per-block counts of valid keys; the others are masked).
     fwd_stages, dq_stages, dkdv_stages: SMEM ring depth per list of each kernel. The dQ consumer waits for
-    its next K slice while the current one is still in use, so the backward kernels need two or more.
+    its next K slice while the current one is still in use, so dQ needs two or more; dK/dV keeps the same
+    floor (one stage would leave its producer idle while a step computes).
     fwd_step_rows, dq_step_rows: KV rows per loop step of the forward and dQ kernels, 64 or 128 (two
     64-row slices of the work list per step: half the steps, so half the per-step softmax rescaling,
     barrier waits and wgmma issues, for a ring stage twice as large).
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
-    24..256); the two consumers share the rest of the SM's 64K (consumer_registers).
+    24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
+    raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
     """
 
     q_tile: int
@@ -291,8 +294,9 @@ class AttentionConfig:
         for name in ("fwd_step_rows", "dq_step_rows"):
             if getattr(self, name) not in (ROWS, 2 * ROWS):
                 raise ValueError(f"{name}={getattr(self, name)} must be {ROWS} or {2 * ROWS}")
-        if self.producer_registers % 8 or not 24 <= self.producer_registers <= 256:
-            raise ValueError(f"producer_registers={self.producer_registers} must be a multiple of 8 in 24..256")
+        if self.producer_registers % 8 or not 24 <= self.producer_registers <= LAUNCH_REGISTERS:
+            raise ValueError(f"producer_registers={self.producer_registers} must be a multiple of 8 in "
+                             f"24..{LAUNCH_REGISTERS}")
 
     @property
     def consumer_registers(self) -> int:

@@ -215,8 +215,8 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
                           return_lse=False, tuning=None, interpret=False):
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
-    fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "producer_registers": 40,
-    "tiles_fastest": True}). interpret=True simulates the kernels
+    fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "fwd_step_rows": 128, "dq_step_rows": 128,
+    "producer_registers": 40, "tiles_fastest": True}). interpret=True simulates the kernels
     on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
     cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
                                         sm_scale=sm_scale, tuning=tuning, interpret=interpret)

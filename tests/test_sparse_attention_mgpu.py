@@ -77,10 +77,12 @@ def test_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter():
     assert np.any(np.asarray(dq[:, 64:]) != 0) and np.any(np.asarray(dk[:, 64:64 + 37]) != 0)
 
 
-def test_shared_lists_in_gpu_interpreter():
+@pytest.mark.parametrize("step_rows", [64, 128])
+def test_shared_lists_in_gpu_interpreter(step_rows):
     """q_tile 128 and kv_block 128: both consumers share one list and one ring (a stage is freed by
-    both), a block and a tile take two 64-row steps each, D = 128."""
-    check_against_dense(128, 128, 128, 128, [1], None, seed=4, tuning={"fwd_stages": 1})
+    both), D = 128; a block takes two 64-row steps or one 128-row step (the default at q_tile 128)."""
+    check_against_dense(128, 128, 128, 128, [1], None, seed=4,
+                        tuning={"fwd_stages": 1, "fwd_step_rows": step_rows, "dq_step_rows": step_rows})
 
 
 def test_two_slices_per_step_in_gpu_interpreter():
@@ -93,9 +95,10 @@ def test_two_slices_per_step_in_gpu_interpreter():
 
 def test_two_slices_per_step_with_masked_keys_in_gpu_interpreter():
     """Two slices per step with kv_valid and 192-key blocks (three slices per block: a step spans two
-    blocks), a 128-row tile sharing one list: per-slice valid counts, a block with no valid key."""
-    kv_valid = jnp.array([[150, 0]], jnp.int32)
-    check_against_dense(128, 192, 64, 384, [2, 1, 2], kv_valid, seed=7,
+    blocks, so the second block's entry and offsets count), a 128-row tile sharing one list: per-slice
+    valid counts (partial blocks, a block with no valid key), odd slice counts ending in a half step."""
+    kv_valid = jnp.array([[150, 0, 100, 192]], jnp.int32)
+    check_against_dense(128, 192, 64, 768, [2, 1, 3, 2, 1, 0], kv_valid, seed=7,
                         tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128})
 
 
@@ -161,8 +164,10 @@ def test_unsupported_geometry_and_bad_kv_valid_are_named():
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, kv_valid=jnp.zeros((1, 3), jnp.int32))
     with pytest.raises(ValueError, match="dkdv_stages=1 >= 2"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"dkdv_stages": 1})
-    with pytest.raises(ValueError, match="producer_registers=30 must be a multiple of 8"):
+    with pytest.raises(ValueError, match="producer_registers=30 must be a multiple of 8 in 24..168"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"producer_registers": 30})
+    with pytest.raises(ValueError, match="producer_registers=176"):
+        sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"producer_registers": 176})
     with pytest.raises(ValueError, match=r"the dK/dV kernel would need 260 KiB .* dkdv_stages=3, .* 227 KiB"):
         sparse_attention_mgpu(*(jnp.zeros((1, 256, 1, 128), jnp.bfloat16),) * 3, idx, cnt, q_tile=64, kv_block=64,
                               tuning={"dkdv_stages": 3})
