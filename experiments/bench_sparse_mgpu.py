@@ -244,7 +244,8 @@ def pieces(q, k, v, w, index, count, options, interpret=False):
 
 
 def parts(q, k, v, w, index, count, options):
-    """Median ms of each of `pieces` and the kernels' kept-work TFLOP/s as executed."""
+    """Median ms of each of `pieces`, the kernels' kept-work TFLOP/s as executed and that rate's fraction of the
+    bf16 matmul ceiling (harness.H200_BF16_MAX_TFLOPS)."""
     unit = 2.0 * q.shape[0] * HEADS * q.shape[1] * float(count[0, 0, 0]) * KV_BLOCK * HEAD_DIM  # one product
     out = {}
     for name, fn, args, products in pieces(q, k, v, w, index, count, options):
@@ -252,6 +253,7 @@ def parts(q, k, v, w, index, count, options):
         out[name + "_kernel_ms"] = t["median_ms"]
         if products:
             out[name + "_executed_tflops"] = products * unit / t["median_ms"] / 1e9
+            out[name + "_of_ceiling"] = out[name + "_executed_tflops"] / harness.H200_BF16_MAX_TFLOPS
     return out
 
 
@@ -442,10 +444,12 @@ def main():
                                "sfb_spread", "select_fwd_bwd_speedup"])
     part_rows = [r for r in rows if "dq_kernel_ms" in r]
     if part_rows:
-        print("\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs):")
+        print(f"\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs; of_ceiling: that rate over "
+              f"{harness.H200_BF16_MAX_TFLOPS:.0f} TFLOP/s, the bf16 matmul ceiling):")
         harness.print_table(part_rows, ["seq", "sparsity", "options", "fwd_kernel_ms", "worklist_kernel_ms",
                                         "dq_kernel_ms", "dkdv_kernel_ms",
-                                        "fwd_executed_tflops", "dq_executed_tflops", "dkdv_executed_tflops"])
+                                        "fwd_executed_tflops", "dq_executed_tflops", "dkdv_executed_tflops",
+                                        "fwd_of_ceiling", "dq_of_ceiling", "dkdv_of_ceiling"])
 
 
 if __name__ == "__main__":

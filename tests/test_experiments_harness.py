@@ -287,3 +287,26 @@ def test_bench_sparse_mgpu_pieces_compute_the_gradients_in_the_gpu_interpreter(m
     assert err(outs["fwd"][0], o) < 1e-2
     assert err(outs["dq"], dq) < 2e-2
     assert err(outs["dkdv"][0], dk) < 2e-2 and err(outs["dkdv"][1], dv) < 2e-2
+
+
+def test_bench_sparse_mgpu_parts_give_executed_rates_and_their_fraction_of_the_ceiling(monkeypatch):
+    """`parts`: each kernel's executed TFLOP/s from its products per (tile, block) pair, and that rate over
+    the bf16 matmul ceiling; the transposed index (no products) only its time."""
+    import jax.numpy as jnp
+    import pytest
+
+    import experiments.bench_sparse_mgpu as bench
+    from experiments import harness
+
+    monkeypatch.setattr(bench, "pieces", lambda *a, **k: [("fwd", None, (), 2), ("worklist", None, (), 0),
+                                                         ("dkdv", None, (), 4)])
+    monkeypatch.setattr(bench, "timed", lambda fn, *a, **k: {"median_ms": 2.0})
+    seq = 1024
+    q = jnp.zeros((1, seq, bench.HEADS, bench.HEAD_DIM), jnp.bfloat16)
+    count = jnp.full((1, bench.HEADS, seq // bench.Q_TILE), 3, jnp.int32)
+    out = bench.parts(q, q, q, q, None, count, {})
+    unit = 2.0 * bench.HEADS * seq * 3 * bench.KV_BLOCK * bench.HEAD_DIM  # one 64 x kept x D product, all heads
+    assert out["fwd_executed_tflops"] == pytest.approx(2 * unit / 2.0 / 1e9)
+    assert out["dkdv_executed_tflops"] == pytest.approx(2 * out["fwd_executed_tflops"])
+    assert out["fwd_of_ceiling"] == pytest.approx(out["fwd_executed_tflops"] / harness.H200_BF16_MAX_TFLOPS)
+    assert out["worklist_kernel_ms"] == 2.0 and "worklist_executed_tflops" not in out
