@@ -221,6 +221,18 @@ class KVWalk:
             out.append(jnp.where(sl < slices, keys, 0))
         return tuple(out)
 
+    def loop(self, slices, masked, step_fn, carry, valid_keys):
+        """Runs step_fn(step, (*carry, n_valid), mask) over the steps that cover `slices`; n_valid is
+        valid_keys(step) of the first masked step, which step_fn advances. With kv_valid every step is
+        masked; without it only a last, partial step (two slices per step, an odd slice count)."""
+        n = self.steps(slices)
+        full = n if masked else self.full_steps(slices)
+        carry = (*carry, valid_keys(0 if masked else full))
+        carry = lax.fori_loop(0, full, functools.partial(step_fn, mask=masked), carry)
+        if not masked and self.sub > 1:
+            carry = lax.fori_loop(full, n, functools.partial(step_fn, mask=True), carry)
+        return carry[:-1]
+
     def copier(self, plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi):
         """A producer Group's copies: step `step` of list `list_id` into its ring stage, one TMA copy per
         slice. block_of(list_id, entry): the KV block id; slices[list_id]: the list's slice count (>= 1)."""
@@ -302,7 +314,7 @@ class AttentionConfig:
     def consumer_registers(self) -> int:
         """Registers per consumer thread: what the producer leaves of 64K per SM, rounded down to 8."""
         per_thread = (REGISTERS_PER_SM - WARPGROUP * self.producer_registers) // (CONSUMERS * WARPGROUP)
-        return min(256, per_thread // 8 * 8)
+        return per_thread // 8 * 8
 
     def smem_bytes(self, kernel: str, itemsize: int = 2) -> int:
         """SMEM that `kernel` ("fwd", "dq" or "dkdv") allocates: resident tiles, rings, row statistics."""

@@ -15,8 +15,6 @@ dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in 
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -119,13 +117,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                 plgpu.barrier_arrive(k_free.at[slot])
                 return acc, n_valid
 
-            # Without kv_valid only a last, partial step (sub > 1, odd slice count) needs the mask.
-            full = n if masked else walk.full_steps(n_slices)
-            carry = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), valid_keys(0 if masked else full))
-            carry = lax.fori_loop(0, full, functools.partial(step_fn, mask=masked), carry)
-            if not masked and sub > 1:
-                carry = lax.fori_loop(full, n, functools.partial(step_fn, mask=True), carry)
-            acc, _ = carry
+            (acc,) = walk.loop(n_slices, masked, step_fn, (ops.full((ROWS, d), 0.0, ops.wgmma_layout),), valid_keys)
             my_q[...] = (acc * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])

@@ -18,8 +18,6 @@ sm_scale * log2(e) (-inf for a row that selected no valid key; its o is 0).
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -120,14 +118,9 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i, n_valid
 
-            # Without kv_valid only a last, partial step (sub > 1, odd slice count) needs the mask.
-            full = n if masked else walk.full_steps(n_slices)
             init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
-                    ops.full((ROWS,), 0.0, ops.row_layout()), valid_keys(0 if masked else full))
-            carry = lax.fori_loop(0, full, functools.partial(step_fn, mask=masked), init)
-            if not masked and sub > 1:
-                carry = lax.fori_loop(full, n, functools.partial(step_fn, mask=True), carry)
-            acc, m_i, l_i, _ = carry
+                    ops.full((ROWS,), 0.0, ops.row_layout()))
+            acc, m_i, l_i = walk.loop(n_slices, masked, step_fn, init, valid_keys)
             if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
 
                 @pl.loop(n, longest)
