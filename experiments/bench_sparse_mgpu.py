@@ -214,13 +214,13 @@ def forward_vs_triton(q, k, v, index, count):
 
 def pieces(q, k, v, w, index, count, options, interpret=False):
     """The Mosaic GPU path's pieces as separate jitted calls at this process's geometry: [(name, fn, args,
-    products)] for the forward kernel, the transposed index (dkdv_worklist), the dQ kernel and the dK/dV
-    kernel; products: the 64 x 64 x D products each runs per (query tile, KV block) pair (the forward 2,
-    dQ 3 as it recomputes S and dP, dK/dV 4)."""
+    products)] for the forward kernel, the transposed index and its block order (dkdv_schedule), the dQ
+    kernel and the dK/dV kernel; products: the 64 x 64 x D products each runs per (query tile, KV block)
+    pair (the forward 2, dQ 3 as it recomputes S and dP, dK/dV 4)."""
     from pallas_kernels import sparse_attention_mgpu as mgpu
     from pallas_kernels import sparse_attention_mgpu_bwd as bwd
     from pallas_kernels import sparse_attention_mgpu_fwd as fwd
-    from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
+    from pallas_kernels.sparse_index import sanitize_index
 
     seq = q.shape[1]
     cfg = mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5, interpret=interpret, tuning=options)
@@ -230,14 +230,11 @@ def pieces(q, k, v, w, index, count, options, interpret=False):
     o, lse2 = forward(q, k, v)
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), w.astype(jnp.float32))
 
-    @jax.jit
-    def worklist(index, count):
-        order, starts, _, per_tile = dkdv_worklist(index, count, kv_block=KV_BLOCK, rows=cfg.dkdv_rows, seq_len=seq)
-        return order // per_tile, starts
-
-    tiles, starts = worklist(index, count)
+    worklist = jax.jit(lambda index, count: mgpu.dkdv_schedule(index, count, cfg, seq))
+    tiles, starts, blocks = worklist(index, count)
     dq = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dq(q, k, v, w, lse2, delta, index, count, None, cfg))
-    dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, None, cfg))
+    dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, blocks, None,
+                                                            cfg))
     grads_in = (q, k, v, w, lse2, delta)
     return [("fwd", forward, (q, k, v), 2), ("worklist", worklist, (index, count), 0),
             ("dq", dq, grads_in, 3), ("dkdv", dkdv, grads_in, 4)]

@@ -280,6 +280,9 @@ class AttentionConfig:
     fwd_step_rows, dq_step_rows: KV rows per loop step of the forward and dQ kernels, 64 or 128 (two
     64-row slices of the work list per step: half the steps, so half the per-step softmax rescaling,
     barrier waits and wgmma issues, for a ring stage twice as large).
+    dkdv_longest_first: dK/dV programs take the row blocks in descending order of their lists' lengths
+        (sparse_index.longest_first), so a program's two lists (kv_block 64) are almost equally long
+        and the longest programs start first; False: ascending row blocks.
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
     24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
     raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
@@ -296,6 +299,7 @@ class AttentionConfig:
     producer_registers: int = 40
     fwd_step_rows: int = ROWS
     dq_step_rows: int = ROWS
+    dkdv_longest_first: bool = True
     tiles_fastest: bool = False
     interpret: bool = False
 

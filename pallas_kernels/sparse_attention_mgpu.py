@@ -27,11 +27,11 @@ from pallas_kernels import mgpu_common
 from pallas_kernels.mgpu_common import LN2, ROWS, AttentionConfig
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
 from pallas_kernels.sparse_attention import name_residuals
-from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
+from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_index
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
 TUNABLE = frozenset({"fwd_stages", "dq_stages", "dkdv_stages", "fwd_step_rows", "dq_step_rows", "producer_registers",
-                     "tiles_fastest"})
+                     "dkdv_longest_first", "tiles_fastest"})
 KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
@@ -111,6 +111,19 @@ def _forward(*arrays):
     return forward(q, k, v, index, count, valid, cfg)
 
 
+def dkdv_schedule(index, count, cfg: AttentionConfig, seq_len: int):
+    """The dK/dV kernel's work: (tiles [B, H, N] of the transposed index, starts [B, H, R + 1] of each row
+    block's range in it, blocks [B, H, R]: the order in which the kernel's programs take the row blocks,
+    longest list first with cfg.dkdv_longest_first, else ascending)."""
+    order, starts, _, pairs_per_tile = dkdv_worklist(index, count, kv_block=cfg.kv_block, rows=cfg.dkdv_rows,
+                                                     seq_len=seq_len)
+    if cfg.dkdv_longest_first:
+        blocks = longest_first(starts)
+    else:
+        blocks = jnp.broadcast_to(jnp.arange(starts.shape[-1] - 1, dtype=jnp.int32), starts[..., 1:].shape)
+    return order // pairs_per_tile, starts, blocks
+
+
 def _backward(*arrays):
     from pallas_kernels import sparse_attention_mgpu_bwd as bwd
 
@@ -123,10 +136,8 @@ def _backward(*arrays):
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # rows without valid keys: P = 0
     dq = bwd.dq(q, k, v, do, lse2, delta, index, count, valid, cfg)
-    order, starts, _, pairs_per_tile = dkdv_worklist(index, count, kv_block=cfg.kv_block, rows=cfg.dkdv_rows,
-                                                     seq_len=s)
-    tiles = order // pairs_per_tile
-    dk, dv = bwd.dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg)
+    tiles, starts, blocks = dkdv_schedule(index, count, cfg, s)
+    dk, dv = bwd.dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg)
     return dq, dk, dv
 
 
@@ -216,7 +227,8 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
     fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "fwd_step_rows": 128, "dq_step_rows": 128,
-    "producer_registers": 40, "tiles_fastest": True}). interpret=True simulates the kernels
+    "producer_registers": 40, "dkdv_longest_first": False,
+    "tiles_fastest": True}). interpret=True simulates the kernels
     on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
     cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
                                         sm_scale=sm_scale, tuning=tuning, interpret=interpret)

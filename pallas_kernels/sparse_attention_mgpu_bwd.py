@@ -6,9 +6,11 @@ delta = rowsum(o * do) - dlse (plain JAX, before the kernels); dS = P * (dP - de
 dQ: CTA (head, pair of 64-row query tiles, batch) as the forward: two consumers hold Q and dO in
   SMEM, the producer streams the selected K and V slices, cfg.dq_step_rows // 64 per step (as the
   forward's steps). Per step S = Q K^T and dP = dO V^T (one wait), dQ += dS K.
-dK/dV: CTA (head, 128 key rows, batch); consumer w owns 64 key rows (K and V in SMEM) and walks the
-  query tiles that selected them: the transposed index (sparse_index.dkdv_worklist, by counting, no
-  atomics), one list per consumer for 64-token blocks, one shared list when a block spans both.
+dK/dV: CTA (head, two 64-row or one 128-row block of key rows, batch); consumer w owns 64 key rows (K
+  and V in SMEM) and walks the query tiles that selected them: the transposed index
+  (sparse_index.dkdv_worklist, by counting, no atomics), one list per consumer for 64-token blocks, one
+  shared list when a block spans both. CTA c takes the row blocks at places lists * c + i of `blocks`
+  (longest list first by default: a CTA's two lists are then almost equally long).
   The producer streams Q, lse2 (group a) and dO, delta (group b) of those tiles. Per step
   S^T = K Q^T with dP^T = V dO^T (one wait), P^T and dS^T, then dV += P^T dO with dK += dS^T Q.
 """
@@ -160,11 +162,12 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     return call(*args)
 
 
-def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConfig):
+def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: AttentionConfig):
     """(dk, dv) [B, S, H, D].
 
     tiles [B, H, N]: query tiles of the transposed index in row-block order; row block j (of
     cfg.dkdv_rows key rows) is tiles[starts[j]:starts[j + 1]], starts [B, H, S // dkdv_rows + 1].
+    blocks [B, H, S // dkdv_rows]: a permutation of the row blocks, the order in which CTAs take them.
     rows_valid [B, S // 64] valid keys of each 64 key rows (cfg.masked) or None.
     """
     plgpu = import_plgpu()
@@ -182,12 +185,16 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
         return lax.div(step, per_tile), lax.rem(step, per_tile) * ROWS
 
     def body(refs, scratch):
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, valid_ref, dk_ref, dv_ref = refs
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, blocks_ref, valid_ref, dk_ref,
+         dv_ref) = refs
         (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring), barriers = scratch
         kv_ready, a_ready, a_free, b_ready, b_free = barriers
         hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        block_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
+
+        def block_of(list_id):  # the row block (of cfg.dkdv_rows key rows) that list `list_id` walks
+            return blocks_ref[bi, hi, ci * lists + list_id]
+
         firsts = [starts_ref[bi, hi, block_of(i)] for i in range(lists)]
         counts = [(starts_ref[bi, hi, block_of(i) + 1] - firsts[i]) * per_tile for i in range(lists)]
 
@@ -198,7 +205,8 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
             block = block_of(list_id)
             n = (starts_ref[bi, hi, block + 1] - starts_ref[bi, hi, block]) * per_tile
             base = list_id * stages
-            rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
+            first_row = block * cfg.dkdv_rows + (wg * ROWS if lists == 1 else 0)  # of this consumer's 64 keys
+            rows = pl.ds(first_row, ROWS)
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
             plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], my_k, kv_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])
@@ -229,7 +237,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
             dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
             dk_acc = dk_acc * cfg.sm_scale
             if masked:  # masked keys get no gradient (their rows of P were not part of the softmax)
-                keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, ci * CONSUMERS + wg]
+                keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, lax.div(first_row, ROWS)]
                 dk_acc, dv_acc = jnp.where(keep, dk_acc, 0.0), jnp.where(keep, dv_acc, 0.0)
             my_k[...] = dk_acc.astype(dtype)
             my_v[...] = dv_acc.astype(dtype)
@@ -262,7 +270,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
 
     def dsv_sparse_dkdv(*refs):  # the kernel's name in profiles
         if not masked:
-            refs = refs[:8] + (None,) + refs[8:]
+            refs = refs[:9] + (None,) + refs[9:]
         ring = lists * stages
         wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)
         pl.run_scoped(
@@ -280,6 +288,6 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, rows_valid, cfg: AttentionConf
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
     )
-    args = (q, k, v, do, lse2, delta, tiles, starts) + ((rows_valid,) if masked else ())
+    args = (q, k, v, do, lse2, delta, tiles, starts, blocks) + ((rows_valid,) if masked else ())
     return call(*args)
 

@@ -89,6 +89,17 @@ def dkdv_worklist(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int)
     return order, starts, masks, pairs_per_tile
 
 
+def longest_first(starts):
+    """int32 [B, H, R]: the R row blocks of a dK/dV work list (starts [B, H, R + 1], as `dkdv_worklist`
+    returns) ordered by their number of pairs, most first (ties: lower row block first).
+
+    A dK/dV program that walks two row blocks' lists in parallel (one per consumer) finishes with the longer
+    one; taking its two blocks from adjacent places of this order gives them almost the same length, and
+    launching the programs in this order starts the longest first (less of a tail in the last wave)."""
+    pairs = starts[..., 1:] - starts[..., :-1]
+    return jnp.argsort(-pairs, axis=-1, stable=True).astype(jnp.int32)
+
+
 def _order_by_counting(pair_block, row_blocks):
     """(order, starts) of pairs [B, H, T, P] (row block of each pair, row_blocks = dead) whose live pairs
     are distinct per tile, without a sort. table[b, h, j, t] holds 1 + the pair number of tile t's pair in

@@ -41,12 +41,13 @@ def outputs_and_grads(fn, q, k, v, wo, wl):
     return (o, lse, *grads)
 
 
-def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning):
+def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning, chosen=None):
+    """chosen: (kv_index, kv_count) instead of a random selection with `counts`."""
     b, h = 1, 1
     ks = jax.random.split(jax.random.key(seed), 6)
     q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
     tiles, blocks = s // q_tile, s // kv_block
-    index, count = selection(ks[3], b, h, tiles, blocks, min(blocks, max(counts)), counts)
+    index, count = chosen or selection(ks[3], b, h, tiles, blocks, min(blocks, max(counts)), counts)
     wo, wl = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
     got = outputs_and_grads(lambda q, k, v: sparse_attention_mgpu(
         q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid, return_lse=True,
@@ -100,6 +101,25 @@ def test_two_slices_per_step_with_masked_keys_in_gpu_interpreter():
     kv_valid = jnp.array([[150, 0, 100, 192]], jnp.int32)
     check_against_dense(128, 192, 64, 768, [2, 1, 3, 2, 1, 0], kv_valid, seed=7,
                         tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128})
+
+
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_dkdv_takes_blocks_longest_first_in_gpu_interpreter(longest_first):
+    """dK/dV CTAs take their two 64-row blocks in longest-list-first order: lists of 1, 3, 0 and 2 tiles put
+    blocks 1 and 3 in the first CTA and 0 and 2 (an empty list) in the second, so each consumer's key rows,
+    output rows and kv_valid entry come from its block, not from the CTA's place; ascending order too."""
+    from pallas_kernels.sparse_index import longest_first as order_of
+
+    index = jnp.array([[[[1, 0], [1, 3], [1, 3], [0, 0]]]], jnp.int32)
+    count = jnp.array([[[1, 2, 2, 1]]], jnp.int32)
+    cfg = mgpu.default_config(64, 64, 64, 0.125)
+    _, starts, _ = mgpu.dkdv_schedule(index, count, cfg, 256)
+    assert order_of(starts).tolist() == [[[1, 3, 0, 2]]]
+    kv_valid = jnp.array([[64, 40, 64, 20]], jnp.int32)
+    _, _, _, dk, dv = check_against_dense(64, 64, 64, 256, None, kv_valid, seed=8, chosen=(index, count),
+                                          tuning={"fwd_stages": 1, "dkdv_longest_first": longest_first})
+    assert np.all(np.asarray(dk[:, 128:192]) == 0) and np.all(np.asarray(dv[:, 192 + 20:]) == 0)
+    assert np.all(np.asarray(dk[:, 64 + 40:128]) == 0) and np.any(np.asarray(dv[:, 192:192 + 20]) != 0)
 
 
 def test_backward_under_merged_statistics_in_gpu_interpreter():

@@ -148,6 +148,14 @@ def test_auto_is_the_reference_on_cpu():
     np.testing.assert_array_equal(auto, sparse_attention_reference(q, k, v, index, count, q_tile=32, kv_block=64))
 
 
+def test_longest_first_orders_row_blocks_by_their_pairs():
+    """Descending pair counts, ties in ascending row-block order, per (batch, head)."""
+    from pallas_kernels.sparse_index import longest_first
+
+    starts = jnp.array([[[0, 2, 7, 7, 10, 12], [0, 0, 1, 2, 3, 4]]], jnp.int32)  # pairs [2,5,0,3,2], [0,1,1,1,1]
+    assert longest_first(starts).tolist() == [[[1, 3, 0, 4, 2], [1, 2, 3, 4, 0]]]
+
+
 @pytest.mark.parametrize("kv_block,rows,counting", [(1, 64, False), (4, 32, False), (64, 64, True), (128, 64, True),
                                                     (64, 64, False), (128, 64, False)])
 def test_dkdv_worklist_is_the_transposed_index(kv_block, rows, counting, monkeypatch):
