@@ -140,40 +140,90 @@ class Group:
     free: object
 
 
-def produce(plgpu, groups: Sequence[Group], counts: Sequence, stages: int):
-    """Producer warpgroup: for every list, steps 0..counts[list]-1 into slots step % stages.
+def produce(plgpu, groups: Sequence[Group], counts: Sequence, stages: int, done: Sequence | None = None):
+    """Producer warpgroup, one work item: for every list, its steps 0..counts[list]-1. Returns the new `done`.
 
-    A slot is refilled once its previous contents were freed. The lists are served in turn at each step,
-    so two lists advance together (their consumers run in lockstep through the schedule barrier)."""
+    done[list]: steps that earlier work items of this CTA streamed through the list's ring (None: none), so
+    step s goes to slot (done + s) % stages, and a slot is refilled once its previous contents were freed.
+    The lists are served in turn at each step, so two lists advance together (their consumers run in
+    lockstep through the schedule barrier). Call `drain` after the last work item."""
+    done = [0] * len(counts) if done is None else list(done)
 
-    def issue(list_id, step, wait):
-        slot = lax.rem(step, stages)
-        index = list_id * stages + slot
+    def issue(list_id, step):
+        at = done[list_id] + step
+        index = list_id * stages + lax.rem(at, stages)
         for group in groups:
-            if wait:
-                plgpu.barrier_wait(group.free.at[index])
-            group.copies(list_id, step, slot, group.ready.at[index])
-
-    for step in range(stages):  # fill the rings
-        for list_id, n in enumerate(counts):
-            pl.when(step < n)(functools.partial(issue, list_id, step, False))
+            pl.when(at >= stages)(lambda group=group: plgpu.barrier_wait(group.free.at[index]))
+            group.copies(list_id, step, lax.rem(at, stages), group.ready.at[index])
 
     longest = counts[0] if len(counts) == 1 else jnp.maximum(*counts)
 
-    @pl.loop(stages, jnp.maximum(longest, stages))
-    def _refill(step):
+    @pl.loop(0, longest)
+    def _stream(step):
         for list_id, n in enumerate(counts):
-            pl.when(step < n)(functools.partial(issue, list_id, step, True))
+            pl.when(step < n)(functools.partial(issue, list_id, step))
 
-    # Drain: wait for the last release of every used slot, so that each phase of a free barrier is
-    # observed by the producer (the GPU interpreter checks this; on the GPU it costs an idle warpgroup).
+    return [d + n for d, n in zip(done, counts, strict=True)]
+
+
+def drain(plgpu, groups: Sequence[Group], done: Sequence, stages: int):
+    """Wait for the last release of every used slot, so that each phase of a free barrier is observed by
+    the producer (the GPU interpreter checks this; on the GPU it costs an idle warpgroup). done: the
+    steps each list's ring carried in all (`produce`'s result after the last work item)."""
     for slot in range(stages):
-        for list_id, n in enumerate(counts):
+        for list_id, n in enumerate(done):
 
             @pl.when(slot < n)
             def _(slot=slot, list_id=list_id):
                 for group in groups:
                     plgpu.barrier_wait(group.free.at[list_id * stages + slot])
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """The work items (head, pair of 64-row tiles, batch) of a kernel and which CTA runs which.
+
+    programs == 0: one CTA per item, on a (heads, pairs, batch) grid (heads fastest: the CTAs resident at
+    one time cover every head; tiles_fastest: (pairs, heads, batch)). programs == N > 0: a persistent grid
+    of N CTAs; CTA c runs items c, c + N, c + 2N, ... in the same order, so that its producer streams the
+    next item's first blocks while the consumers finish the current one (a CTA's start and end are not
+    repeated per item)."""
+
+    heads: int
+    pairs: int
+    batch: int
+    programs: int = 0
+    tiles_fastest: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.heads * self.pairs * self.batch
+
+    def launch(self) -> dict:
+        """kernel_call's grid arguments."""
+        if self.programs:
+            return {"grid": (min(self.programs, self.total),), "grid_names": ("programs",)}
+        if self.tiles_fastest:
+            return {"grid": (self.pairs, self.heads, self.batch), "grid_names": ("pairs", "heads", "batch")}
+        return {"grid": (self.heads, self.pairs, self.batch), "grid_names": ("heads", "pairs", "batch")}
+
+    def loop(self, body, carry):
+        """carry = body(i, (head, pair, batch), carry) over this CTA's items i = 0, 1, ...; returns carry."""
+        if not self.programs:
+            item = (lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch"))
+            return body(0, item, carry)
+        programs = min(self.programs, self.total)
+        cta = lax.axis_index("programs")
+        fast, slow = (self.pairs, self.heads) if self.tiles_fastest else (self.heads, self.pairs)
+
+        def step(i, carry):
+            w = cta + i * programs
+            first, rest = lax.rem(w, fast), lax.div(w, fast)
+            second, bi = lax.rem(rest, slow), lax.div(rest, slow)
+            item = (second, first, bi) if self.tiles_fastest else (first, second, bi)
+            return body(i, item, carry)
+
+        return lax.fori_loop(0, lax.div(self.total - cta + programs - 1, programs), step, carry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +333,7 @@ class AttentionConfig:
     dkdv_longest_first: dK/dV programs take the row blocks in descending order of their lists' lengths
         (sparse_index.longest_first), so a program's two lists (kv_block 64) are almost equally long
         and the longest programs start first; False: ascending row blocks.
+    programs: 0 for one CTA per work item; N > 0 for persistent kernels of N CTAs (WorkItems).
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
     24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
     raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
@@ -300,6 +351,7 @@ class AttentionConfig:
     fwd_step_rows: int = ROWS
     dq_step_rows: int = ROWS
     dkdv_longest_first: bool = True
+    programs: int = 0
     tiles_fastest: bool = False
     interpret: bool = False
 
@@ -310,6 +362,8 @@ class AttentionConfig:
         for name in ("fwd_step_rows", "dq_step_rows"):
             if getattr(self, name) not in (ROWS, 2 * ROWS):
                 raise ValueError(f"{name}={getattr(self, name)} must be {ROWS} or {2 * ROWS}")
+        if self.programs < 0:
+            raise ValueError(f"programs={self.programs} must be >= 0 (0: one CTA per work item)")
         if self.producer_registers % 8 or not 24 <= self.producer_registers <= LAUNCH_REGISTERS:
             raise ValueError(f"producer_registers={self.producer_registers} must be a multiple of 8 in "
                              f"24..{LAUNCH_REGISTERS}")
@@ -334,14 +388,12 @@ class AttentionConfig:
             return 2 * CONSUMERS * tile + self.dkdv_lists * self.dkdv_stages * (2 * tile + 2 * rows_f32)
         raise ValueError(f"unknown kernel {kernel!r}")
 
-    def grid(self, heads: int, pairs: int, batch: int) -> dict:
-        """Launch grid, heads fastest by default: the CTAs resident at one time cover every head. Tiles
-        fastest (all resident CTAs on one head, whose K/V rows are 256-byte stripes 4 KiB apart in
-        [B, S, H, D]) measured slower on the H200 (fwd+bwd 8.9 vs 7.4 ms at S=32k, 90% sparsity;
+    def work(self, heads: int, pairs: int, batch: int) -> WorkItems:
+        """The kernels' work items. Heads fastest by default: the CTAs resident at one time cover every
+        head. Tiles fastest (all resident CTAs on one head, whose K/V rows are 256-byte stripes 4 KiB apart
+        in [B, S, H, D]) measured slower on the H200 (fwd+bwd 8.9 vs 7.4 ms at S=32k, 90% sparsity;
         experiments/results/mgpu_notes.md), although it should reuse L2 better; not profiled further."""
-        if self.tiles_fastest:
-            return {"grid": (pairs, heads, batch), "grid_names": ("pairs", "heads", "batch")}
-        return {"grid": (heads, pairs, batch), "grid_names": ("heads", "pairs", "batch")}
+        return WorkItems(heads, pairs, batch, self.programs, self.tiles_fastest)
 
     @property
     def fwd_lists(self) -> int:

@@ -31,7 +31,7 @@ from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_i
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
 TUNABLE = frozenset({"fwd_stages", "dq_stages", "dkdv_stages", "fwd_step_rows", "dq_step_rows", "producer_registers",
-                     "dkdv_longest_first", "tiles_fastest"})
+                     "dkdv_longest_first", "programs", "tiles_fastest"})
 KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
@@ -228,7 +228,7 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
     fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "fwd_step_rows": 128, "dq_step_rows": 128,
     "producer_registers": 40, "dkdv_longest_first": False,
-    "tiles_fastest": True}). interpret=True simulates the kernels
+    "programs": 132, "tiles_fastest": True}). interpret=True simulates the kernels
     on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
     cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
                                         sm_scale=sm_scale, tuning=tuning, interpret=interpret)

@@ -13,6 +13,7 @@ dK/dV: CTA (head, two 64-row or one 128-row block of key rows, batch); consumer 
   (longest list first by default: a CTA's two lists are then almost equally long).
   The producer streams Q, lse2 (group a) and dO, delta (group b) of those tiles. Per step
   S^T = K Q^T with dP^T = V dO^T (one wait), P^T and dS^T, then dV += P^T dO with dK += dS^T Q.
+With cfg.programs > 0 both kernels are persistent, as the forward (mgpu_common.WorkItems).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pallas_kernels.mgpu_common import (
     KVWalk,
     Ops,
     compiler_params,
+    drain,
     import_plgpu,
     kernel_call,
     produce,
@@ -59,84 +61,102 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
+    work = cfg.work(h, s // _PAIR, b)
+
     def body(refs, scratch):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, index_ref, count_ref, valid_ref, dq_ref = refs
         (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), barriers = scratch
         rows_ready, k_ready, k_free, v_ready, v_free = barriers
-        hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
-        slices = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
-        steps = [walk.steps(n) for n in slices]
 
         @pl.when(wg < CONSUMERS)
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
             list_id = wg if lists == 2 else 0
-            tile = tile_of(list_id)
-            n_slices = count_ref[bi, hi, tile] * per_block
-            n = walk.steps(n_slices)
             base = list_id * stages
-            rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
             ready = rows_ready.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, ready)
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], my_do, ready)
-            plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[wg], ready)
-            plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[wg], ready)
-            plgpu.barrier_wait(ready)
-            lse = ops.load(lse_smem.at[wg], ops.row_layout())
-            delta = ops.load(delta_smem.at[wg], ops.row_layout())
 
-            def valid_keys(step):  # valid keys of each 64-row slice of this step
-                return walk.valid_keys(step, n_slices, (lambda e: valid_ref[bi, hi, tile, e]) if masked else None)
+            def gradient(i, item, done):
+                """One work item; done: steps this consumer's ring carried before it."""
+                hi, ci, bi = item
+                tile = ci * 2 + list_id if lists == 2 else ci
+                n_slices = count_ref[bi, hi, tile] * per_block
+                n = walk.steps(n_slices)
+                rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
+                if work.programs:  # the previous item's dq must have left my_q
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, ready)
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], my_do, ready)
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[wg], ready)
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[wg], ready)
+                plgpu.barrier_wait(ready)
+                lse = ops.load(lse_smem.at[wg], ops.row_layout())
+                delta = ops.load(delta_smem.at[wg], ops.row_layout())
 
-            @pl.when(n > 0)
-            def _():
-                plgpu.barrier_wait(k_ready.at[base])
+                def slot_of(step):
+                    return base + lax.rem(done + step, stages)
 
-            def step_fn(step, carry, mask):
-                acc, n_valid = carry
-                slot = base + lax.rem(step, stages)
-                plgpu.barrier_wait(v_ready.at[slot])
-                logits, dp = ops.mma([((ROWS, cfg.dq_step_rows), my_q, k_smem.at[slot], True),
-                                      ((ROWS, cfg.dq_step_rows), my_do, v_smem.at[slot], True)])
-                plgpu.barrier_arrive(v_free.at[slot])
-                p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
-                if mask:
-                    p = jnp.where(slice_limit(ops, p.shape, n_valid), p, 0.0)
-                    n_valid = valid_keys(step + 1)
-                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                def valid_keys(step):  # valid keys of each 64-row slice of this step
+                    return walk.valid_keys(step, n_slices, (lambda e: valid_ref[bi, hi, tile, e]) if masked else None)
 
-                def wait_next_k():
-                    nxt = step + 1
+                @pl.when(n > 0)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-                    @pl.when(nxt < n)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[base + lax.rem(nxt, stages)])
+                def step_fn(step, carry, mask):
+                    acc, n_valid = carry
+                    slot = slot_of(step)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    logits, dp = ops.mma([((ROWS, cfg.dq_step_rows), my_q, k_smem.at[slot], True),
+                                          ((ROWS, cfg.dq_step_rows), my_do, v_smem.at[slot], True)])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
+                    if mask:
+                        p = jnp.where(slice_limit(ops, p.shape, n_valid), p, 0.0)
+                        n_valid = valid_keys(step + 1)
+                    ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
-                (acc,) = ops.mma([(acc, ds.astype(dtype), k_smem.at[slot], False)], after=wait_next_k)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return acc, n_valid
+                    def wait_next_k():
+                        nxt = step + 1
 
-            (acc,) = walk.loop(n_slices, masked, step_fn, (ops.full((ROWS, d), 0.0, ops.wgmma_layout),), valid_keys)
-            my_q[...] = (acc * cfg.sm_scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
+                        @pl.when(nxt < n)
+                        def _():
+                            plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+
+                    (acc,) = ops.mma([(acc, ds.astype(dtype), k_smem.at[slot], False)], after=wait_next_k)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return acc, n_valid
+
+                (acc,) = walk.loop(n_slices, masked, step_fn, (ops.full((ROWS, d), 0.0, ops.wgmma_layout),),
+                                   valid_keys)
+                my_q[...] = (acc * cfg.sm_scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
+                return done + n
+
+            work.loop(gradient, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
         def _produce():
             ops.set_registers(cfg.producer_registers, "decrease")
+            groups = lambda copier: [Group(copier(k_ref, k_smem), k_ready, k_free),
+                                     Group(copier(v_ref, v_smem), v_ready, v_free)]
 
-            def block_of(list_id, entry):
-                return index_ref[bi, hi, tile_of(list_id), entry]
+            def stream(i, item, done):
+                hi, ci, bi = item
+                tiles = [ci * 2 + j if lists == 2 else ci for j in range(lists)]
+                slices = [count_ref[bi, hi, t] * per_block for t in tiles]
 
-            def copier(src_ref, dst_smem):
-                return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
+                def copier(src_ref, dst_smem):
+                    block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
+                    return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
 
-            produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
-                            Group(copier(v_ref, v_smem), v_ready, v_free)], steps, stages)
+                return tuple(produce(plgpu, groups(copier), [walk.steps(n) for n in slices], stages, done))
+
+            done = work.loop(stream, (jnp.int32(0),) * lists)
+            drain(plgpu, groups(lambda *_: None), done, stages)
 
     def dsv_sparse_dq(*refs):  # the kernel's name in profiles
         if not masked:
@@ -154,7 +174,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
 
     call = kernel_call(
         plgpu, dsv_sparse_dq, result_type(q.shape, dtype, q),
-        **cfg.grid(h, s // _PAIR, b),
+        **work.launch(),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
     )
@@ -184,89 +204,110 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
             return step, 0
         return lax.div(step, per_tile), lax.rem(step, per_tile) * ROWS
 
+    work = cfg.work(h, s // _PAIR, b)
+
     def body(refs, scratch):
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, blocks_ref, valid_ref, dk_ref,
          dv_ref) = refs
         (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring), barriers = scratch
         kv_ready, a_ready, a_free, b_ready, b_free = barriers
-        hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
 
-        def block_of(list_id):  # the row block (of cfg.dkdv_rows key rows) that list `list_id` walks
+        def block_of(item, list_id):  # the row block (of cfg.dkdv_rows key rows) that list `list_id` walks
+            hi, ci, bi = item
             return blocks_ref[bi, hi, ci * lists + list_id]
-
-        firsts = [starts_ref[bi, hi, block_of(i)] for i in range(lists)]
-        counts = [(starts_ref[bi, hi, block_of(i) + 1] - firsts[i]) * per_tile for i in range(lists)]
 
         @pl.when(wg < CONSUMERS)
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
             list_id = wg if lists == 2 else 0
-            block = block_of(list_id)
-            n = (starts_ref[bi, hi, block + 1] - starts_ref[bi, hi, block]) * per_tile
             base = list_id * stages
-            first_row = block * cfg.dkdv_rows + (wg * ROWS if lists == 1 else 0)  # of this consumer's 64 keys
-            rows = pl.ds(first_row, ROWS)
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], my_k, kv_ready.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])
-            plgpu.barrier_wait(kv_ready.at[wg])
 
-            def step_fn(step, carry):
-                """S^T = K Q^T and dP^T = V dO^T together (one wait), P^T and dS^T in their registers, then
-                dV += P^T dO and dK += dS^T Q together: two waits a step, and at most two fp32 64 x 64 tiles
-                live beside the accumulators. (S^T; dV with dP^T; dK, three waits, kept P^T alive across a
-                product and spilled registers: 2% slower at 64k, experiments/results/mgpu_notes.md.)"""
-                dk_acc, dv_acc = carry
-                slot = base + lax.rem(step, stages)
-                plgpu.barrier_wait(a_ready.at[slot])
-                plgpu.barrier_wait(b_ready.at[slot])
-                logits_t, dp_t = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True),
-                                          ((ROWS, ROWS), my_v, do_ring.at[slot], True)])
-                lse = ops.load(lse_ring.at[slot], ops.col_layout())
-                p_t = jnp.exp2(logits_t * qk_scale - lax.broadcast_in_dim(lse, logits_t.shape, [1]))
-                delta = ops.load(delta_ring.at[slot], ops.col_layout())
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-                dv_acc, dk_acc = ops.mma([(dv_acc, p_t.astype(dtype), do_ring.at[slot], False),
-                                          (dk_acc, ds_t.astype(dtype), q_ring.at[slot], False)])
-                plgpu.barrier_arrive(b_free.at[slot])
-                plgpu.barrier_arrive(a_free.at[slot])
-                return dk_acc, dv_acc
+            def gradients(i, item, done):
+                """One work item; done: steps this consumer's ring carried before it."""
+                hi, ci, bi = item
+                block = block_of(item, list_id)
+                n = (starts_ref[bi, hi, block + 1] - starts_ref[bi, hi, block]) * per_tile
+                first_row = block * cfg.dkdv_rows + (wg * ROWS if lists == 1 else 0)  # of this consumer's 64 keys
+                rows = pl.ds(first_row, ROWS)
+                if work.programs:  # the previous item's dk, dv must have left my_k, my_v
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], my_k, kv_ready.at[wg])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])
+                plgpu.barrier_wait(kv_ready.at[wg])
 
-            zeros = ops.full((ROWS, d), 0.0, ops.wgmma_layout)
-            dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
-            dk_acc = dk_acc * cfg.sm_scale
-            if masked:  # masked keys get no gradient (their rows of P were not part of the softmax)
-                keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, lax.div(first_row, ROWS)]
-                dk_acc, dv_acc = jnp.where(keep, dk_acc, 0.0), jnp.where(keep, dv_acc, 0.0)
-            my_k[...] = dk_acc.astype(dtype)
-            my_v[...] = dv_acc.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, hi])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, hi])
+                def step_fn(step, carry):
+                    """S^T = K Q^T and dP^T = V dO^T together (one wait), P^T and dS^T in their registers, then
+                    dV += P^T dO and dK += dS^T Q together: two waits a step, and at most two fp32 64 x 64 tiles
+                    live beside the accumulators. (S^T; dV with dP^T; dK, three waits, kept P^T alive across a
+                    product and spilled registers: 2% slower at 64k, experiments/results/mgpu_notes.md.)"""
+                    dk_acc, dv_acc = carry
+                    slot = base + lax.rem(done + step, stages)
+                    plgpu.barrier_wait(a_ready.at[slot])
+                    plgpu.barrier_wait(b_ready.at[slot])
+                    logits_t, dp_t = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True),
+                                              ((ROWS, ROWS), my_v, do_ring.at[slot], True)])
+                    lse = ops.load(lse_ring.at[slot], ops.col_layout())
+                    p_t = jnp.exp2(logits_t * qk_scale - lax.broadcast_in_dim(lse, logits_t.shape, [1]))
+                    delta = ops.load(delta_ring.at[slot], ops.col_layout())
+                    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                    dv_acc, dk_acc = ops.mma([(dv_acc, p_t.astype(dtype), do_ring.at[slot], False),
+                                              (dk_acc, ds_t.astype(dtype), q_ring.at[slot], False)])
+                    plgpu.barrier_arrive(b_free.at[slot])
+                    plgpu.barrier_arrive(a_free.at[slot])
+                    return dk_acc, dv_acc
+
+                zeros = ops.full((ROWS, d), 0.0, ops.wgmma_layout)
+                dk_acc, dv_acc = lax.fori_loop(0, n, step_fn, (zeros, zeros))
+                dk_acc = dk_acc * cfg.sm_scale
+                if masked:  # masked keys get no gradient (their rows of P were not part of the softmax)
+                    keep = ops.iota(dk_acc.shape, 0) < valid_ref[bi, lax.div(first_row, ROWS)]
+                    dk_acc, dv_acc = jnp.where(keep, dk_acc, 0.0), jnp.where(keep, dv_acc, 0.0)
+                my_k[...] = dk_acc.astype(dtype)
+                my_v[...] = dv_acc.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, hi])
+                plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, hi])
+                return done + n
+
+            work.loop(gradients, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
         def _produce():
             ops.set_registers(cfg.producer_registers, "decrease")
 
-            def source(list_id, step):
-                entry, offset = split(step)
-                tile = tiles_ref[bi, hi, firsts[list_id] + entry]
-                return pl.ds(tile * cfg.q_tile + offset, ROWS)
+            def groups(item, firsts):
+                hi, _, bi = item
 
-            def copy_a(list_id, step, slot, barrier):
-                src = source(list_id, step)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, src, hi], q_ring.at[list_id * stages + slot], barrier)
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, src], lse_ring.at[list_id * stages + slot], barrier)
+                def source(list_id, step):
+                    entry, offset = split(step)
+                    tile = tiles_ref[bi, hi, firsts[list_id] + entry]
+                    return pl.ds(tile * cfg.q_tile + offset, ROWS)
 
-            def copy_b(list_id, step, slot, barrier):
-                src = source(list_id, step)
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, src, hi], do_ring.at[list_id * stages + slot], barrier)
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot],
-                                        barrier)
+                def copy_a(list_id, step, slot, barrier):
+                    src = source(list_id, step)
+                    plgpu.copy_gmem_to_smem(q_ref.at[bi, src, hi], q_ring.at[list_id * stages + slot], barrier)
+                    plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, src], lse_ring.at[list_id * stages + slot], barrier)
 
-            produce(plgpu, [Group(copy_a, a_ready, a_free), Group(copy_b, b_ready, b_free)], counts, stages)
+                def copy_b(list_id, step, slot, barrier):
+                    src = source(list_id, step)
+                    plgpu.copy_gmem_to_smem(do_ref.at[bi, src, hi], do_ring.at[list_id * stages + slot], barrier)
+                    plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot],
+                                            barrier)
+
+                return [Group(copy_a, a_ready, a_free), Group(copy_b, b_ready, b_free)]
+
+            def stream(i, item, done):
+                hi, _, bi = item
+                blocks = [block_of(item, j) for j in range(lists)]
+                firsts = [starts_ref[bi, hi, blk] for blk in blocks]
+                counts = [(starts_ref[bi, hi, blk + 1] - f) * per_tile for blk, f in zip(blocks, firsts)]
+                return tuple(produce(plgpu, groups(item, firsts), counts, stages, done))
+
+            done = work.loop(stream, (jnp.int32(0),) * lists)
+            drain(plgpu, [Group(None, a_ready, a_free), Group(None, b_ready, b_free)], done, stages)
 
     def dsv_sparse_dkdv(*refs):  # the kernel's name in profiles
         if not masked:
@@ -284,7 +325,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
 
     call = kernel_call(
         plgpu, dsv_sparse_dkdv, [result_type(k.shape, dtype, q), result_type(v.shape, dtype, q)],
-        **cfg.grid(h, s // _PAIR, b),
+        **work.launch(),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
     )

@@ -10,7 +10,9 @@ CTA (head, pair of 64-row query tiles, batch), three warpgroups:
     two wgmma issues for twice the keys. An odd slice count ends in a half step whose second slice
     repeats the first (finite data) and is masked.
 With q_tile = 128 both consumers walk the tile's one list and share the ring; with q_tile = 64 each
-walks its own tile's list through its own ring.
+walks its own tile's list through its own ring. With cfg.programs > 0 a CTA is persistent and runs
+several work items in turn (mgpu_common.WorkItems): the rings continue from one item to the next, and an
+item's output store is waited for only before its SMEM takes the next item's Q.
 
 Outputs o [B, S, H, D] and lse2 [B, H, S] = log2 of the softmax denominator of the logits scaled by
 sm_scale * log2(e) (-inf for a row that selected no valid key; its o is 0).
@@ -31,6 +33,7 @@ from pallas_kernels.mgpu_common import (
     KVWalk,
     Ops,
     compiler_params,
+    drain,
     import_plgpu,
     kernel_call,
     produce,
@@ -54,103 +57,127 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
+    work = cfg.work(h, s // (CONSUMERS * ROWS), b)
+
     def body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch):
         (q_smem, k_smem, v_smem, lse_smem), (q_ready, k_ready, v_ready, k_free, v_free, sched) = scratch
-        hi, ci, bi = lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        tile_of = (lambda list_id: ci * 2 + list_id) if lists == 2 else (lambda list_id: ci)
-        slices = [count_ref[bi, hi, tile_of(i)] * per_block for i in range(lists)]
-        steps = [walk.steps(n) for n in slices]
+
+        def lists_of(item):
+            """(tile of each list, its slice count, its step count) of a work item."""
+            hi, ci, bi = item
+            tiles = [ci * 2 + j if lists == 2 else ci for j in range(lists)]
+            slices = [count_ref[bi, hi, t] * per_block for t in tiles]
+            return tiles, slices, [walk.steps(n) for n in slices]
 
         @pl.when(wg < CONSUMERS)
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
             list_id = wg if lists == 2 else 0
-            tile = tile_of(list_id)
-            n_slices = count_ref[bi, hi, tile] * per_block
-            n = walk.steps(n_slices)
-            longest = steps[0] if lists == 1 else jnp.maximum(steps[0], steps[1])
             base = list_id * stages
-            rows = pl.ds(ci * (CONSUMERS * ROWS) + wg * ROWS, ROWS)
             my_q, my_lse = q_smem.at[wg], lse_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
 
-            def valid_keys(step):  # valid keys of each 64-row slice of this step
-                return walk.valid_keys(step, n_slices, (lambda e: valid_ref[bi, hi, tile, e]) if masked else None)
+            def attend(i, item, done):
+                """One work item; done: steps this consumer's ring carried before it."""
+                hi, ci, bi = item
+                _, _, steps = lists_of(item)
+                tile = ci * 2 + list_id if lists == 2 else ci
+                n_slices = count_ref[bi, hi, tile] * per_block
+                n = walk.steps(n_slices)
+                longest = steps[0] if lists == 1 else jnp.maximum(steps[0], steps[1])
+                rows = pl.ds(ci * (CONSUMERS * ROWS) + wg * ROWS, ROWS)
+                if work.programs:  # the previous item's output must have left my_q, my_lse
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, q_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[wg])
 
-            @pl.when(n > 0)
-            def _():
-                plgpu.barrier_wait(k_ready.at[base])
+                def slot_of(step):
+                    return base + lax.rem(done + step, stages)
 
-            pl.when(wg == 1)(lambda: schedule_round(plgpu, sched))
+                def valid_keys(step):  # valid keys of each 64-row slice of this step
+                    return walk.valid_keys(step, n_slices, (lambda e: valid_ref[bi, hi, tile, e]) if masked else None)
 
-            def step_fn(step, carry, mask):
-                acc, m_i, l_i, n_valid = carry
-                slot = base + lax.rem(step, stages)
-                (logits,) = ops.mma([((ROWS, cfg.fwd_step_rows), my_q, k_smem.at[slot], True)],
-                                    after=lambda: schedule_round(plgpu, sched))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if mask:
-                    logits = jnp.where(slice_limit(ops, logits.shape, n_valid), logits, -jnp.inf)
-                    n_valid = valid_keys(step + 1)
-                m_new = jnp.maximum(m_i, logits.max(axis=1) * qk_scale)
-                # A row whose keys so far are all masked keeps m = -inf; exponents then use 0.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if mask else m_new
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(m_use, logits.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                plgpu.barrier_arrive(sched)  # softmax done: the other consumer may issue
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(sched)  # the tensor cores are ours again
+                @pl.when(n > 0)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-                def wait_next_k():
-                    nxt = step + 1
+                pl.when(wg == 1)(lambda: schedule_round(plgpu, sched))
 
-                    @pl.when(nxt < n)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[base + lax.rem(nxt, stages)])
+                def step_fn(step, carry, mask):
+                    acc, m_i, l_i, n_valid = carry
+                    slot = slot_of(step)
+                    (logits,) = ops.mma([((ROWS, cfg.fwd_step_rows), my_q, k_smem.at[slot], True)],
+                                        after=lambda: schedule_round(plgpu, sched))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if mask:
+                        logits = jnp.where(slice_limit(ops, logits.shape, n_valid), logits, -jnp.inf)
+                        n_valid = valid_keys(step + 1)
+                    m_new = jnp.maximum(m_i, logits.max(axis=1) * qk_scale)
+                    # A row whose keys so far are all masked keeps m = -inf; exponents then use 0.
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if mask else m_new
+                    alpha = jnp.exp2(m_i - m_use)
+                    p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(m_use, logits.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    plgpu.barrier_arrive(sched)  # softmax done: the other consumer may issue
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours again
 
-                (acc,) = ops.mma([(acc, p16, v_smem.at[slot], False)], after=wait_next_k)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i, n_valid
+                    def wait_next_k():
+                        nxt = step + 1
 
-            init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
-                    ops.full((ROWS,), 0.0, ops.row_layout()))
-            acc, m_i, l_i = walk.loop(n_slices, masked, step_fn, init, valid_keys)
-            if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
+                        @pl.when(nxt < n)
+                        def _():
+                            plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
 
-                @pl.loop(n, longest)
-                def _pad(_):
-                    schedule_round(plgpu, sched)
-                    schedule_round(plgpu, sched)
+                    (acc,) = ops.mma([(acc, p16, v_smem.at[slot], False)], after=wait_next_k)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i, n_valid
 
-            pl.when(wg == 0)(lambda: schedule_round(plgpu, sched))
+                init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
+                        ops.full((ROWS,), 0.0, ops.row_layout()))
+                acc, m_i, l_i = walk.loop(n_slices, masked, step_fn, init, valid_keys)
+                if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
 
-            empty = l_i == 0.0
-            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-            my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            my_lse[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * LOG2E)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, hi])
-            plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, hi, rows])
+                    @pl.loop(n, longest)
+                    def _pad(_):
+                        schedule_round(plgpu, sched)
+                        schedule_round(plgpu, sched)
+
+                pl.when(wg == 0)(lambda: schedule_round(plgpu, sched))
+
+                empty = l_i == 0.0
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+                my_q[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                my_lse[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * LOG2E)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_q, o_ref.at[bi, rows, hi])
+                plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, hi, rows])
+                return done + n
+
+            work.loop(attend, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
         def _produce():
             ops.set_registers(cfg.producer_registers, "decrease")
+            groups = lambda copier: [Group(copier(k_ref, k_smem), k_ready, k_free),
+                                     Group(copier(v_ref, v_smem), v_ready, v_free)]
 
-            def block_of(list_id, entry):
-                return index_ref[bi, hi, tile_of(list_id), entry]
+            def stream(i, item, done):
+                hi, _, bi = item
+                tiles, slices, steps = lists_of(item)
 
-            def copier(src_ref, dst_smem):
-                return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
+                def copier(src_ref, dst_smem):
+                    block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
+                    return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
 
-            produce(plgpu, [Group(copier(k_ref, k_smem), k_ready, k_free),
-                            Group(copier(v_ref, v_smem), v_ready, v_free)], steps, stages)
+                return tuple(produce(plgpu, groups(copier), steps, stages, done))
+
+            done = work.loop(stream, (jnp.int32(0),) * lists)
+            drain(plgpu, groups(lambda *_: None), done, stages)
 
     def dsv_sparse_fwd(*refs):  # the kernel's name in profiles
         if masked:
@@ -172,7 +199,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
     call = kernel_call(
         plgpu, dsv_sparse_fwd, [result_type(q.shape, dtype, q), result_type((b, h, s), jnp.float32, q)],
-        **cfg.grid(h, s // (CONSUMERS * ROWS), b),
+        **work.launch(),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
     )

@@ -41,9 +41,8 @@ def outputs_and_grads(fn, q, k, v, wo, wl):
     return (o, lse, *grads)
 
 
-def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning, chosen=None):
+def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning, chosen=None, b=1, h=1):
     """chosen: (kv_index, kv_count) instead of a random selection with `counts`."""
-    b, h = 1, 1
     ks = jax.random.split(jax.random.key(seed), 6)
     q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
     tiles, blocks = s // q_tile, s // kv_block
@@ -122,6 +121,22 @@ def test_dkdv_takes_blocks_longest_first_in_gpu_interpreter(longest_first):
     assert np.all(np.asarray(dk[:, 64 + 40:128]) == 0) and np.any(np.asarray(dv[:, 192:192 + 20]) != 0)
 
 
+def test_persistent_kernels_in_gpu_interpreter():
+    """programs = 4 persistent CTAs over 2 batch x 2 heads x 3 pairs of 64-row tiles (two lists each): CTA c
+    runs items c, c + 4, c + 8, so rings wrap across items (one forward stage), a list is empty, keys are
+    masked, and each item's head, pair and batch come from its place in the heads-fastest order."""
+    kv_valid = jnp.array([[64, 37, 0, 64, 50, 64], [64, 64, 20, 0, 64, 64]], jnp.int32)
+    check_against_dense(64, 64, 64, 384, [0, 2, 3, 1, 3, 2], kv_valid, seed=9, b=2, h=2,
+                        tuning={"fwd_stages": 1, "programs": 4})
+
+
+def test_persistent_shared_lists_with_two_slices_per_step_in_gpu_interpreter():
+    """One persistent CTA runs every item: 128-row tiles sharing one list, 128-row forward and dQ steps with
+    odd slice counts (half steps), tiles fastest."""
+    check_against_dense(128, 64, 64, 384, [1, 3, 2], None, seed=10, h=2,
+                        tuning={"fwd_stages": 1, "programs": 1, "tiles_fastest": True})
+
+
 def test_backward_under_merged_statistics_in_gpu_interpreter():
     """sparse_attention_mgpu_backward: a selection split into disjoint A and B; under the whole selection's
     (o, lse) (what merging A's and B's gives) the two calls sum to the whole's gradients, with masked
@@ -150,7 +165,8 @@ def test_backward_under_merged_statistics_in_gpu_interpreter():
     (64, 64, 128, False, None), (128, 192, 64, True, None), (128, 64, 64, False, None),
     (128, 64, 128, False, {"producer_registers": 24, "fwd_stages": 5, "dq_stages": 4, "fwd_step_rows": 64,
                            "dq_step_rows": 64}),
-    (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128})])
+    (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128}),
+    (128, 64, 128, False, {"programs": 132}), (64, 64, 128, True, {"programs": 132})])
 def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
