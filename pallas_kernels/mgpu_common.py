@@ -148,20 +148,29 @@ def produce(plgpu, groups: Sequence[Group], counts: Sequence, stages: int, done:
     The lists are served in turn at each step, so two lists advance together (their consumers run in
     lockstep through the schedule barrier). Call `drain` after the last work item."""
     done = [0] * len(counts) if done is None else list(done)
+    first = all(isinstance(x, int) and x == 0 for x in done)  # the CTA's first item: fill without waiting
 
-    def issue(list_id, step):
+    def issue(list_id, step, wait):
         at = done[list_id] + step
         index = list_id * stages + lax.rem(at, stages)
         for group in groups:
-            pl.when(at >= stages)(lambda group=group: plgpu.barrier_wait(group.free.at[index]))
+            if wait is True:
+                plgpu.barrier_wait(group.free.at[index])
+            elif wait is not False:
+                pl.when(wait)(lambda group=group: plgpu.barrier_wait(group.free.at[index]))
             group.copies(list_id, step, lax.rem(at, stages), group.ready.at[index])
 
     longest = counts[0] if len(counts) == 1 else jnp.maximum(*counts)
+    if first:
+        for step in range(stages):  # fill the rings
+            for list_id, n in enumerate(counts):
+                pl.when(step < n)(functools.partial(issue, list_id, step, False))
 
-    @pl.loop(0, longest)
+    @pl.loop(stages if first else 0, jnp.maximum(longest, stages) if first else longest)
     def _stream(step):
         for list_id, n in enumerate(counts):
-            pl.when(step < n)(functools.partial(issue, list_id, step))
+            wait = True if first else done[list_id] + step >= stages
+            pl.when(step < n)(functools.partial(issue, list_id, step, wait))
 
     return [d + n for d, n in zip(done, counts, strict=True)]
 
@@ -208,10 +217,12 @@ class WorkItems:
         return {"grid": (self.heads, self.pairs, self.batch), "grid_names": ("heads", "pairs", "batch")}
 
     def loop(self, body, carry):
-        """carry = body(i, (head, pair, batch), carry) over this CTA's items i = 0, 1, ...; returns carry."""
-        if not self.programs:
+        """carry = body(i, (head, pair, batch), carry) over this CTA's items i = 0, 1, ...; returns carry
+        (a pytree of int scalars)."""
+        if not self.programs:  # carry stays as given (Python ints: constants, not values, in the kernel)
             item = (lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch"))
             return body(0, item, carry)
+        carry = jax.tree.map(jnp.int32, carry)
         programs = min(self.programs, self.total)
         cta = lax.axis_index("programs")
         fast, slow = (self.pairs, self.heads) if self.tiles_fastest else (self.heads, self.pairs)

@@ -135,7 +135,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                 plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
                 return done + n
 
-            work.loop(gradient, jnp.int32(0))
+            work.loop(gradient, 0)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
@@ -155,7 +155,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
 
                 return tuple(produce(plgpu, groups(copier), [walk.steps(n) for n in slices], stages, done))
 
-            done = work.loop(stream, (jnp.int32(0),) * lists)
+            done = work.loop(stream, (0,) * lists)
             drain(plgpu, groups(lambda *_: None), done, stages)
 
     def dsv_sparse_dq(*refs):  # the kernel's name in profiles
@@ -271,7 +271,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                 plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, hi])
                 return done + n
 
-            work.loop(gradients, jnp.int32(0))
+            work.loop(gradients, 0)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
@@ -306,7 +306,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                 counts = [(starts_ref[bi, hi, blk + 1] - f) * per_tile for blk, f in zip(blocks, firsts)]
                 return tuple(produce(plgpu, groups(item, firsts), counts, stages, done))
 
-            done = work.loop(stream, (jnp.int32(0),) * lists)
+            done = work.loop(stream, (0,) * lists)
             drain(plgpu, [Group(None, a_ready, a_free), Group(None, b_ready, b_free)], done, stages)
 
     def dsv_sparse_dkdv(*refs):  # the kernel's name in profiles

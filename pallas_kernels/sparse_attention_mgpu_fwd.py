@@ -157,7 +157,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                 plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[bi, hi, rows])
                 return done + n
 
-            work.loop(attend, jnp.int32(0))
+            work.loop(attend, 0)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == CONSUMERS)
@@ -176,7 +176,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
                 return tuple(produce(plgpu, groups(copier), steps, stages, done))
 
-            done = work.loop(stream, (jnp.int32(0),) * lists)
+            done = work.loop(stream, (0,) * lists)
             drain(plgpu, groups(lambda *_: None), done, stages)
 
     def dsv_sparse_fwd(*refs):  # the kernel's name in profiles
