@@ -103,7 +103,7 @@ def evaluate_workdir(workdir: str, *, step: int | None = None, weights: str = "a
 
 def report(results: dict) -> list[str]:
     """Lines for the terminal."""
-    from dsv_jax.data.semantic import format_score
+    from dsv_jax.data.semantic import format_misses, format_score
 
     lines = []
     if results.get("weights") == "ema":
@@ -122,6 +122,8 @@ def report(results: dict) -> list[str]:
     if "semantic" in results:
         s = results["semantic"]
         lines.append(f"{format_score(s['score'])}")
+        if format_misses(s["score"]):
+            lines.append(f"  {format_misses(s['score'])}")
         lines.append(f"  ground-truth clips of the same captions: {s['truth']['accuracy']:.3f}")
     return lines
 

@@ -64,6 +64,9 @@ def test_train_then_sample_gif(tmp_path):
     semantic = result["semantic"]
     assert len(semantic["captions"]) == 3 and semantic["truth"]["accuracy"] >= 0.9
     assert set(semantic["score"]["questions"]) == {"colour", "shape", "motion"}
+    shapes = semantic["score"]["questions"]["shape"]["confusion"]  # {caption's shape: {clip's shape: count}}
+    assert sum(n for said in shapes.values() for n in said.values()) == 3
+    assert ("misses: " in r.stdout) == (semantic["score"]["accuracy"] < 1.0)
     assert result["sampler"] == {"clips": 3, "steps": 2, "seed": 0, "guidance": 3.0, "shift": 2.5}
 
     # a full disk: one line naming the folder, the space needed and the space free; the traceback goes to

@@ -1,5 +1,6 @@
 """The photo dataset (data.source=photos) and the semantic score of clips against their captions."""
 
+import collections
 import dataclasses
 import time
 
@@ -151,6 +152,26 @@ def test_score_notices_a_wrong_direction():
         assert score["questions"]["motion"]["accuracy"] <= 0.1, (source, score)
 
 
+def test_score_says_what_the_clips_showed_instead():
+    """Captions that name another shape and colour than the clips show: the confusion table holds the
+    caption's word against the clip's, and the misses line names the commonest swaps."""
+    clips = _clips("synthetic", 12)
+    swap = {"circle": "cross", "square": "cross", "triangle": "cross", "ring": "cross", "diamond": "cross",
+            "cross": "ring"}
+    truths = [semantic.parse(cap) for _, cap in clips]
+    wrong = [f"a {'large' if t['large'] else 'small'} {t['colour']} {swap[t['shape']]} moving {t['direction']}"
+             for t in truths]
+    score = semantic.score_clips([c[0] for c in clips], wrong)
+    shape = score["questions"]["shape"]
+    seen = {t["shape"] for t in truths} - {"cross"}
+    assert set(shape["confusion"]["cross"]) == seen, shape  # each clip shows its own shape, not the caption's
+    assert sum(n for said in shape["confusion"].values() for n in said.values()) == shape["n"] == 12
+    assert score["questions"]["colour"]["confusion"] == {
+        c: {c: n} for c, n in sorted(collections.Counter(t["colour"] for t in truths).items())}
+    line = semantic.format_misses(score)
+    assert line.startswith("misses: ") and "cross->" in line and "colour" not in line
+
+
 def test_measurements():
     rng = np.random.default_rng(0)
     image = rng.normal(size=(40, 40))
@@ -175,7 +196,7 @@ def test_score_reports_its_standard_error_over_clips():
     noise = [rng.uniform(-1, 1, f.shape).astype(np.float32) for f in frames]
     mixed = frames[:3] + noise[3:]  # three true clips, three of noise
     score = semantic.score_clips(mixed, captions)
-    per_clip = [np.mean([right for right, _ in semantic.score_clip(f, c).values()]) for f, c in zip(mixed, captions)]
+    per_clip = [np.mean([a.right for a in semantic.score_clip(f, c).values()]) for f, c in zip(mixed, captions)]
     assert score["stderr"] == pytest.approx(np.std(per_clip, ddof=1) / np.sqrt(6)) and score["stderr"] > 0.05
     assert f"+- {score['stderr']:.3f}" in semantic.format_score(score)
     truth = semantic.score_clips(frames, captions)  # every clip fully right: no spread

@@ -22,10 +22,27 @@ Stills (T = 1) answer colour / shape / object only; "camera is still" asks nothi
 from __future__ import annotations
 
 import re
+from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
 from dsv_jax.data import photos, synthetic
+
+
+class Answer(NamedTuple):
+    """One question about one clip: answered right, the chance of that, what the caption says (truth) and
+    what the clip showed (said; "none" when the measurement found nothing, e.g. no motion)."""
+
+    right: bool
+    chance: float
+    truth: str
+    said: str
+
+
+def _answer(truth: str, said: str | None, chance: float) -> Answer:
+    return Answer(said == truth, chance, truth, said or "none")
+
 
 SYNTHETIC_CAPTION = re.compile(r"^a (small|large) (\w+) (\w+)(?: moving (\w+))?$")
 
@@ -152,7 +169,7 @@ def _salience(frame: np.ndarray) -> np.ndarray:
 
 # -- the questions -----------------------------------------------------------------------------------------
 
-def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, tuple[bool, float]]:
+def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, Answer]:
     t, h, w, _ = frames.shape
     palette = {k: np.asarray(v, np.float64) / 127.5 - 1 for k, v in synthetic.COLOURS.items()}
     names, colours = list(palette), np.stack(list(palette.values()))
@@ -163,7 +180,7 @@ def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, tuple[bool, float]]
         top = flat[np.argsort(sal)[-max(1, sal.size // 20):]]  # the 5% most salient pixels
         nearest = np.argmin(((top[:, None] - colours[None]) ** 2).sum(-1), axis=1)
         votes += np.bincount(nearest, minlength=len(names))
-    out["colour"] = (names[int(np.argmax(votes))] == facts["colour"], 1 / len(names))
+    out["colour"] = _answer(facts["colour"], names[int(np.argmax(votes))], 1 / len(names))
 
     r = min(h, w) * (0.28 if facts["large"] else 0.17)
     size = int(np.ceil(2 * r)) + 2
@@ -171,17 +188,18 @@ def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, tuple[bool, float]]
     matcher = Matcher(np.stack([_salience(f) for f in frames])[..., None])
     scores = {kind: matcher(synthetic.shape_mask(kind, yy, xx, r)[..., None], np.ones((size, size))).max((1, 2)).mean()
               for kind in synthetic.SHAPES}
-    out["shape"] = (max(scores, key=scores.get) == facts["shape"], 1 / len(synthetic.SHAPES))
+    out["shape"] = _answer(facts["shape"], max(scores, key=scores.get), 1 / len(synthetic.SHAPES))
 
     if t > 1 and facts["direction"]:
         weight = np.exp(-np.sum((frames - palette[facts["colour"]]) ** 2, axis=-1) * 20) + 1e-12
         grid = np.mgrid[:h, :w].astype(np.float64)
         centroids = np.stack([(grid * wt).sum((1, 2)) / wt.sum() for wt in weight])
-        out["motion"] = (direction_of(*_halves_shift(centroids)) == facts["direction"], 1 / len(synthetic.DIRECTIONS))
+        seen = direction_of(*_halves_shift(centroids))
+        out["motion"] = _answer(facts["direction"], seen, 1 / len(synthetic.DIRECTIONS))
     return out
 
 
-def _photos(frames: np.ndarray, facts: dict) -> dict[str, tuple[bool, float]]:
+def _photos(frames: np.ndarray, facts: dict) -> dict[str, Answer]:
     t, h, w, _ = frames.shape
     out = {}
     named = [name for name, _ in facts["objects"]]
@@ -193,9 +211,9 @@ def _photos(frames: np.ndarray, facts: dict) -> dict[str, tuple[bool, float]]:
         maps = matcher(rgb * 2 - 1, alpha)
         scores[name] = float(maps.max((1, 2)).mean())
         tracks[name] = np.array([np.unravel_index(np.argmax(m), m.shape) for m in maps], np.float64)
-    out["object"] = (max(candidates, key=scores.get) == first, 1 / len(candidates))
+    out["object"] = _answer(first, max(candidates, key=scores.get), 1 / len(candidates))
     if t > 1 and direction:
-        out["motion"] = (direction_of(*_halves_shift(tracks[first])) == direction, 1 / len(photos.DIRECTIONS))
+        out["motion"] = _answer(direction, direction_of(*_halves_shift(tracks[first])), 1 / len(photos.DIRECTIONS))
     camera = facts.get("camera") or ""
     if t > 1 and camera.startswith(("pans", "zooms")):
         # the scene's motion, without the named objects (where the clip shows them best)
@@ -203,16 +221,16 @@ def _photos(frames: np.ndarray, facts: dict) -> dict[str, tuple[bool, float]]:
         shift, divergence = camera_motion(frames, background)
         if camera.startswith("pans"):
             opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
-            seen = direction_of(*shift)
-            out["camera"] = (seen is not None and opposite[seen] == camera.split()[1], 1 / 4)
+            seen = direction_of(*shift)  # the picture's shift: the camera pans the other way
+            out["camera"] = _answer(camera, None if seen is None else f"pans {opposite[seen]}", 1 / 4)
         else:
-            out["camera"] = (("zooms in" if divergence > 0 else "zooms out") == camera, 1 / 2)
+            out["camera"] = _answer(camera, "zooms in" if divergence > 0 else "zooms out", 1 / 2)
     return out
 
 
-def score_clip(frames: np.ndarray, caption: str) -> dict[str, tuple[bool, float]] | None:
-    """{question: (answered right, chance)} for one clip [T, H, W, 3] in [-1, 1]; None if the caption
-    is not one of the embedded datasets'."""
+def score_clip(frames: np.ndarray, caption: str) -> dict[str, Answer] | None:
+    """{question: Answer} for one clip [T, H, W, 3] in [-1, 1]; None if the caption is not one of the
+    embedded datasets'."""
     facts = parse(caption)
     if facts is None:
         return None
@@ -224,12 +242,14 @@ def score_clip(frames: np.ndarray, caption: str) -> dict[str, tuple[bool, float]
 
 def score_clips(clips, captions) -> dict:
     """Accuracy and chance per question over clips, and overall (all answers pooled):
-    {"questions": {name: {"accuracy", "chance", "n"}}, "accuracy", "chance", "n", "stderr", "unscored"}.
+    {"questions": {name: {"accuracy", "chance", "n", "confusion"}}, "accuracy", "chance", "n", "stderr",
+    "unscored"}. confusion: {what the captions said: {what the clips showed: count}}, e.g. shape
+    {"ring": {"circle": 3, "ring": 1}}: which answers a model gets wrong, and into what.
 
     stderr: the standard error of the overall accuracy over clips (the spread of the clips' own shares of
     right answers / sqrt(clips); nan below two clips). Per clip, not per answer: the answers of one clip
     are not independent (a clip that shows no object fails its shape and motion questions together)."""
-    answers: dict[str, list[tuple[bool, float]]] = {}
+    answers: dict[str, list[Answer]] = {}
     per_clip: list[float] = []
     unscored = 0
     for frames, caption in zip(clips, captions):
@@ -240,14 +260,33 @@ def score_clips(clips, captions) -> dict:
         for name, answer in result.items():
             answers.setdefault(name, []).append(answer)
         if result:
-            per_clip.append(float(np.mean([right for right, _ in result.values()])))
+            per_clip.append(float(np.mean([a.right for a in result.values()])))
     pooled = [a for v in answers.values() for a in v]
-    summary = lambda items: {"accuracy": float(np.mean([a for a, _ in items])) if items else float("nan"),
-                             "chance": float(np.mean([c for _, c in items])) if items else float("nan"),
+    summary = lambda items: {"accuracy": float(np.mean([a.right for a in items])) if items else float("nan"),
+                             "chance": float(np.mean([a.chance for a in items])) if items else float("nan"),
                              "n": len(items)}
     stderr = float(np.std(per_clip, ddof=1) / np.sqrt(len(per_clip))) if len(per_clip) > 1 else float("nan")
-    return {"questions": {k: summary(v) for k, v in sorted(answers.items())}, **summary(pooled), "stderr": stderr,
-            "unscored": unscored}
+    questions = {k: {**summary(v), "confusion": confusion(v)} for k, v in sorted(answers.items())}
+    return {"questions": questions, **summary(pooled), "stderr": stderr, "unscored": unscored}
+
+
+def confusion(answers) -> dict[str, dict[str, int]]:
+    """{truth: {said: count}} of Answers, truths and answers in sorted order."""
+    table: dict[str, Counter] = {}
+    for a in answers:
+        table.setdefault(a.truth, Counter())[a.said] += 1
+    return {t: dict(sorted(c.items())) for t, c in sorted(table.items())}
+
+
+def format_misses(score: dict, most: int = 4) -> str:
+    """One line of the commonest wrong answers per question ('' if none), e.g.
+    'misses: shape square->circle 6, ring->circle 3; motion up->left 2'."""
+    parts = []
+    for name, q in score["questions"].items():
+        wrong = Counter({(t, s): n for t, said in q.get("confusion", {}).items() for s, n in said.items() if s != t})
+        if wrong:
+            parts.append(f"{name} " + ", ".join(f"{t}->{s} {n}" for (t, s), n in wrong.most_common(most)))
+    return "misses: " + "; ".join(parts) if parts else ""
 
 
 def format_score(score: dict) -> str:
