@@ -123,11 +123,19 @@ def test_dkdv_takes_blocks_longest_first_in_gpu_interpreter(longest_first):
 
 def test_persistent_kernels_in_gpu_interpreter():
     """programs = 4 persistent CTAs over 2 batch x 2 heads x 3 pairs of 64-row tiles (two lists each): CTA c
-    runs items c, c + 4, c + 8, so rings wrap across items (one forward stage), a list is empty, keys are
-    masked, and each item's head, pair and batch come from its place in the heads-fastest order."""
+    runs items c, c + 4, c + 8, so every ring (two stages each) carries its slot count from item to item, a
+    list is empty, keys are masked, and each item's head, pair and batch are decoded from its number."""
     kv_valid = jnp.array([[64, 37, 0, 64, 50, 64], [64, 64, 20, 0, 64, 64]], jnp.int32)
     check_against_dense(64, 64, 64, 384, [0, 2, 3, 1, 3, 2], kv_valid, seed=9, b=2, h=2,
-                        tuning={"fwd_stages": 1, "programs": 4})
+                        tuning={"fwd_stages": 2, "programs": 4})
+
+
+def test_persistent_kernels_with_shared_dkdv_lists_in_gpu_interpreter():
+    """kv_block 128: dK/dV's two consumers share one list per 128 key rows, taken longest first by three
+    persistent CTAs over 2 heads x 4 pairs; masked keys, a block with none valid, an empty tile."""
+    kv_valid = jnp.array([[128, 70, 0, 128]], jnp.int32)
+    check_against_dense(128, 128, 64, 512, [1, 2, 0, 3], kv_valid, seed=11, h=2,
+                        tuning={"fwd_stages": 2, "programs": 3})
 
 
 def test_persistent_shared_lists_with_two_slices_per_step_in_gpu_interpreter():
