@@ -268,6 +268,14 @@ class KVWalk:
             return sl, 0
         return lax.div(sl, self.per_block), lax.rem(sl, self.per_block) * ROWS
 
+    def lists(self, count_ref, item, lists: int):
+        """(query tile of each list, its slice count, its step count) of work item (head, pair, batch): one
+        128-row tile's list, or two 64-row tiles' lists."""
+        hi, ci, bi = item
+        tiles = [ci * 2 + j if lists == 2 else ci for j in range(lists)]
+        slices = [count_ref[bi, hi, t] * self.per_block for t in tiles]
+        return tiles, slices, [self.steps(n) for n in slices]
+
     def valid_keys(self, step, slices, valid_of_entry=None) -> tuple:
         """Valid keys of each slice of `step`, in [0, 64], 0 past the list's end. valid_of_entry(entry):
         the valid keys of the list's entry-th block (kv_valid); None: every key is valid."""

@@ -145,15 +145,14 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                                      Group(copier(v_ref, v_smem), v_ready, v_free)]
 
             def stream(i, item, done):
-                hi, ci, bi = item
-                tiles = [ci * 2 + j if lists == 2 else ci for j in range(lists)]
-                slices = [count_ref[bi, hi, t] * per_block for t in tiles]
+                hi, _, bi = item
+                tiles, slices, steps = walk.lists(count_ref, item, lists)
 
                 def copier(src_ref, dst_smem):
                     block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
                     return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
 
-                return tuple(produce(plgpu, groups(copier), [walk.steps(n) for n in slices], stages, done))
+                return tuple(produce(plgpu, groups(copier), steps, stages, done))
 
             done = work.loop(stream, (0,) * lists)
             drain(plgpu, groups(lambda *_: None), done, stages)

@@ -63,13 +63,6 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
         (q_smem, k_smem, v_smem, lse_smem), (q_ready, k_ready, v_ready, k_free, v_free, sched) = scratch
         wg = lax.axis_index("wg")
 
-        def lists_of(item):
-            """(tile of each list, its slice count, its step count) of a work item."""
-            hi, ci, bi = item
-            tiles = [ci * 2 + j if lists == 2 else ci for j in range(lists)]
-            slices = [count_ref[bi, hi, t] * per_block for t in tiles]
-            return tiles, slices, [walk.steps(n) for n in slices]
-
         @pl.when(wg < CONSUMERS)
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
@@ -80,7 +73,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
             def attend(i, item, done):
                 """One work item; done: steps this consumer's ring carried before it."""
                 hi, ci, bi = item
-                _, _, steps = lists_of(item)
+                _, _, steps = walk.lists(count_ref, item, lists)
                 tile = ci * 2 + list_id if lists == 2 else ci
                 n_slices = count_ref[bi, hi, tile] * per_block
                 n = walk.steps(n_slices)
@@ -168,7 +161,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
             def stream(i, item, done):
                 hi, _, bi = item
-                tiles, slices, steps = lists_of(item)
+                tiles, slices, steps = walk.lists(count_ref, item, lists)
 
                 def copier(src_ref, dst_smem):
                     block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
