@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 
 import jax
@@ -190,31 +191,55 @@ def drain(plgpu, groups: Sequence[Group], done: Sequence, stages: int):
 
 @dataclasses.dataclass(frozen=True)
 class WorkItems:
-    """The work items (head, pair of 64-row tiles, batch) of a kernel and which CTA runs which.
+    """The work items (head, pair of 64-row tiles, batch) of a kernel, the order the GPU starts them in,
+    and which CTA runs which.
 
-    programs == 0: one CTA per item, on a (heads, pairs, batch) grid (heads fastest: the CTAs resident at
-    one time cover every head; tiles_fastest: (pairs, heads, batch)). programs == N > 0: a persistent grid
-    of N CTAs; CTA c runs items c, c + N, c + 2N, ... in the same order, so that its producer streams the
-    next item's first blocks while the consumers finish the current one (a CTA's start and end are not
-    repeated per item)."""
+    The order: item w = 0, 1, ... is the w-th of the (heads, batch, pairs) array in row-major order, i.e.
+    tiles fastest, so that the CTAs resident at one time (132 on an H200) share one head and one batch
+    element: their randomly selected blocks come from that head's K and V (32 MB at 64k tokens, D 128),
+    which the 50 MB L2 holds, and each block fetched from HBM serves every resident CTA that selected it.
+    heads_fastest: (pairs, batch, heads) instead; the resident CTAs then span all heads and read all of
+    K and V, which does not fit (L2 hit rate 11% against 83% measured; experiments/results/mgpu_notes.md).
+
+    programs == 0: one CTA per item on a grid of those three axes. Pallas' Mosaic GPU lowering gives the
+    grid's last axis to CUDA's x, which the hardware starts first: the row-major order above. programs ==
+    N > 0: a persistent grid of N CTAs, so that a CTA's producer streams the next item's first blocks while
+    its consumers finish the current one (a CTA's start and end are not repeated per item). Round r is
+    items rN .. rN + N - 1, one per CTA, so the N items in flight are still N consecutive ones; CTA c takes
+    place c of even rounds and place N - 1 - c of odd ones (serpentine), so that when the items come
+    longest first (dK/dV) no CTA takes the longest of every round."""
 
     heads: int
     pairs: int
     batch: int
     programs: int = 0
-    tiles_fastest: bool = False
+    heads_fastest: bool = False
 
     @property
     def total(self) -> int:
         return self.heads * self.pairs * self.batch
 
+    @property
+    def axes(self) -> tuple[str, str, str]:
+        """The axes of the item array, slowest first."""
+        return ("pairs", "batch", "heads") if self.heads_fastest else ("heads", "batch", "pairs")
+
+    def size(self, axis: str) -> int:
+        return {"heads": self.heads, "pairs": self.pairs, "batch": self.batch}[axis]
+
+    def unravel(self, w):
+        """(head, pair, batch) of item w (an int or an int32 scalar)."""
+        div, rem = (operator.floordiv, operator.mod) if isinstance(w, int) else (lax.div, lax.rem)
+        index = {}
+        for axis in reversed(self.axes):
+            index[axis], w = rem(w, self.size(axis)), div(w, self.size(axis))
+        return index["heads"], index["pairs"], index["batch"]
+
     def launch(self) -> dict:
         """kernel_call's grid arguments."""
         if self.programs:
             return {"grid": (min(self.programs, self.total),), "grid_names": ("programs",)}
-        if self.tiles_fastest:
-            return {"grid": (self.pairs, self.heads, self.batch), "grid_names": ("pairs", "heads", "batch")}
-        return {"grid": (self.heads, self.pairs, self.batch), "grid_names": ("heads", "pairs", "batch")}
+        return {"grid": tuple(self.size(a) for a in self.axes), "grid_names": self.axes}
 
     def loop(self, body, carry):
         """carry = body(i, (head, pair, batch), carry) over this CTA's items i = 0, 1, ...; returns carry
@@ -223,18 +248,37 @@ class WorkItems:
             item = (lax.axis_index("heads"), lax.axis_index("pairs"), lax.axis_index("batch"))
             return body(0, item, carry)
         carry = jax.tree.map(jnp.int32, carry)
-        programs = min(self.programs, self.total)
         cta = lax.axis_index("programs")
-        fast, slow = (self.pairs, self.heads) if self.tiles_fastest else (self.heads, self.pairs)
 
         def step(i, carry):
-            w = cta + i * programs
-            first, rest = lax.rem(w, fast), lax.div(w, fast)
-            second, bi = lax.rem(rest, slow), lax.div(rest, slow)
-            item = (second, first, bi) if self.tiles_fastest else (first, second, bi)
-            return body(i, item, carry)
+            return body(i, self.unravel(self.item_of(cta, i)), carry)
 
-        return lax.fori_loop(0, lax.div(self.total - cta + programs - 1, programs), step, carry)
+        return lax.fori_loop(0, self.count_of(cta), step, carry)
+
+    @property
+    def ctas(self) -> int:
+        return min(self.programs, self.total)
+
+    def place(self, cta, r):
+        """The place in round r (0 .. ctas - 1) that persistent CTA `cta` takes (serpentine)."""
+        flip = self.ctas - 1 - cta
+        if isinstance(cta, int) and isinstance(r, int):
+            return cta if r % 2 == 0 else flip
+        return jnp.where(lax.rem(r, 2) == 0, cta, flip)
+
+    def item_of(self, cta, i):
+        """The item (a number in the order above) that persistent CTA `cta` runs i-th."""
+        return i * self.ctas + self.place(cta, i)
+
+    def count_of(self, cta):
+        """How many items persistent CTA `cta` runs: one per full round, and one of the last round if its
+        place there is among that round's items."""
+        full, last = divmod(self.total, self.ctas)
+        if not last:
+            return full
+        if isinstance(cta, int):
+            return full + int(self.place(cta, full) < last)
+        return jnp.where(self.place(cta, full) < last, full + 1, full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +396,9 @@ class AttentionConfig:
     dkdv_longest_first: dK/dV programs take the row blocks in descending order of their lists' lengths
         (sparse_index.longest_first), so a program's two lists (kv_block 64) are almost equally long
         and the longest programs start first; False: ascending row blocks.
-    programs: 0 for one CTA per work item; N > 0 for persistent kernels of N CTAs (WorkItems).
+    fwd_programs, dq_programs, dkdv_programs: 0 for one CTA per work item; N > 0 for a persistent kernel of
+    N CTAs (WorkItems).
+    heads_fastest: start the work items heads fastest instead of tiles fastest (WorkItems; slower).
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
     24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
     raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
@@ -370,8 +416,10 @@ class AttentionConfig:
     fwd_step_rows: int = ROWS
     dq_step_rows: int = ROWS
     dkdv_longest_first: bool = True
-    programs: int = 0
-    tiles_fastest: bool = False
+    fwd_programs: int = 0
+    dq_programs: int = 0
+    dkdv_programs: int = 0
+    heads_fastest: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -381,8 +429,9 @@ class AttentionConfig:
         for name in ("fwd_step_rows", "dq_step_rows"):
             if getattr(self, name) not in (ROWS, 2 * ROWS):
                 raise ValueError(f"{name}={getattr(self, name)} must be {ROWS} or {2 * ROWS}")
-        if self.programs < 0:
-            raise ValueError(f"programs={self.programs} must be >= 0 (0: one CTA per work item)")
+        for name in ("fwd_programs", "dq_programs", "dkdv_programs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: one CTA per work item)")
         if self.producer_registers % 8 or not 24 <= self.producer_registers <= LAUNCH_REGISTERS:
             raise ValueError(f"producer_registers={self.producer_registers} must be a multiple of 8 in "
                              f"24..{LAUNCH_REGISTERS}")
@@ -407,12 +456,10 @@ class AttentionConfig:
             return 2 * CONSUMERS * tile + self.dkdv_lists * self.dkdv_stages * (2 * tile + 2 * rows_f32)
         raise ValueError(f"unknown kernel {kernel!r}")
 
-    def work(self, heads: int, pairs: int, batch: int) -> WorkItems:
-        """The kernels' work items. Heads fastest by default: the CTAs resident at one time cover every
-        head. Tiles fastest (all resident CTAs on one head, whose K/V rows are 256-byte stripes 4 KiB apart
-        in [B, S, H, D]) measured slower on the H200 (fwd+bwd 8.9 vs 7.4 ms at S=32k, 90% sparsity;
-        experiments/results/mgpu_notes.md), although it should reuse L2 better; not profiled further."""
-        return WorkItems(heads, pairs, batch, self.programs, self.tiles_fastest)
+    def work(self, kernel: str, heads: int, pairs: int, batch: int) -> WorkItems:
+        """The work items of `kernel` ("fwd", "dq" or "dkdv"), tiles fastest unless heads_fastest (WorkItems
+        says why)."""
+        return WorkItems(heads, pairs, batch, getattr(self, f"{kernel}_programs"), self.heads_fastest)
 
     @property
     def fwd_lists(self) -> int:

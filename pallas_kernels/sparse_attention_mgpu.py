@@ -30,8 +30,10 @@ from pallas_kernels.sparse_attention import name_residuals
 from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_index
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
+H100_SMS = 132  # SXM H100 and H200
 TUNABLE = frozenset({"fwd_stages", "dq_stages", "dkdv_stages", "fwd_step_rows", "dq_step_rows", "producer_registers",
-                     "dkdv_longest_first", "programs", "tiles_fastest"})
+                     "dkdv_longest_first", "fwd_programs", "dq_programs", "dkdv_programs",
+                     "heads_fastest"})
 KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
@@ -66,17 +68,27 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
     return None
 
 
+def multiprocessors(device=None) -> int:
+    """SMs of `device` (default: the first): what jax reports as its core_count, else an H100/H200's 132."""
+    device = device or jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return count if isinstance(count, int) and count > 0 else H100_SMS
+
+
 def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False,
                    tuning=None) -> AttentionConfig:
     """The launch config of one call: `tuning`'s fields over the defaults, with the forward's ring as
     deep as fits in SMEM (3 stages at most) unless tuning sets it (1 KiB left for barriers and alignment).
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
-    measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json)."""
+    measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json).
+    The forward is persistent, one CTA per SM: 3-5% faster than one CTA per work item at 32k and 64k
+    tokens, where the persistent dQ measured the same and the persistent dK/dV 5-15% slower (register
+    spills), so those two stay one CTA per item (experiments/results/bench_sparse_mgpu_serpentine.json)."""
     tuning = dict(tuning or {})
     unknown = set(tuning) - TUNABLE
     if unknown:
         raise ValueError(f"sparse_attention_mgpu: unknown tuning keys {sorted(unknown)}; known: {sorted(TUNABLE)}")
-    defaults = {"fwd_stages": 3}
+    defaults = {"fwd_stages": 3, "fwd_programs": multiprocessors()}
     if q_tile == 2 * ROWS:
         defaults.update(fwd_step_rows=2 * ROWS, dq_step_rows=2 * ROWS)
     cfg = AttentionConfig(q_tile=q_tile, kv_block=kv_block, head_dim=head_dim, sm_scale=float(sm_scale),
@@ -227,9 +239,9 @@ def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_s
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
     fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "fwd_step_rows": 128, "dq_step_rows": 128,
-    "producer_registers": 40, "dkdv_longest_first": False,
-    "programs": 132, "tiles_fastest": True}). interpret=True simulates the kernels
-    on a CPU (jax's GPU interpreter: slow, for tests; its products are plain dots)."""
+    "producer_registers": 40, "dkdv_longest_first": False, "fwd_programs": 132, "dq_programs": 0,
+    "dkdv_programs": 0, "heads_fastest": True}). interpret=True simulates the kernels on a CPU (jax's GPU
+    interpreter: slow, for tests; its products are plain dots)."""
     cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
                                         sm_scale=sm_scale, tuning=tuning, interpret=interpret)
     o, lse = _attend(q, k, v, index, count, valid, cfg)

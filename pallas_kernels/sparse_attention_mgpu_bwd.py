@@ -13,7 +13,8 @@ dK/dV: CTA (head, two 64-row or one 128-row block of key rows, batch); consumer 
   (longest list first by default: a CTA's two lists are then almost equally long).
   The producer streams Q, lse2 (group a) and dO, delta (group b) of those tiles. Per step
   S^T = K Q^T with dP^T = V dO^T (one wait), P^T and dS^T, then dV += P^T dO with dK += dS^T Q.
-With cfg.programs > 0 both kernels are persistent, as the forward (mgpu_common.WorkItems).
+With cfg.dq_programs or cfg.dkdv_programs > 0 that kernel is persistent, as the forward can be
+(mgpu_common.WorkItems).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
-    work = cfg.work(h, s // _PAIR, b)
+    work = cfg.work("dq", h, s // _PAIR, b)
 
     def body(refs, scratch):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, index_ref, count_ref, valid_ref, dq_ref = refs
@@ -203,7 +204,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
             return step, 0
         return lax.div(step, per_tile), lax.rem(step, per_tile) * ROWS
 
-    work = cfg.work(h, s // _PAIR, b)
+    work = cfg.work("dkdv", h, s // _PAIR, b)
 
     def body(refs, scratch):
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, blocks_ref, valid_ref, dk_ref,

@@ -10,7 +10,7 @@ CTA (head, pair of 64-row query tiles, batch), three warpgroups:
     two wgmma issues for twice the keys. An odd slice count ends in a half step whose second slice
     repeats the first (finite data) and is masked.
 With q_tile = 128 both consumers walk the tile's one list and share the ring; with q_tile = 64 each
-walks its own tile's list through its own ring. With cfg.programs > 0 a CTA is persistent and runs
+walks its own tile's list through its own ring. With cfg.fwd_programs > 0 a CTA is persistent and runs
 several work items in turn (mgpu_common.WorkItems): the rings continue from one item to the next, and an
 item's output store is waited for only before its SMEM takes the next item's Q.
 
@@ -57,7 +57,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
-    work = cfg.work(h, s // (CONSUMERS * ROWS), b)
+    work = cfg.work("fwd", h, s // (CONSUMERS * ROWS), b)
 
     def body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch):
         (q_smem, k_smem, v_smem, lse_smem), (q_ready, k_ready, v_ready, k_free, v_free, sched) = scratch

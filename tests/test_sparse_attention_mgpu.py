@@ -96,10 +96,11 @@ def test_two_slices_per_step_in_gpu_interpreter():
 def test_two_slices_per_step_with_masked_keys_in_gpu_interpreter():
     """Two slices per step with kv_valid and 192-key blocks (three slices per block: a step spans two
     blocks, so the second block's entry and offsets count), a 128-row tile sharing one list: per-slice
-    valid counts (partial blocks, a block with no valid key), odd slice counts ending in a half step."""
+    valid counts (partial blocks, a block with no valid key), odd slice counts ending in a half step; the
+    forward as one CTA per work item (its default is persistent)."""
     kv_valid = jnp.array([[150, 0, 100, 192]], jnp.int32)
     check_against_dense(128, 192, 64, 768, [2, 1, 3, 2, 1, 0], kv_valid, seed=7,
-                        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128})
+                        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0})
 
 
 @pytest.mark.parametrize("longest_first", [True, False])
@@ -121,13 +122,63 @@ def test_dkdv_takes_blocks_longest_first_in_gpu_interpreter(longest_first):
     assert np.all(np.asarray(dk[:, 64 + 40:128]) == 0) and np.any(np.asarray(dv[:, 192:192 + 20]) != 0)
 
 
+def persistent(ctas: int) -> dict:
+    """Tuning that makes all three kernels persistent with `ctas` CTAs."""
+    return {"fwd_programs": ctas, "dq_programs": ctas, "dkdv_programs": ctas}
+
+
+@pytest.mark.parametrize("heads_fastest", [False, True])
+def test_work_items_start_in_one_order_in_both_forms(heads_fastest):
+    """The persistent loop decodes item w as the one-CTA-per-item grid starts it: Pallas' Mosaic GPU gives the
+    grid's last axis to CUDA's x, so the GPU starts the grid in row-major order. By default the first items
+    share one head and batch element (their K/V stays in L2); heads_fastest sweeps the heads first."""
+    from pallas_kernels.mgpu_common import WorkItems
+
+    work = WorkItems(heads=3, pairs=4, batch=2, heads_fastest=heads_fastest)
+    grid = work.launch()
+    started = [dict(zip(grid["grid_names"], ix, strict=True)) for ix in np.ndindex(*grid["grid"])]
+    started = [(ix["heads"], ix["pairs"], ix["batch"]) for ix in started]
+    decoded = [work.unravel(w) for w in range(work.total)]
+    assert decoded == started and len(set(decoded)) == work.total
+    traced = jax.jit(jax.vmap(lambda w: jnp.stack(work.unravel(w))))(jnp.arange(work.total, dtype=jnp.int32))
+    assert np.asarray(traced).tolist() == [list(t) for t in decoded]
+    if heads_fastest:
+        assert decoded[:3] == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    else:
+        assert decoded[:5] == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 0, 1)]
+
+
+@pytest.mark.parametrize("ctas", [1, 5, 7, 24, 30])
+def test_persistent_ctas_take_consecutive_items_serpentine(ctas):
+    """Persistent CTAs run every item once; the i-th items of all CTAs are the i-th round of consecutive
+    items; odd rounds go backwards, so with items longest first no CTA takes the longest of every round
+    (the CTAs' loads stay within one item of each other); the traced count and item agree with the ints."""
+    from pallas_kernels.mgpu_common import WorkItems
+
+    work = WorkItems(heads=2, pairs=6, batch=2, programs=ctas)
+    ran = {c: [work.item_of(c, i) for i in range(work.count_of(c))] for c in range(work.ctas)}
+    assert sorted(w for items in ran.values() for w in items) == list(range(work.total))
+    for i in range(max(len(items) for items in ran.values())):
+        in_flight = sorted(items[i] for items in ran.values() if len(items) > i)
+        assert in_flight == list(range(i * work.ctas, i * work.ctas + len(in_flight)))
+    length = lambda w: work.total - w  # longest first
+    loads = [sum(length(w) for w in items) for items in ran.values()]
+    assert max(loads) - min(loads) <= work.total
+    if ctas > 1 and work.total >= 2 * ctas:
+        assert ran[0][:2] == [0, 2 * ctas - 1]
+    traced = jax.jit(lambda c: (work.count_of(c), work.item_of(c, jnp.int32(1))))
+    for c in range(work.ctas):
+        n, second = traced(jnp.int32(c))
+        assert int(n) == len(ran[c]) and (len(ran[c]) < 2 or int(second) == ran[c][1])
+
+
 def test_persistent_kernels_in_gpu_interpreter():
-    """programs = 4 persistent CTAs over 2 batch x 2 heads x 3 pairs of 64-row tiles (two lists each): CTA c
+    """4 persistent CTAs per kernel over 2 batch x 2 heads x 3 pairs of 64-row tiles (two lists each): CTA c
     runs items c, c + 4, c + 8, so every ring (two stages each) carries its slot count from item to item, a
     list is empty, keys are masked, and each item's head, pair and batch are decoded from its number."""
     kv_valid = jnp.array([[64, 37, 0, 64, 50, 64], [64, 64, 20, 0, 64, 64]], jnp.int32)
     check_against_dense(64, 64, 64, 384, [0, 2, 3, 1, 3, 2], kv_valid, seed=9, b=2, h=2,
-                        tuning={"fwd_stages": 2, "programs": 4})
+                        tuning={"fwd_stages": 2, **persistent(4)})
 
 
 def test_persistent_kernels_with_shared_dkdv_lists_in_gpu_interpreter():
@@ -135,14 +186,14 @@ def test_persistent_kernels_with_shared_dkdv_lists_in_gpu_interpreter():
     persistent CTAs over 2 heads x 4 pairs; masked keys, a block with none valid, an empty tile."""
     kv_valid = jnp.array([[128, 70, 0, 128]], jnp.int32)
     check_against_dense(128, 128, 64, 512, [1, 2, 0, 3], kv_valid, seed=11, h=2,
-                        tuning={"fwd_stages": 2, "programs": 3})
+                        tuning={"fwd_stages": 2, **persistent(3)})
 
 
 def test_persistent_shared_lists_with_two_slices_per_step_in_gpu_interpreter():
     """One persistent CTA runs every item: 128-row tiles sharing one list, 128-row forward and dQ steps with
-    odd slice counts (half steps), tiles fastest."""
+    odd slice counts (half steps), heads fastest."""
     check_against_dense(128, 64, 64, 384, [1, 3, 2], None, seed=10, h=2,
-                        tuning={"fwd_stages": 1, "programs": 1, "tiles_fastest": True})
+                        tuning={"fwd_stages": 1, **persistent(1), "heads_fastest": True})
 
 
 def test_backward_under_merged_statistics_in_gpu_interpreter():
@@ -173,8 +224,8 @@ def test_backward_under_merged_statistics_in_gpu_interpreter():
     (64, 64, 128, False, None), (128, 192, 64, True, None), (128, 64, 64, False, None),
     (128, 64, 128, False, {"producer_registers": 24, "fwd_stages": 5, "dq_stages": 4, "fwd_step_rows": 64,
                            "dq_step_rows": 64}),
-    (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128}),
-    (128, 64, 128, False, {"programs": 132}), (64, 64, 128, True, {"programs": 132})])
+    (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0}),
+    (128, 64, 128, False, persistent(132)), (64, 64, 128, True, persistent(132))])
 def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
@@ -228,3 +279,16 @@ def test_imports_without_the_triton_lowering():
             "assert 'pallas_kernels.sparse_attention_triton' not in sys.modules\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_default_config_makes_the_forward_persistent_one_cta_per_sm():
+    """The measured default: a persistent forward of one CTA per SM (the device's core_count; 132 where jax
+    reports none), dQ and dK/dV one CTA per item; a tuning key still overrides it."""
+    import types
+
+    assert mgpu.multiprocessors(types.SimpleNamespace(platform="gpu", core_count=114)) == 114
+    assert mgpu.multiprocessors(types.SimpleNamespace(platform="gpu")) == mgpu.H100_SMS == 132
+    assert mgpu.multiprocessors(types.SimpleNamespace(platform="cpu", core_count=2)) == 132
+    cfg = mgpu.default_config(128, 64, 128, 0.1)
+    assert (cfg.fwd_programs, cfg.dq_programs, cfg.dkdv_programs) == (mgpu.multiprocessors(), 0, 0)
+    assert mgpu.default_config(128, 64, 128, 0.1, tuning={"fwd_programs": 0}).fwd_programs == 0
