@@ -81,9 +81,9 @@ def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interp
     deep as fits in SMEM (3 stages at most) unless tuning sets it (1 KiB left for barriers and alignment).
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
     measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json).
-    The forward is persistent, one CTA per SM: 3-5% faster than one CTA per work item at 32k and 64k
-    tokens, where the persistent dQ measured the same and the persistent dK/dV 5-15% slower (register
-    spills), so those two stay one CTA per item (experiments/results/bench_sparse_mgpu_serpentine.json)."""
+    The forward is persistent, one CTA per SM: 2.5-4% faster than one CTA per work item at 32k and 64k
+    tokens, where the persistent dQ measured the same and the persistent dK/dV 6-15% slower (register
+    spills), so those two stay one CTA per item (experiments/results/bench_sparse_mgpu_persistent_fwd.json)."""
     tuning = dict(tuning or {})
     unknown = set(tuning) - TUNABLE
     if unknown:

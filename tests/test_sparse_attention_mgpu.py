@@ -183,9 +183,10 @@ def test_persistent_kernels_in_gpu_interpreter():
 
 def test_persistent_kernels_with_shared_dkdv_lists_in_gpu_interpreter():
     """kv_block 128: dK/dV's two consumers share one list per 128 key rows, taken longest first by three
-    persistent CTAs over 2 heads x 4 pairs; masked keys, a block with none valid, an empty tile."""
-    kv_valid = jnp.array([[128, 70, 0, 128]], jnp.int32)
-    check_against_dense(128, 128, 64, 512, [1, 2, 0, 3], kv_valid, seed=11, h=2,
+    persistent CTAs over 2 heads x 5 pairs (10 items: the last round, odd, has one item, which serpentine
+    rounds give to the last CTA); masked keys, a block with none valid, an empty tile."""
+    kv_valid = jnp.array([[128, 70, 0, 128, 90]], jnp.int32)
+    check_against_dense(128, 128, 64, 640, [1, 2, 0, 3, 2], kv_valid, seed=11, h=2,
                         tuning={"fwd_stages": 2, **persistent(3)})
 
 
@@ -225,7 +226,7 @@ def test_backward_under_merged_statistics_in_gpu_interpreter():
     (128, 64, 128, False, {"producer_registers": 24, "fwd_stages": 5, "dq_stages": 4, "fwd_step_rows": 64,
                            "dq_step_rows": 64}),
     (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0}),
-    (128, 64, 128, False, persistent(132)), (64, 64, 128, True, persistent(132))])
+    (128, 64, 128, False, persistent(132)), (64, 64, 128, True, persistent(132)), (128, 64, 64, False, persistent(7))])
 def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
@@ -292,3 +293,25 @@ def test_default_config_makes_the_forward_persistent_one_cta_per_sm():
     cfg = mgpu.default_config(128, 64, 128, 0.1)
     assert (cfg.fwd_programs, cfg.dq_programs, cfg.dkdv_programs) == (mgpu.multiprocessors(), 0, 0)
     assert mgpu.default_config(128, 64, 128, 0.1, tuning={"fwd_programs": 0}).fwd_programs == 0
+
+
+def test_each_kernel_takes_its_own_programs_key(monkeypatch):
+    """fwd_programs, dq_programs and dkdv_programs reach the forward, dQ and dK/dV kernels respectively."""
+    from pallas_kernels.mgpu_common import AttentionConfig
+
+    seen = []
+    work = AttentionConfig.work
+
+    def spy(self, kernel, *args):
+        items = work(self, kernel, *args)
+        seen.append((kernel, items.programs))
+        return items
+
+    q, k, v = (jnp.ones((1, 512, 1, 64), jnp.bfloat16) for _ in range(3))
+    index, count = jnp.zeros((1, 1, 4, 2), jnp.int32), jnp.full((1, 1, 4), 2, jnp.int32)
+    tuning = {"fwd_programs": 3, "dq_programs": 0, "dkdv_programs": 5}
+    loss = lambda q, k, v: sparse_attention_mgpu(q, k, v, index, count, q_tile=128, kv_block=64, tuning=tuning,
+                                                 interpret=True).astype(jnp.float32).sum()
+    monkeypatch.setattr(AttentionConfig, "work", spy)
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert sorted(set(seen)) == [("dkdv", 5), ("dq", 0), ("fwd", 3)]
