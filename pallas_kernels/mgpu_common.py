@@ -312,13 +312,18 @@ class KVWalk:
             return sl, 0
         return lax.div(sl, self.per_block), lax.rem(sl, self.per_block) * ROWS
 
-    def lists(self, count_ref, item, lists: int):
-        """(query tile of each list, its slice count, its step count) of work item (head, pair, batch): one
-        128-row tile's list, or two 64-row tiles' lists."""
+    def list_of(self, count_ref, item, list_id, lists: int):
+        """(query tile, slice count, step count) of list `list_id` of work item (head, pair, batch): the
+        pair's one 128-row tile (lists == 1), or its 64-row tile list_id (lists == 2)."""
         hi, ci, bi = item
-        tiles = [ci * 2 + j if lists == 2 else ci for j in range(lists)]
-        slices = [count_ref[bi, hi, t] * self.per_block for t in tiles]
-        return tiles, slices, [self.steps(n) for n in slices]
+        tile = ci * 2 + list_id if lists == 2 else ci
+        slices = count_ref[bi, hi, tile] * self.per_block
+        return tile, slices, self.steps(slices)
+
+    def lists(self, count_ref, item, lists: int):
+        """(query tile of each list, its slice count, its step count) of work item (head, pair, batch)."""
+        tiles, slices, steps = zip(*(self.list_of(count_ref, item, j, lists) for j in range(lists)), strict=True)
+        return list(tiles), list(slices), list(steps)
 
     def valid_keys(self, step, slices, valid_of_entry=None) -> tuple:
         """Valid keys of each slice of `step`, in [0, 64], 0 past the list's end. valid_of_entry(entry):

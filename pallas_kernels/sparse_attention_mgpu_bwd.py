@@ -58,7 +58,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     dtype = q.dtype
     lists, stages = cfg.fwd_lists, cfg.dq_stages
     walk = KVWalk(cfg.kv_block, cfg.dq_step_rows)
-    per_block, sub = walk.per_block, walk.sub
+    sub = walk.sub
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
@@ -81,9 +81,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
             def gradient(i, item, done):
                 """One work item; done: steps this consumer's ring carried before it."""
                 hi, ci, bi = item
-                tile = ci * 2 + list_id if lists == 2 else ci
-                n_slices = count_ref[bi, hi, tile] * per_block
-                n = walk.steps(n_slices)
+                tile, n_slices, n = walk.list_of(count_ref, item, list_id, lists)
                 rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
                 if work.programs:  # the previous item's dq must have left my_q
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -53,7 +53,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     dtype = q.dtype
     lists, stages = cfg.fwd_lists, cfg.fwd_stages
     walk = KVWalk(cfg.kv_block, cfg.fwd_step_rows)
-    per_block, sub = walk.per_block, walk.sub
+    sub = walk.sub
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
@@ -74,9 +74,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                 """One work item; done: steps this consumer's ring carried before it."""
                 hi, ci, bi = item
                 _, _, steps = walk.lists(count_ref, item, lists)
-                tile = ci * 2 + list_id if lists == 2 else ci
-                n_slices = count_ref[bi, hi, tile] * per_block
-                n = walk.steps(n_slices)
+                tile, n_slices, n = walk.list_of(count_ref, item, list_id, lists)
                 longest = steps[0] if lists == 1 else jnp.maximum(steps[0], steps[1])
                 rows = pl.ds(ci * (CONSUMERS * ROWS) + wg * ROWS, ROWS)
                 if work.programs:  # the previous item's output must have left my_q, my_lse
