@@ -44,7 +44,10 @@ class TopkTuning:
 
     tiles_per_program: query tiles whose selections one program computes (they share the key stream).
     keys_per_step: scores per tile per inner-loop step.
-    radix_bits: bits of the k-th largest score resolved per counting pass (2 ** radix_bits thresholds).
+    radix_bits: a counting pass narrows the bracket of the k-th largest score 2 ** radix_bits ways (as
+      many thresholds).
+    sample: scores per query tile, sorted in XLA, whose order statistics are the first pass's thresholds
+      (0: none, every pass splits evenly); used where a tile has at least 4x as many keys (token level).
     """
 
     tiles_per_program: int = 16
@@ -52,6 +55,7 @@ class TopkTuning:
     radix_bits: int = 4
     warps: int = 4
     stages: int = 2
+    sample: int = 2048
 
     def __post_init__(self):
         for name in ("tiles_per_program", "keys_per_step"):
@@ -60,14 +64,17 @@ class TopkTuning:
                 raise ValueError(f"TopkTuning.{name}={val} must be a power of two >= 16")
         if self.radix_bits not in (1, 2, 4, 8):
             raise ValueError(f"TopkTuning.radix_bits={self.radix_bits} must divide 32 (1, 2, 4 or 8)")
+        if self.sample < 0:
+            raise ValueError(f"TopkTuning.sample={self.sample} must be >= 0 (0: no sampled first pass)")
 
 
 # Hopper (H100/H200): 64-row query tiles leave registers for 64-row KV steps at D=128 with 4 warps;
 # deeper pipelining pays in the forward, where each step's loads are independent of the previous step.
-# Selection: the [tiles, keys, 2**radix_bits] comparison block of a counting pass is 16K elements; 8 warps
-# keep it at 64 registers per thread.
+# Selection: 4 warps, though the [tiles, keys, 2**radix_bits] comparison block of a counting pass is then 128
+# elements per thread: 8 warps measured 1.5-1.7x slower at token level and with 64-token blocks, 32k-128k keys
+# (experiments/results/bench_topk.json).
 _HOPPER = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
-           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=8))
+           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=4))
 _AMPERE = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=2),
            TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=8))
 _DEFAULT = (SparseAttentionTuning(), TopkTuning())

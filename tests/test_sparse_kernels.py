@@ -242,6 +242,45 @@ def test_lowrank_topk_selects_everything_and_small_steps():
     np.testing.assert_array_equal(tuned, lowrank_topk_reference(q_lr, k_lr, 30, q_tile=16, kv_block=1))
 
 
+def topk_is_exact(got, q_lr, k_lr, top_k, q_tile):
+    """The ids are strictly ascending and their scores are the top_k largest (fp32 rounding aside)."""
+    scores = brute_force_scores(q_lr, k_lr, q_tile, 1, "mean")
+    assert np.all(np.diff(got, axis=-1) > 0)
+    picked = np.sort(np.take_along_axis(scores, got, axis=-1), -1)
+    np.testing.assert_allclose(picked, np.sort(-np.sort(-scores, -1)[..., :top_k], -1), atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [7, 120, 500])
+def test_lowrank_topk_seeded_first_pass(top_k):
+    """Token level with a sampled first pass (TopkTuning.sample): exact, also where the strided sample sees
+    only outliers (every 32nd key scaled 50x: the seeds then miss and the even splits must recover)."""
+    ks = jax.random.split(jax.random.key(top_k), 2)
+    q_lr = jax.random.normal(ks[0], (1, 512, 2, 16), jnp.float32)
+    k_lr = jax.random.normal(ks[1], (1, 512, 2, 16), jnp.float32)
+    outliers = k_lr.at[:, ::32].multiply(50.0)
+    tuning = TopkTuning(tiles_per_program=16, keys_per_step=32, sample=16)
+    for keys in (k_lr, outliers):
+        got = np.asarray(lowrank_topk_pallas(q_lr, keys, top_k, q_tile=32, kv_block=1, block_reduce="mean",
+                                             interpret=True, tuning=tuning))
+        topk_is_exact(got, q_lr, keys, top_k, 32)
+
+
+def test_first_thresholds_bracket_the_kth_score():
+    """The seeds of the first pass are ascending and, on random scores, bracket the true top_k-th largest key
+    for nearly every tile (a wrong rank, e.g. counted from the wrong end, brackets none)."""
+    b, s, h, r, q_tile, top_k = 1, 4096, 2, 16, 64, 410
+    ks = jax.random.split(jax.random.key(3), 2)
+    q_lr = jax.random.normal(ks[0], (b, s, h, r), jnp.float32)
+    k_lr = jax.random.normal(ks[1], (b, s, h, r), jnp.float32)
+    proxy = q_lr.reshape(b, s // q_tile, q_tile, h, r).mean(2).transpose(0, 2, 1, 3)
+    seeds = np.asarray(lowrank_topk_triton.first_thresholds(proxy, k_lr.transpose(0, 2, 1, 3), top_k, 256, 16))
+    assert seeds.shape == (b, h, s // q_tile, 16) and np.all(np.diff(seeds, axis=-1) >= 0)
+    scores = jnp.einsum("bhtr,bhsr->bhts", proxy, k_lr.transpose(0, 2, 1, 3))
+    kth = np.asarray(lowrank_topk_triton.sortable_key(-jnp.sort(-scores, axis=-1)[..., top_k - 1]))
+    inside = (seeds[..., 0] <= kth) & (kth < seeds[..., -1])
+    assert inside.mean() > 0.9, inside.mean()
+
+
 def test_sharded_over_batch_and_heads():
     """With q, k, v split over B and H on an 8-device mesh, every device runs the kernels on its own
     (batch, head) shard: no all-gather, results sharded the same way, equal to the unsharded reference

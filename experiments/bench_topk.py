@@ -1,0 +1,210 @@
+"""Time the selection kernel (lowrank_topk, Pallas Triton lowering) per tuning, at token level and 3D tiles.
+
+    python -m experiments.bench_topk                                   # H200, ~4 min
+    python -m experiments.bench_topk --variants '[{}, {"sample": 0}, {"warps": 8}]'
+    python -m experiments.bench_topk --quick                           # CPU, interpret mode, tiny sizes
+
+Per sequence length S (B=1, H=16, rank 16, q_tile 64) and kv_block (1 = token level, 64 = 3D tiles), the
+selection at each sparsity (top_k = (1 - sparsity) * S / kv_block) with every tuning variant (overrides of the
+device's TopkTuning, `{}` = the default), on the smooth low-rank q, k of bench_sparse_attention: ids checked
+on 8 sampled query tiles against an exact fp32 top-k first (`recall`; and every variant's ids equal the first
+variant's, `same_ids_as_first`: tunings change the speed, never the answer), then the median of timed runs.
+
+Why the time is what it is: every counting pass recomputes each score (a rank-16 dot) and compares it with
+2**radix_bits thresholds. `passes` is how many counting passes the select needs, from a numpy model of the
+kernel's bracketing on the sampled tiles' scores (seeded or not, as the variant is); `score_passes_per_ns`
+is S/q_tile * H * S/kv_block scores times (passes + 1 compaction pass) per nanosecond of the kernel.
+
+With --attention-seqs, the token-level sparse attention (Triton path, random 16-token groups) fwd+bwd is
+timed too at those S, so that each selection's share of it (issue 16's goal: <= 0.15 at 128k) comes from
+one run. Writes experiments/results/bench_topk.json (and $OUT/ when set).
+"""
+
+from __future__ import annotations
+
+import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU before it starts)
+
+# isort: split
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+
+import jax
+import numpy as np
+
+from experiments import harness
+from experiments.bench_sparse_attention import (
+    check_selection,
+    lowrank_inputs,
+    random_selection,
+    sparse_fns,
+    to_tokens,
+)
+from pallas_kernels.lowrank_topk_triton import SEED_MIN_RATIO, first_thresholds, lowrank_topk_pallas, sortable_key
+from pallas_kernels.tuning import for_device
+
+FULL = dict(seqs=[32768, 131072], sparsities=[0.9, 0.95], kv_blocks=[1, 64], heads=16, rank=16, q_tile=64,
+            head_dim=128, token_group=16, iters=5, attention_seqs=[131072], variants=[{}, {"sample": 0}])
+QUICK = dict(seqs=[512], sparsities=[0.9], kv_blocks=[1, 16], heads=2, rank=16, q_tile=64, head_dim=64,
+             token_group=16, iters=1, attention_seqs=[512], variants=[{}, {"sample": 0}, {"sample": 16}])
+
+
+def passes_model(q_lr, k_lr, top_k, *, q_tile, kv_block, tuning, tiles) -> float:
+    """Mean counting passes of the kernel's select on the sampled tiles (a numpy replay of its bracketing)."""
+    b, s, h, r = q_lr.shape
+    q = np.asarray(q_lr, np.float32)
+    k = np.asarray(k_lr, np.float32).reshape(b, s // kv_block, kv_block, h, r).mean(2)  # "mean" block reduce
+    proxy = q.reshape(b, s // q_tile, q_tile, h, r).mean(2)[:, tiles]  # [B, n, H, r]
+    scores = np.einsum("bthr,bshr->bhts", proxy, k)
+    keys = np.asarray(sortable_key(scores)).astype(np.int64)
+    num_keys, bits = k.shape[1], tuning.radix_bits
+    n = 1 << bits
+    seeded = tuning.sample > 0 and num_keys >= SEED_MIN_RATIO * tuning.sample
+    seeds = None
+    if seeded:
+        p = np.transpose(proxy, (0, 2, 1, 3))
+        seeds = np.asarray(first_thresholds(p, np.transpose(k, (0, 2, 1, 3)), top_k, tuning.sample, n))
+    counts = []
+    for idx in np.ndindex(keys.shape[:3]):
+        row = np.sort(keys[idx])
+        lo, hi, passes = -(2**31), 2**31 - 1, 0
+        while True:
+            if passes == 0 and seeded:
+                t = seeds[idx].astype(np.int64)
+            else:
+                w = max((hi >> bits) - (lo >> bits), 1)
+                t = lo + w * np.arange(n)
+            c = len(row) - np.searchsorted(row, t, side="left")  # keys >= t
+            passes += 1
+            enough = c >= top_k
+            lo = max(lo, int(t[enough].max())) if enough.any() else lo
+            hi = min(hi, int(t[~enough].min())) if (~enough).any() else hi
+            if (enough & (c == top_k)).any() or hi - lo == 1 or passes > 40:
+                break
+        counts.append(passes)
+    return float(np.mean(counts))
+
+
+def recall(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles) -> float:
+    """Share of the exact fp32 top-k ids (sampled tiles) that the selection holds. On the GPU the kernel's
+    scores are TF32 dot products, so near-ties at the k-th score may swap: recall, not position, measures that."""
+    b, s, h, r = q_lr.shape
+    q = np.asarray(q_lr, np.float32)
+    k = np.asarray(k_lr, np.float32).reshape(b, s // kv_block, kv_block, h, r).mean(2)
+    proxy = q.reshape(b, s // q_tile, q_tile, h, r).mean(2)[:, tiles]
+    scores = np.einsum("bthr,bshr->bhts", proxy, k)
+    exact = np.argpartition(-scores, top_k - 1, axis=-1)[..., :top_k]
+    got = np.asarray(ids)[:, :, tiles]
+    hits = [np.intersect1d(exact[i], got[i]).size for i in np.ndindex(got.shape[:3])]
+    return float(np.sum(hits) / (len(hits) * top_k))
+
+
+def run(cfg, variants, budget, interpret):
+    rows, attention = [], []
+    base = for_device()[1]
+    q_tile, h = cfg["q_tile"], cfg["heads"]
+    for seq in cfg["seqs"]:
+        q_lr, k_lr = lowrank_inputs(jax.random.key(seq), seq, h, cfg["rank"])
+        tiles = np.sort(np.random.default_rng(seq).choice(seq // q_tile, min(8, seq // q_tile), replace=False))
+        for kv_block in cfg["kv_blocks"]:
+            for sparsity in cfg["sparsities"]:
+                top_k = max(1, round((1 - sparsity) * seq / kv_block))
+                first_ids = None  # of the first variant: every variant must pick the same ids, bit for bit
+                for variant in variants:
+                    tuning = dataclasses.replace(base, **variant)
+                    row = {"seq": seq, "kv_block": kv_block, "sparsity": sparsity, "top_k": top_k,
+                           "variant": json.dumps(variant), "tuning": str(tuning)}
+                    if not budget.allows(30):
+                        row["skipped"] = "time budget"
+                        rows.append(row)
+                        continue
+                    try:
+                        select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile,
+                                                   kv_block=kv_block, block_reduce="mean", tuning=tuning,
+                                                   interpret=interpret)
+                        compiled, row["compile_s"] = harness.compile_timed(select, q_lr, k_lr)
+                        ids = compiled(q_lr, k_lr)
+                        row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
+                                                   tiles=tiles))
+                        row["recall"] = recall(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
+                        if first_ids is None:
+                            first_ids = ids
+                        else:
+                            row["same_ids_as_first"] = bool(jax.numpy.array_equal(ids, first_ids))
+                        t = harness.time_fn(compiled, q_lr, k_lr, warmup=1, iters=cfg["iters"])
+                        row.update(select_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
+                        row["passes"] = passes_model(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
+                                                     tuning=tuning, tiles=tiles)
+                        scores = (seq // q_tile) * h * (seq // kv_block)
+                        row["score_passes_per_ns"] = scores * (row["passes"] + 1) / (row["select_ms"] * 1e6)
+                    except Exception as e:  # recorded; the run goes on
+                        row["error"] = harness.error_text(e, trace=True)
+                    rows.append(row)
+                    print(json.dumps({k_: v for k_, v in row.items() if k_ not in ("tuning", "error")}), flush=True)
+    for seq in cfg["attention_seqs"]:
+        q, k, v, do = harness.random_qkv(jax.random.key(seq + 1), seq, h, cfg["head_dim"])
+        _, fwd_bwd = sparse_fns(q_tile, 1, for_device()[0], interpret)
+        for sparsity in cfg["sparsities"]:
+            row = {"seq": seq, "sparsity": sparsity, "kv_block": 1}
+            if not budget.allows(60):
+                row["skipped"] = "time budget"
+                attention.append(row)
+                continue
+            try:
+                idx, cnt = random_selection(jax.random.key(seq + 2), seq=seq, heads=h, q_tile=q_tile,
+                                            group=cfg["token_group"], keep=1 - sparsity)
+                idx, cnt = to_tokens(idx, cnt, cfg["token_group"])
+                compiled, row["compile_s"] = harness.compile_timed(fwd_bwd, q, k, v, idx, cnt, do)
+                t = harness.time_fn(compiled, q, k, v, idx, cnt, do, warmup=1, iters=3)
+                row.update(fwd_bwd_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
+            except Exception as e:
+                row["error"] = harness.error_text(e, trace=True)
+            attention.append(row)
+            print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "error"}), flush=True)
+    for row in rows:  # the selection's share of the token-level attention it feeds, same run
+        match = [a for a in attention if a["seq"] == row["seq"] and a["sparsity"] == row["sparsity"]
+                 and "fwd_bwd_ms" in a]
+        if row["kv_block"] == 1 and match and "select_ms" in row:
+            row["share_of_attention"] = row["select_ms"] / match[0]["fwd_bwd_ms"]
+    return rows, attention
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU, interpret mode, tiny sizes")
+    parser.add_argument("--seqs", type=int, nargs="+")
+    parser.add_argument("--sparsities", type=float, nargs="+")
+    parser.add_argument("--kv-blocks", type=int, nargs="+")
+    parser.add_argument("--attention-seqs", type=int, nargs="*", help="token-level attention at these S ([] none)")
+    parser.add_argument("--variants", help="JSON list of TopkTuning overrides ({} = the device default)")
+    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--name", default="bench_topk")
+    args = parser.parse_args()
+
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in ("seqs", "sparsities", "kv_blocks", "attention_seqs"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    variants = json.loads(args.variants) if args.variants else cfg["variants"]
+    known = {f.name for f in dataclasses.fields(for_device()[1])}
+    for variant in variants:
+        if not isinstance(variant, dict) or set(variant) - known:
+            parser.error(f"--variants: {variant!r} is not a dict of TopkTuning fields ({sorted(known)})")
+    budget = harness.Budget(args.budget_s, reserve=10.0, start=time.time())
+    interpret = not harness.on_gpu()
+    rows, attention = run(cfg, variants, budget, interpret)
+    harness.write_results(args.name, {"config": cfg, "variants": variants, "rows": rows, "attention": attention,
+                                      "wall_s": budget.elapsed()})
+    print()
+    harness.print_table([r for r in rows if "select_ms" in r],
+                        ["seq", "kv_block", "sparsity", "variant", "select_ms", "min_ms", "max_ms", "passes",
+                         "score_passes_per_ns", "share_of_attention", "recall", "same_ids_as_first"])
+    if attention:
+        harness.print_table(attention, ["seq", "sparsity", "fwd_bwd_ms", "min_ms", "max_ms"])
+
+
+if __name__ == "__main__":
+    main()
