@@ -17,8 +17,9 @@ not fit registers for k in the thousands (token level). Counting does fit:
      first passes of a radix select, spent on the sign and exponent), except the first pass of a seeded
      call: its thresholds are order statistics, around the expected rank of tau, of a strided sample of
      the tile's scores that XLA sorts (`TopkTuning.sample` keys per tile). Token level at 128k keys
-     then takes ~3 counting passes instead of ~6.5 (a numpy model of both on the benchmark's scores);
-     a sample that misses (an unrepresentative stride) costs passes, never exactness.
+     then takes ~3.4 counting passes instead of ~6.8 (experiments/bench_topk.py replays the kernel's
+     bracketing in numpy); a sample that misses (an unrepresentative stride) costs passes, never
+     exactness. On the GPU the scores are TF32 dot products: the ids are the exact top-k of those.
   2. compaction: one more pass writes, in id order, every id with key > tau and the first
      (top_k - #{key > tau}) ids with key == tau, so the output is ascending and ties go to the lower
      id, as lax.top_k does. Positions come from a running count plus an in-chunk cumulative sum.
