@@ -401,6 +401,20 @@ def _tiny() -> Config:
     )
 
 
+def _tiny_motion() -> Config:
+    # The tiny MMDiT set up for a first sample whose objects move as prompted within ~5 minutes on 2 CPU cores
+    # (experiments/results/RESULTS.md, run "w50"): absolute positions beside a short-range RoPE, half the batches
+    # stills (the shapes and colours cheaply) and half 8-frame clips (the motion), training weighted towards
+    # high noise where the layout and the direction are decided, and a mild guidance.
+    cfg = _mmdit(_tiny(), 2.0)
+    return dataclasses.replace(
+        cfg, name="tiny-motion",
+        model=dataclasses.replace(cfg.model, remat=False, rope_theta=100.0, absolute_position=True),
+        data=dataclasses.replace(cfg.data, buckets=((1, 32, 32), (8, 32, 32)), bucket_weights=(0.5, 0.5)),
+        train=dataclasses.replace(cfg.train, steps=2000, t_logit_mean=1.6, t_logit_std=1.5, sample_shift=3.0,
+                                  guidance=1.5))
+
+
 def _paper(name: str, depth: int, heads: int, head_dim: int, mlp_ratio: float) -> Config:
     return Config(
         name=name,
@@ -421,6 +435,7 @@ def _mmdit(cfg: Config, text_mlp_ratio: float) -> Config:
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _tiny,
     "tiny-mmdit": lambda: _mmdit(_tiny(), 2.0),
+    "tiny-motion": _tiny_motion,
     "0.8b": lambda: _paper("0.8b", 28, 12, 96, 4.0),
     "0.8b-mmdit": lambda: _mmdit(_paper("0.8b", 28, 12, 96, 4.0), 2.5),
     "2.7b": lambda: _paper("2.7b", 32, 16, 128, 3.5),
@@ -429,7 +444,7 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "30b-mmdit": lambda: _mmdit(_paper("30b", 42, 24, 256, 4.0), 1.5),
 }
 # "<size>-dit" names the default architecture explicitly.
-PRESETS.update({f"{k}-dit": v for k, v in list(PRESETS.items()) if not k.endswith("-mmdit")})
+PRESETS.update({f"{k}-dit": v for k, v in list(PRESETS.items()) if not k.endswith(("-mmdit", "-motion"))})
 
 
 def _valid_keys(node: Any, prefix: str = "") -> list[str]:

@@ -28,6 +28,21 @@ def test_dit_alias_and_every_preset_builds():
         assert isinstance(get_config(name), Config)
 
 
+def test_tiny_motion_preset_is_the_measured_w50_run():
+    """`tiny-motion` is the tiny MMDiT with the overrides of the run whose scores README quotes (its record in
+    tiny_first_run.json) and the guidance README samples it at: a preset edit that drifts from it fails here."""
+    import json
+
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "results")
+    with open(os.path.join(results, "tiny_first_run.json")) as f:
+        run = json.load(f)["runs"]["mmdit_absolute_position_2000_images50"]
+    measured = get_config(run["config"], run["overrides"] + ["train.guidance=1.5"]).to_dict()
+    preset = get_config("tiny-motion").to_dict()
+    assert preset.pop("name") == "tiny-motion"
+    measured.pop("name")
+    assert preset == measured
+
+
 def test_overrides_are_typed():
     cfg = get_config("tiny", ["model.depth=7", "train.lr=3e-4", "model.patch=[1,2,2]", "attention=xla"])
     assert cfg.model.depth == 7 and cfg.train.lr == 3e-4 and cfg.model.patch == (1, 2, 2)
