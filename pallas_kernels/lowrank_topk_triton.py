@@ -2,7 +2,8 @@
 
 Per query tile we need the ids of its top_k highest-scoring KV blocks, ascending. Scores are
 proxy . k_lr (rank r ~ 16), so recomputing a score costs less than storing and re-reading it; no
-score matrix is ever written. Memory is the output, O(S / q_tile * top_k).
+score matrix is ever written. Memory is the output, O(S / q_tile * top_k), plus, for a seeded call, the
+sample's scores (O(S / q_tile * sample) fp32, sorted in XLA: 268 MB at 128k tokens, 16 heads).
 
 Why threshold-then-compact rather than a streaming select: a streaming top-k needs an in-register
 sort/merge, which the Pallas Triton lowering does not offer, and keeping a k-entry heap per tile does
@@ -17,9 +18,10 @@ not fit registers for k in the thousands (token level). Counting does fit:
      first passes of a radix select, spent on the sign and exponent), except the first pass of a seeded
      call: its thresholds are order statistics, around the expected rank of tau, of a strided sample of
      the tile's scores that XLA sorts (`TopkTuning.sample` keys per tile). Token level at 128k keys
-     then takes ~3.4 counting passes instead of ~6.8 (experiments/bench_topk.py replays the kernel's
-     bracketing in numpy); a sample that misses (an unrepresentative stride) costs passes, never
-     exactness. On the GPU the scores are TF32 dot products: the ids are the exact top-k of those.
+     then takes ~3.4 counting passes per tile instead of ~6.8 (a program runs its slowest tile's: ~4.5
+     instead of ~7.9; experiments/bench_topk.py replays the bracketing in numpy); a sample that misses
+     (an unrepresentative stride) costs passes, never exactness. On the GPU the scores are TF32 dot
+     products: the ids are the exact top-k of those.
   2. compaction: one more pass writes, in id order, every id with key > tau and the first
      (top_k - #{key > tau}) ids with key == tau, so the output is ascending and ties go to the lower
      id, as lax.top_k does. Positions come from a running count plus an in-chunk cumulative sum.

@@ -47,7 +47,8 @@ class TopkTuning:
     radix_bits: a counting pass narrows the bracket of the k-th largest score 2 ** radix_bits ways (as
       many thresholds).
     sample: scores per query tile, sorted in XLA, whose order statistics are the first pass's thresholds
-      (0: none, every pass splits evenly); used where a tile has at least 4x as many keys (token level).
+      (0: none, every pass splits evenly); used where a block's score is one dot product (token level, or
+      block_reduce "mean") and a tile has at least 4x as many keys.
     """
 
     tiles_per_program: int = 16
@@ -71,7 +72,7 @@ class TopkTuning:
 # Hopper (H100/H200): 64-row query tiles leave registers for 64-row KV steps at D=128 with 4 warps;
 # deeper pipelining pays in the forward, where each step's loads are independent of the previous step.
 # Selection: 4 warps, though the [tiles, keys, 2**radix_bits] comparison block of a counting pass is then 128
-# elements per thread: 8 warps measured 1.5-1.7x slower at token level and with 64-token blocks, 32k-128k keys
+# elements per thread: 8 warps measured 1.5-1.8x slower at token level and with 64-token blocks, 32k-128k keys
 # (experiments/results/bench_topk.json).
 _HOPPER = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
            TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=4))

@@ -265,6 +265,39 @@ def test_lowrank_topk_seeded_first_pass(top_k):
         topk_is_exact(got, q_lr, keys, top_k, 32)
 
 
+def exact_scores(values, r=16):
+    """q_lr, k_lr [1, S, H, r] whose token-level scores are exactly values [H, S] (q rows e_0, keys v e_0)."""
+    h, s = values.shape
+    q_lr = np.zeros((1, s, h, r), np.float32)
+    q_lr[..., 0] = 1.0
+    k_lr = np.zeros((1, s, h, r), np.float32)
+    k_lr[0, :, :, 0] = values.T
+    return jnp.asarray(q_lr), jnp.asarray(k_lr)
+
+
+@pytest.mark.parametrize("bits,tau,sample", [(4, -1.7014147e38, 0), (8, -1.7014634e38, 0), (2, -1.7014122e38, 0),
+                                             (4, 4.0977204e15, 16)])
+def test_lowrank_topk_slowest_brackets_finish(bits, tau, sample):
+    """k-th scores whose keys need the most counting passes (9 at 4 bits, 5 at 8, 17 at 2; 10 when every seed
+    misses below): a pass cap of 32 // radix_bits would stop before the bracket closes and pick wrong ids.
+    Ten keys above tau, 100 tied at tau, the rest -inf (or the sampled value, below tau, at every 32nd key)."""
+    s, q_tile, top_k = 512, 32, 60
+    rng = np.random.default_rng(5)
+    values = np.full((2, s), -np.inf, np.float32)
+    free = np.setdiff1d(np.arange(s), np.arange(0, s, 32)) if sample else np.arange(s)
+    for h in range(2):
+        ids = rng.permutation(free)
+        values[h, ids[:10]] = np.inf if sample else 5.0 + h
+        values[h, ids[10:110]] = np.float32(tau)
+        if sample:
+            values[h, ::32] = np.float32(4.0945716e15)
+    q_lr, k_lr = exact_scores(values)
+    tuning = TopkTuning(tiles_per_program=16, keys_per_step=32, radix_bits=bits, sample=sample)
+    got = lowrank_topk_pallas(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1, block_reduce="mean", interpret=True,
+                              tuning=tuning)
+    np.testing.assert_array_equal(got, lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1))
+
+
 def test_first_thresholds_bracket_the_kth_score():
     """The seeds of the first pass are ascending and, on random scores, bracket the true top_k-th largest key
     for nearly every tile (a wrong rank, e.g. counted from the wrong end, brackets none)."""
