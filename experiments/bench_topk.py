@@ -52,14 +52,24 @@ QUICK = dict(seqs=[512], sparsities=[0.9], kv_blocks=[1, 16], heads=2, rank=16, 
              token_group=16, iters=1, attention_seqs=[512], variants=[{}, {"sample": 0}, {"sample": 16}])
 
 
-def passes_model(q_lr, k_lr, top_k, *, q_tile, kv_block, tuning, tiles) -> float:
-    """Mean counting passes of the kernel's select on the sampled tiles (a numpy replay of its bracketing)."""
+def sampled_scores(q_lr, k_lr, *, q_tile, kv_block, tiles) -> dict:
+    """fp32 numpy pieces of the sampled tiles' selection, shared by every variant and sparsity: their proxies
+    [B, n, H, r], the block-mean keys [B, S // kv_block, H, r] ("mean" reduce), the scores [B, H, n, blocks] and
+    their sort keys, ascending per tile (int64: the replay's thresholds may pass int32's range)."""
     b, s, h, r = q_lr.shape
     q = np.asarray(q_lr, np.float32)
-    k = np.asarray(k_lr, np.float32).reshape(b, s // kv_block, kv_block, h, r).mean(2)  # "mean" block reduce
-    proxy = q.reshape(b, s // q_tile, q_tile, h, r).mean(2)[:, tiles]  # [B, n, H, r]
+    k = np.asarray(k_lr, np.float32).reshape(b, s // kv_block, kv_block, h, r).mean(2)
+    proxy = q.reshape(b, s // q_tile, q_tile, h, r).mean(2)[:, tiles]
     scores = np.einsum("bthr,bshr->bhts", proxy, k)
-    keys = np.asarray(sortable_key(scores)).astype(np.int64)
+    ordered = np.sort(np.asarray(sortable_key(scores)).astype(np.int64), axis=-1)
+    return {"proxy": proxy, "keys": k, "scores": scores, "ordered": ordered}
+
+
+def passes_model(sampled: dict, top_k, *, tuning) -> float:
+    """Mean counting passes per sampled tile of the kernel's select (a numpy replay of its bracketing; a
+    program of 16 tiles runs as many as its slowest)."""
+    proxy, k = sampled["proxy"], sampled["keys"]
+    ordered = sampled["ordered"]
     num_keys, bits = k.shape[1], tuning.radix_bits
     n = 1 << bits
     seeded = tuning.sample > 0 and num_keys >= SEED_MIN_RATIO * tuning.sample
@@ -68,8 +78,8 @@ def passes_model(q_lr, k_lr, top_k, *, q_tile, kv_block, tuning, tiles) -> float
         p = np.transpose(proxy, (0, 2, 1, 3))
         seeds = np.asarray(first_thresholds(p, np.transpose(k, (0, 2, 1, 3)), top_k, tuning.sample, n))
     counts = []
-    for idx in np.ndindex(keys.shape[:3]):
-        row = np.sort(keys[idx])
+    for idx in np.ndindex(ordered.shape[:3]):
+        row = ordered[idx]
         lo, hi, passes = -(2**31), 2**31 - 1, 0
         while True:
             if passes == 0 and seeded:
@@ -88,15 +98,10 @@ def passes_model(q_lr, k_lr, top_k, *, q_tile, kv_block, tuning, tiles) -> float
     return float(np.mean(counts))
 
 
-def recall(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles) -> float:
+def recall(ids, sampled: dict, top_k, *, tiles) -> float:
     """Share of the exact fp32 top-k ids (sampled tiles) that the selection holds. On the GPU the kernel's
     scores are TF32 dot products, so near-ties at the k-th score may swap: recall, not position, measures that."""
-    b, s, h, r = q_lr.shape
-    q = np.asarray(q_lr, np.float32)
-    k = np.asarray(k_lr, np.float32).reshape(b, s // kv_block, kv_block, h, r).mean(2)
-    proxy = q.reshape(b, s // q_tile, q_tile, h, r).mean(2)[:, tiles]
-    scores = np.einsum("bthr,bshr->bhts", proxy, k)
-    exact = np.argpartition(-scores, top_k - 1, axis=-1)[..., :top_k]
+    exact = np.argpartition(-sampled["scores"], top_k - 1, axis=-1)[..., :top_k]
     got = np.asarray(ids)[:, :, tiles]
     hits = [np.intersect1d(exact[i], got[i]).size for i in np.ndindex(got.shape[:3])]
     return float(np.sum(hits) / (len(hits) * top_k))
@@ -110,6 +115,7 @@ def run(cfg, variants, budget, interpret):
         q_lr, k_lr = lowrank_inputs(jax.random.key(seq), seq, h, cfg["rank"])
         tiles = np.sort(np.random.default_rng(seq).choice(seq // q_tile, min(8, seq // q_tile), replace=False))
         for kv_block in cfg["kv_blocks"]:
+            sampled = sampled_scores(q_lr, k_lr, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
             for sparsity in cfg["sparsities"]:
                 top_k = max(1, round((1 - sparsity) * seq / kv_block))
                 first_ids = None  # of the first variant: every variant must pick the same ids, bit for bit
@@ -129,15 +135,14 @@ def run(cfg, variants, budget, interpret):
                         ids = compiled(q_lr, k_lr)
                         row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
                                                    tiles=tiles))
-                        row["recall"] = recall(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
+                        row["recall"] = recall(ids, sampled, top_k, tiles=tiles)
                         if first_ids is None:
                             first_ids = ids
                         else:
                             row["same_ids_as_first"] = bool(jax.numpy.array_equal(ids, first_ids))
                         t = harness.time_fn(compiled, q_lr, k_lr, warmup=1, iters=cfg["iters"])
                         row.update(select_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
-                        row["passes"] = passes_model(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
-                                                     tuning=tuning, tiles=tiles)
+                        row["passes"] = passes_model(sampled, top_k, tuning=tuning)
                         scores = (seq // q_tile) * h * (seq // kv_block)
                         row["score_passes_per_ns"] = scores * (row["passes"] + 1) / (row["select_ms"] * 1e6)
                     except Exception as e:  # recorded; the run goes on

@@ -310,3 +310,22 @@ def test_bench_sparse_mgpu_parts_give_executed_rates_and_their_fraction_of_the_c
     assert out["dkdv_executed_tflops"] == pytest.approx(2 * out["fwd_executed_tflops"])
     assert out["fwd_of_ceiling"] == pytest.approx(out["fwd_executed_tflops"] / harness.H200_BF16_MAX_TFLOPS)
     assert out["worklist_kernel_ms"] == 2.0 and "worklist_executed_tflops" not in out
+
+
+def test_bench_topk_recall_and_pass_model():
+    """bench_topk's checks: the reference's ids have recall 1 and a shifted id list less; the pass replay counts
+    fewer passes for a seeded first pass than for even splits."""
+    from experiments.bench_sparse_attention import lowrank_inputs
+    from experiments.bench_topk import passes_model, recall, sampled_scores
+    from pallas_kernels.lowrank_topk import lowrank_topk_reference
+    from pallas_kernels.tuning import TopkTuning
+
+    q_lr, k_lr = lowrank_inputs(jax.random.key(512), 512, 2, 16)
+    tiles = np.array([0, 3, 7])
+    sampled = sampled_scores(q_lr, k_lr, q_tile=64, kv_block=1, tiles=tiles)
+    ids = lowrank_topk_reference(q_lr.astype(jnp.float32), k_lr.astype(jnp.float32), 51, q_tile=64, kv_block=1)
+    assert recall(ids, sampled, 51, tiles=tiles) == 1.0
+    assert recall((ids + 1) % 512, sampled, 51, tiles=tiles) < 0.9
+    even = passes_model(sampled, 51, tuning=TopkTuning(sample=0))
+    seeded = passes_model(sampled, 51, tuning=TopkTuning(sample=16))
+    assert 1.0 <= seeded < even
