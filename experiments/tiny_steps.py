@@ -1,5 +1,5 @@
 """How many training steps the `tiny-motion` preset needs before its samples show the prompted colour, shape
-and motion (issue 18's first-run goal): trains runs through the CLI, several at once (one process each: a
+and motion (README's first run): trains runs through the CLI, several at once (one process each: a
 tiny model leaves most of a GPU, and most of its host's cores, idle), then scores chosen checkpoints of each.
 
     python -m experiments.tiny_steps                         # the study, ~6 min on one H200
