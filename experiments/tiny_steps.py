@@ -2,8 +2,8 @@
 and motion (README's first run): trains runs through the CLI, several at once (one process each: a
 tiny model leaves most of a GPU, and most of its host's cores, idle), then scores chosen checkpoints of each.
 
-    python -m experiments.tiny_steps                         # the study, ~6 min on one H200
-    python -m experiments.tiny_steps --runs steps2000 steps16000
+    python -m experiments.tiny_steps                         # the study on one GPU
+    python -m experiments.tiny_steps --runs steps2000,steps8000 model.dtype=float32   # overrides for every run
     python -m experiments.tiny_steps --quick                 # CPU: 20 steps, 2 clips, 1 seed; proves the script works
 
 A checkpoint's score has two parts:
@@ -11,8 +11,10 @@ A checkpoint's score has two parts:
             shape and motion questions answered right (what `dsv-jax eval --clips N` prints)
   README    the four README prompts (dsv_jax.sample.DEFAULT_PROMPTS), each sampled with --seeds seeds at the
             run's guidance: per prompt, in how many seeds the clip shows colour, shape and motion all right
-Writes experiments/results/tiny_steps.json (--quick: tiny_steps_quick.json) and, per run, the README prompts'
-frames (seed 0, frames 1, 3, 5, 8) at its last scored checkpoint: results/samples/tiny_steps_<run>.png.
+Writes experiments/results/tiny_steps.json (--quick: tiny_steps_quick.json) after every run and, per run, the
+README prompts' frames (seed 0; of 8 frames the 1st, 3rd, 6th and 8th) at its last scored checkpoint:
+results/samples/tiny_steps_<run>.png (copied to $OUT too). A run that fails, or a checkpoint that cannot be
+scored, is recorded with its error and the study goes on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU b
 # isort: split
 
 import argparse
+import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,17 +77,22 @@ def prompts_shown(answers: dict[str, list[dict]], min_share: float = 0.5) -> int
 
 
 def score_checkpoint(workdir: str, step: int, *, clips: int, seeds: int, frames_png: str | None = None) -> dict:
+    """The checkpoint's weights as `dsv-jax eval` and `sample` take them (the EMA where the run kept one)."""
     from dsv_jax.data.codec import decode_latents, encode_frames
+    from dsv_jax.dsv.policy import make_policy
     from dsv_jax.evaluate import semantic_eval
     from dsv_jax.export import load_for_sampling
     from dsv_jax.sample import DEFAULT_PROMPTS, default_shape, generate
 
     start = time.perf_counter()
-    cfg, graphdef, params, controller, _ = load_for_sampling(workdir, step, "raw")
+    cfg, graphdef, params, controller, _ = load_for_sampling(workdir, step, "auto")
     held_out = semantic_eval(cfg, graphdef, params, controller, clips=clips)["score"]
     shape = tuple(default_shape(cfg))
+    policy = make_policy(cfg, controller)
+    attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     videos = [decode_latents(generate(cfg, graphdef, params, DEFAULT_PROMPTS, shape, steps=30,
-                                      guidance=cfg.train.guidance, seed=seed), cfg.data.codec)
+                                      guidance=cfg.train.guidance, seed=seed, attention=attention,
+                                      attention_inputs=inputs), cfg.data.codec)
               for seed in range(seeds)]
     answers = readme_answers([encode_frames(v) for v in videos], DEFAULT_PROMPTS)
     if frames_png:
@@ -97,7 +106,7 @@ def score_checkpoint(workdir: str, step: int, *, clips: int, seeds: int, frames_
 
 
 def save_frames(videos: np.ndarray, path: str, scale: int = 3) -> str:
-    """uint8 videos [N, T, H, W, 3] -> one PNG: a row per video, frames 1, 3, 5, 8 of 8 (spread over any T)."""
+    """uint8 videos [N, T, H, W, 3] -> one PNG: a row per video, frames 0, T//3, 2T//3 and T-1 of each."""
     from PIL import Image
 
     t = videos.shape[1]
@@ -107,72 +116,114 @@ def save_frames(videos: np.ndarray, path: str, scale: int = 3) -> str:
     img = np.concatenate(rows, 0)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     Image.fromarray(img).resize((img.shape[1] * scale, img.shape[0] * scale), Image.NEAREST).save(path)
+    if os.environ.get("OUT"):  # the device tool brings $OUT back
+        shutil.copy(path, os.environ["OUT"])
     return path
 
 
 # -- the runs -------------------------------------------------------------------------------------------------
 
-def train_command(run: Run, workdir: str, config: str, extra: list[str]) -> list[str]:
-    every = min(1000, *run.score)
+# set by this script for every run: the schedule and which checkpoints exist
+OWN_KEYS = ("train.steps", "train.ckpt_every", "train.keep_checkpoints", "train.sample_at_end")
+
+
+def train_command(run: Run, workdir: str, config: str, overrides: list[str]) -> list[str]:
+    """`dsv-jax train` for `run`: a checkpoint at every step of run.score (every gcd of them), all kept."""
+    if not run.score or max(run.score) > run.steps or min(run.score) < 1:
+        raise ValueError(f"run {run.name}: score steps {run.score} must lie in 1..{run.steps}")
+    every = math.gcd(*run.score)
     return [sys.executable, "-m", "dsv_jax", "train", "--config", config, "--workdir", workdir, "--no-progress",
             f"train.steps={run.steps}", f"train.ckpt_every={every}", f"train.keep_checkpoints={run.steps // every + 1}",
-            "train.sample_at_end=false", *run.overrides, *extra]
+            "train.sample_at_end=false", *run.overrides, *overrides]
+
+
+def train_all(runs, root: str, config: str, overrides: list[str], parallel: int) -> dict:
+    """Train `runs`, `parallel` at once: {name: {"exit", "train_wall_s", "concurrent_runs", ...}}."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.1"))
+    out, pending = {}, list(runs)
+    while pending:
+        batch, pending = pending[:parallel], pending[parallel:]
+        live = {}
+        try:
+            for run in batch:
+                workdir = os.path.join(root, run.name)
+                shutil.rmtree(workdir, ignore_errors=True)  # never resume an older run of the same name
+                log = open(os.path.join(root, f"{run.name}.log"), "w")
+                proc = subprocess.Popen(train_command(run, workdir, config, overrides), stdout=log,
+                                        stderr=subprocess.STDOUT, env=env)
+                live[run.name] = (run, log, proc, time.perf_counter())
+            while live:
+                for name, (run, log, proc, start) in list(live.items()):
+                    if proc.poll() is not None:
+                        log.close()
+                        out[name] = {"steps": run.steps, "overrides": [*run.overrides, *overrides],
+                                     "train_wall_s": time.perf_counter() - start, "concurrent_runs": len(batch),
+                                     "exit": proc.returncode}
+                        del live[name]
+                time.sleep(0.5)
+        finally:
+            for _, log, proc, _ in live.values():  # interrupted: no orphaned training processes
+                proc.kill()
+                log.close()
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", nargs="*", help=f"names among {[r.name for r in RUNS]} (default: all)")
+    p.add_argument("--runs", help=f"comma-separated names among {','.join(r.name for r in RUNS)} (default: all)")
     p.add_argument("--config", default="tiny-motion")
     p.add_argument("--clips", type=int, default=48)
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--parallel", type=int, default=8, help="runs trained at once")
     p.add_argument("--workdir", help="where the runs go (default: a temporary folder, removed afterwards)")
     p.add_argument("--name", default="tiny_steps")
-    p.add_argument("--quick", action="store_true")
-    args, extra = p.parse_known_args()
-    runs = QUICK_RUNS if args.quick else tuple(r for r in RUNS if not args.runs or r.name in args.runs)
+    p.add_argument("--quick", action="store_true", help="CPU, one 20-step run: proves the script works")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
+    args = p.parse_intermixed_args()
+    own = [o for o in args.overrides if o.split("=", 1)[0] in OWN_KEYS]
+    if own or any("=" not in o for o in args.overrides):
+        p.error(f"overrides must be key=value and not set {', '.join(OWN_KEYS)} (the runs do): {args.overrides}")
+    names = args.runs.split(",") if args.runs else [r.name for r in RUNS]
+    unknown = sorted(set(names) - {r.name for r in RUNS})
+    if unknown:
+        p.error(f"--runs: unknown {unknown}; the runs are {[r.name for r in RUNS]}")
+    runs = QUICK_RUNS if args.quick else tuple(r for r in RUNS if r.name in names)
     if args.quick:
         args.clips, args.seeds, args.name = 2, 1, args.name + "_quick"
-    if not runs:
-        p.error(f"--runs: none of {args.runs} is among {[r.name for r in RUNS]}")
     root = args.workdir or tempfile.mkdtemp(prefix="tiny_steps_")
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.1"))
-    results, pending = {}, list(runs)
-    while pending:
-        batch, pending = pending[: args.parallel], pending[args.parallel:]
-        procs = []
-        for run in batch:
-            log = open(os.path.join(root, f"{run.name}.log"), "w")
-            start = time.perf_counter()
-            procs.append((run, start, log, subprocess.Popen(
-                train_command(run, os.path.join(root, run.name), args.config, extra),
-                stdout=log, stderr=subprocess.STDOUT, env=env)))
-        for run, start, log, proc in procs:
-            code = proc.wait()
-            log.close()
-            results[run.name] = {"steps": run.steps, "overrides": list(run.overrides) + extra,
-                                 "train_wall_s": time.perf_counter() - start,
-                                 "concurrent_runs": len(batch), "exit": code}
-    for run in runs:
-        entry = results[run.name]
-        if entry["exit"]:
-            entry["error"] = open(os.path.join(root, f"{run.name}.log")).read()[-1500:]
-            continue
-        png = os.path.join(harness.RESULTS_DIR, "samples", f"{args.name}_{run.name}.png")
-        entry["checkpoints"] = [
-            score_checkpoint(os.path.join(root, run.name), step, clips=args.clips, seeds=args.seeds,
-                             frames_png=png if step == run.score[-1] else None)
-            for step in run.score]
+    os.makedirs(root, exist_ok=True)
+    try:
+        results = train_all(runs, root, args.config, args.overrides, args.parallel)
+        payload = {"config": args.config, "clips": args.clips, "seeds": args.seeds, "runs": results}
+        for run in runs:
+            entry = results[run.name]
+            if entry["exit"]:
+                entry["error"] = open(os.path.join(root, f"{run.name}.log")).read()[-1500:]
+                continue
+            png = os.path.join(harness.RESULTS_DIR, "samples", f"{args.name}_{run.name}.png")
+            entry["checkpoints"] = []
+            for step in run.score:
+                try:
+                    entry["checkpoints"].append(score_checkpoint(
+                        os.path.join(root, run.name), step, clips=args.clips, seeds=args.seeds,
+                        frames_png=png if step == run.score[-1] else None))
+                except Exception as e:  # one unreadable checkpoint does not lose the study
+                    entry["checkpoints"].append({"step": step, "error": harness.error_text(e)})
+            harness.write_results(args.name, payload)  # after every run: an interrupted study keeps what it scored
+    finally:
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
     rows = [{"run": name, "step": c["step"], "held_out": c["held_out"]["accuracy"], "shape": c["held_out"]["shape"],
              "motion": c["held_out"].get("motion", float("nan")), "prompts_shown": c["readme_prompts_shown"],
              "all_right_by_prompt": "/".join(str(v) for v in c["readme_all_right"].values())}
-            for name, r in results.items() for c in r.get("checkpoints", [])]
+            for name, r in results.items() for c in r.get("checkpoints", []) if "error" not in c]
     harness.print_table(rows, ["run", "step", "held_out", "shape", "motion", "prompts_shown", "all_right_by_prompt"])
-    path = harness.write_results(args.name, {"config": args.config, "clips": args.clips, "seeds": args.seeds,
-                                             "runs": results})
+    path = harness.write_results(args.name, payload)
     print(f"wrote {path}")
-    if any(r["exit"] for r in results.values()):
+    failed = [n for n, r in results.items() if r["exit"] or any("error" in c for c in r.get("checkpoints", []))]
+    if failed:
+        print(f"failed: {failed} (errors in the results file)")
         sys.exit(1)
 
 
