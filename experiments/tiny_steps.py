@@ -2,7 +2,8 @@
 and motion (README's first run): trains runs through the CLI, several at once (one process each: a
 tiny model leaves most of a GPU, and most of its host's cores, idle), then scores chosen checkpoints of each.
 
-    python -m experiments.tiny_steps                         # the study on one GPU
+    python -m experiments.tiny_steps                         # the study on one GPU (the steps* runs)
+    python -m experiments.tiny_steps --runs iso_h64_3800,iso_h256_900 model.dtype=float32   # other widths
     python -m experiments.tiny_steps --runs steps2000,steps8000 model.dtype=float32   # overrides for every run
     python -m experiments.tiny_steps --quick                 # CPU: 20 steps, 2 clips, 1 seed; proves the script works
 
@@ -68,6 +69,7 @@ RUNS = (
     Run("d2_8000", 8000, (8000,), ("model.depth=2",)),
     Run("adam_b2_095_2000", 2000, (2000,), ("train.b2=0.95",)),  # Adam's second moment over ~20 steps, not ~100
 )
+DEFAULT_RUNS = tuple(r.name for r in RUNS if r.name.startswith("steps"))  # the rest on request (--runs)
 QUICK_RUNS = (Run("quick", 20, (10, 20)),)
 
 
@@ -187,7 +189,8 @@ def train_all(runs, root: str, config: str, overrides: list[str], parallel: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", help=f"comma-separated names among {','.join(r.name for r in RUNS)} (default: all)")
+    p.add_argument("--runs", help=f"comma-separated names among {','.join(r.name for r in RUNS)} "
+                                  f"(default: {','.join(DEFAULT_RUNS)})")
     p.add_argument("--config", default="tiny-motion")
     p.add_argument("--clips", type=int, default=48)
     p.add_argument("--seeds", type=int, default=4)
@@ -200,7 +203,7 @@ def main() -> None:
     own = [o for o in args.overrides if o.split("=", 1)[0] in OWN_KEYS]
     if own or any("=" not in o for o in args.overrides):
         p.error(f"overrides must be key=value and not set {', '.join(OWN_KEYS)} (the runs do): {args.overrides}")
-    names = args.runs.split(",") if args.runs else [r.name for r in RUNS]
+    names = args.runs.split(",") if args.runs else list(DEFAULT_RUNS)
     unknown = sorted(set(names) - {r.name for r in RUNS})
     if unknown:
         p.error(f"--runs: unknown {unknown}; the runs are {[r.name for r in RUNS]}")

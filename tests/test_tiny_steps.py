@@ -61,3 +61,19 @@ def test_train_command_saves_and_keeps_every_scored_step():
         assert keep >= run.steps // every  # and rotation deletes none of them
     with pytest.raises(ValueError, match="score steps"):
         train_command(Run("late", 1000, (2000,)), "w", "tiny-motion", [])
+
+
+def test_every_run_is_a_valid_config_and_the_default_is_the_steps_study():
+    from dsv_jax.config import get_config
+    from experiments.tiny_steps import DEFAULT_RUNS
+
+    assert len({r.name for r in RUNS}) == len(RUNS)
+    assert DEFAULT_RUNS == ("steps2000", "steps3000", "steps4000", "steps8000", "steps16000")
+    for run in RUNS:  # the overrides a run trains with, checked as `dsv-jax train` checks them
+        cmd = train_command(run, "w", "tiny-motion", [])
+        cfg = get_config("tiny-motion", [a for a in cmd[cmd.index("--no-progress") + 1:]])
+        assert cfg.train.steps == run.steps
+        for override in run.overrides:
+            key, value = override.split("=", 1)
+            section, field = key.split(".")
+            assert str(getattr(getattr(cfg, section), field)) == value
