@@ -8,7 +8,15 @@ the trainer's batch_spec / lower_train_step, DSVController), and nothing of expe
 checkout may lack: run by its path, the script takes the library from PYTHONPATH), so one command times a
 change before and after (experiments/results/RESULTS.md: MMDiT's sparse merge). Random latents and caption
 ids, B = 1, one warm-up step, then the median of --steps; the state is donated from step to step. Prints one
-JSON line and appends it to --out when given.
+JSON line and appends it to --out when given, with the compiled program's cost analysis (FLOPs and bytes that
+XLA counts; a scanned block counted once).
+
+    GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 \
+    python -m experiments.step_time --preset tiny-motion --latents 1,32,32 --batch 24 --attention full \
+        --dtype float32 attention=auto model.hidden=64 model.heads=2       # a CPU step as the CLI runs it
+
+(on a CPU the CLI keeps freed memory mapped, dsv_jax/host_memory.py; a script that imports jax first gets the
+same only from GLIBC_TUNABLES at its start, as above.)
 """
 
 from __future__ import annotations
@@ -41,7 +49,14 @@ def stage2(cfg, shape, sparsity: float):
     return ctl.plans(shape), ctl.inputs(shape)
 
 
-def main() -> None:
+def cost(compiled) -> dict:
+    """XLA's own count of the program's FLOPs and bytes accessed (empty where the backend gives none)."""
+    analysis = compiled.cost_analysis()
+    analysis = (analysis[0] if analysis else {}) if isinstance(analysis, list) else (analysis or {})
+    return {k.replace(" ", "_"): analysis[k] for k in ("flops", "bytes accessed") if k in analysis}
+
+
+def main(argv=None) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # read when jax's backend starts, below
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="2.7b-mmdit")
@@ -50,14 +65,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--label", default="", help="recorded with the result (e.g. the commit)")
     p.add_argument("--out", help="JSON lines file to append the result to")
-    args = p.parse_args()
+    p.add_argument("--batch", type=int, default=1, help="samples a step")
+    p.add_argument("--dtype", default="bfloat16", help="model.dtype")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides after attention=dsv and the dtype (attention=auto for --attention full)")
+    args = p.parse_intermixed_args(argv)
     shape = tuple(int(v) for v in args.latents.split(","))
-    cfg = get_config(args.preset, ["attention=dsv", "model.dtype=bfloat16"])
+    cfg = get_config(args.preset, ["attention=dsv", f"model.dtype={args.dtype}", *args.overrides])
+    if args.attention != "full" and cfg.attention != "dsv":
+        p.error(f"--attention {args.attention} needs attention=dsv, not {cfg.attention}")
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     abstract = jax.eval_shape(lambda: init_state(cfg))
     shardings = state_shardings(abstract, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    spec = batch_spec(cfg, mesh, 1, shape)
+    spec = batch_spec(cfg, mesh, args.batch, shape)
     k1, k2 = jax.random.split(jax.random.key(0))
     batch = {"latents": jax.random.normal(k1, spec["latents"].shape, jnp.float32),
              "text_ids": jax.random.randint(k2, spec["text_ids"].shape, 1, 200),
@@ -82,9 +103,11 @@ def main() -> None:
         loss = float(jax.block_until_ready(metrics["loss"]))
         if i:
             times.append(time.perf_counter() - t0)
-    tokens = int(np.prod([s // p for s, p in zip(shape, cfg.model.patch)]))
-    result = {"preset": args.preset, "latents": list(shape), "tokens": tokens, "attention": args.attention,
-              "label": args.label, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+    tokens = args.batch * int(np.prod([s // p for s, p in zip(shape, cfg.model.patch)]))
+    result = {"preset": args.preset, "latents": list(shape), "batch": args.batch, "tokens": tokens,
+              "attention": args.attention, "dtype": args.dtype, "overrides": args.overrides,
+              "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "cost": cost(step), "label": args.label,
+              "jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "compile_s": compile_s, "step_s": statistics.median(times), "step_times_s": times,
               "tokens_per_s": tokens / statistics.median(times), "loss": loss, "finite": bool(np.isfinite(loss))}
     print(json.dumps(result))

@@ -52,18 +52,15 @@ RUNS = (
     Run("steps4000", 4000, (4000,)),
     Run("steps8000", 8000, (8000,)),
     Run("steps16000", 16000, (8000, 12000, 16000)),
-    # The same 2-core CPU time as steps2000 with a smaller model (measured CPU steps, stills / 8-frame clips:
-    # hidden 128 181-200 / 314-317 ms, hidden 64 98 / 162 ms, hidden 64 at twice the batch 195 / 349 ms,
-    # hidden 96 at 4/3 the batch 193 / 276 ms): is a smaller model over more samples the better use of 6 minutes?
+    # About the 2-core CPU time of steps2000 ("iso": within -13% to +20% of it by the CPU step times in
+    # results/tiny_cpu_step_widths.jsonl, experiments/step_time.py) with a narrower, wider or shallower model
     Run("iso_h64_3800", 3800, (3800,), ("model.hidden=64", "model.heads=2")),
     Run("iso_h64_b3072_1900", 1900, (1900,), ("model.hidden=64", "model.heads=2", "data.tokens_per_batch=3072")),
     Run("iso_h96_b2048_2000", 2000, (2000,), ("model.hidden=96", "model.heads=3", "data.tokens_per_batch=2048")),
     Run("h64_8000", 8000, (8000,), ("model.hidden=64", "model.heads=2")),
-    # and a wider one (hidden 256 in 4 heads of 64: 612 / 604 ms a CPU step): 900 steps in steps2000's time
     Run("iso_h256_900", 900, (900,), ("model.hidden=256", "model.heads=4")),
     Run("h256_2000", 2000, (2000,), ("model.hidden=256", "model.heads=4")),
     Run("h256_4000", 4000, (4000,), ("model.hidden=256", "model.heads=4")),
-    # and shallower (depth 2: 115 / 183 ms against 214 / 348 ms the same hour; depth 3 about 3/4 of the preset)
     Run("iso_d2_3700", 3700, (3700,), ("model.depth=2",)),
     Run("iso_d3_2600", 2600, (2600,), ("model.depth=3",)),
     Run("d2_8000", 8000, (8000,), ("model.depth=2",)),
