@@ -27,9 +27,18 @@ KNOWN_UNRESOLVED = {
     # inside its self-check; it is being rewritten without that import.
     "pallas_kernels.sparse_attention_mgpu": "experiments",
 }
-TINY = ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16", "data.buckets=[[1,16,16]]",
-        "data.bucket_weights=[1]", "data.tokens_per_batch=64", "text.max_len=8", "train.sample_at_end=false",
-        "parallel.fsdp=1"]
+TINY = [
+    "model.hidden=32",
+    "model.heads=2",
+    "model.depth=2",
+    "model.text_dim=16",
+    "data.buckets=[[1,16,16]]",
+    "data.bucket_weights=[1]",
+    "data.tokens_per_batch=64",
+    "text.max_len=8",
+    "train.sample_at_end=false",
+    "parallel.fsdp=1",
+]
 
 
 def installed_modules(package: str):
@@ -82,13 +91,27 @@ def main() -> int:
 
     exe = os.path.join(os.path.dirname(sys.executable), "dsv-jax")
     with tempfile.TemporaryDirectory() as tmp:
-        for args in (["--help"], ["presets"],
-                     ["train", "--config", "tiny", "--workdir", os.path.join(tmp, "run"), "--steps", "1",
-                      "--no-progress", *TINY]):
+        for args in (
+            ["--help"],
+            ["presets"],
+            [
+                "train",
+                "--config",
+                "tiny",
+                "--workdir",
+                os.path.join(tmp, "run"),
+                "--steps",
+                "1",
+                "--no-progress",
+                *TINY,
+            ],
+        ):
             r = subprocess.run([exe, *args], capture_output=True, text=True, cwd=tmp)
             if r.returncode != 0:
-                print(f"dsv-jax {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-4000:]}",
-                      file=sys.stderr)
+                print(
+                    f"dsv-jax {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-4000:]}",
+                    file=sys.stderr,
+                )
                 return 1
         print(r.stdout.strip().splitlines()[-1])
     return 0

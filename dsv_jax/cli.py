@@ -44,8 +44,10 @@ def _train(args) -> int:
 
     records = train(cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint)
     if records:
-        print(f"trained to step {records[-1]['step']}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
-              f" (workdir {workdir})")
+        print(
+            f"trained to step {records[-1]['step']}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
+            f" (workdir {workdir})"
+        )
     return 0
 
 
@@ -69,9 +71,19 @@ def _sample(args) -> int:
             raise ConfigError(f"--out {out!r}: the file name must end in {' or '.join(VIDEO_EXTS)}")
     if os.path.isdir(args.model):
         args.log_dir = args.model
-    paths = sample_from_workdir(args.model, args.out, prompts=args.prompt or None, steps=args.steps,
-                                guidance=args.guidance, seed=args.seed, shape=shape, step=args.checkpoint,
-                                text_encoder=args.text_encoder, weights=args.weights, shift=args.shift)
+    paths = sample_from_workdir(
+        args.model,
+        args.out,
+        prompts=args.prompt or None,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        shape=shape,
+        step=args.checkpoint,
+        text_encoder=args.text_encoder,
+        weights=args.weights,
+        shift=args.shift,
+    )
     print("wrote " + ", ".join(paths))
     return 0
 
@@ -79,8 +91,9 @@ def _sample(args) -> int:
 def _export(args) -> int:
     from dsv_jax.export import export
 
-    out = export(args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite,
-                 weights=args.weights)
+    out = export(
+        args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite, weights=args.weights
+    )
     print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
     return 0
 
@@ -96,16 +109,28 @@ def _eval(args) -> int:
         raise ConfigError(f"--gif {args.gif!r} must end in .gif or .mp4")
     if args.clips < 0:
         raise ConfigError(f"--clips {args.clips} must be >= 0")
-    cfg, step, results = evaluate_workdir(args.workdir, step=args.checkpoint, weights=args.weights,
-                                          batches=args.batches, clips=args.clips, steps=args.steps,
-                                          guidance=args.guidance, seed=args.seed, shift=args.shift)
+    cfg, step, results = evaluate_workdir(
+        args.workdir,
+        step=args.checkpoint,
+        weights=args.weights,
+        batches=args.batches,
+        clips=args.clips,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        shift=args.shift,
+    )
     print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
     print("\n".join(report(results)))
     if args.json:
         with open(args.json, "w") as f:
-            sampler = {"clips": args.clips, "steps": args.steps, "seed": args.seed,
-                       "guidance": cfg.train.guidance if args.guidance is None else args.guidance,
-                       "shift": sampler_shift(cfg, default_shape(cfg), args.shift)}
+            sampler = {
+                "clips": args.clips,
+                "steps": args.steps,
+                "seed": args.seed,
+                "guidance": cfg.train.guidance if args.guidance is None else args.guidance,
+                "shift": sampler_shift(cfg, default_shape(cfg), args.shift),
+            }
             json.dump({"workdir": args.workdir, "step": step, "sampler": sampler, **json_ready(results)}, f, indent=2)
         print(f"wrote {args.json}")
     if args.gif and "semantic" in results:
@@ -147,22 +172,40 @@ def preset_table(names=None) -> list[dict[str, str]]:
         m = cfg.model
         params = parameter_count(cfg)
         tokens = [layout_of(cfg, s).n_real for s in cfg.data.buckets]
-        rows.append({"preset": name, "arch": "MMDiT" if m.arch == "mmdit" else "DiT",
-                     "blocks x heads x dim": f"{m.depth} x {m.heads} x {m.head_dim}", "hidden": str(m.hidden),
-                     "parameters": _count(params),
-                     "DSV predictors": "+" + _count(parameter_count(get_config(name, ["attention=dsv"])) - params),
-                     "video tokens / sample": f"{min(tokens):,}-{max(tokens):,}",
-                     "tokens / batch": f"{cfg.data.tokens_per_batch:,}", "text tokens": str(cfg.text.max_len)})
+        rows.append(
+            {
+                "preset": name,
+                "arch": "MMDiT" if m.arch == "mmdit" else "DiT",
+                "blocks x heads x dim": f"{m.depth} x {m.heads} x {m.head_dim}",
+                "hidden": str(m.hidden),
+                "parameters": _count(params),
+                "DSV predictors": "+" + _count(parameter_count(get_config(name, ["attention=dsv"])) - params),
+                "video tokens / sample": f"{min(tokens):,}-{max(tokens):,}",
+                "tokens / batch": f"{cfg.data.tokens_per_batch:,}",
+                "text tokens": str(cfg.text.max_len),
+            }
+        )
     return rows
 
 
 def _prepare_data(args) -> int:
     from dsv_jax.data.prepare import prepare
 
-    report = prepare(args.input, args.output, args.buckets, codec=args.codec, captions=args.captions,
-                     text_encoder=args.text_encoder, workers=args.workers, shard_size=args.shard_size,
-                     frame_stride=args.frame_stride, strict=args.strict, overwrite=args.overwrite,
-                     eval_fraction=args.eval_fraction, progress=not args.no_progress)
+    report = prepare(
+        args.input,
+        args.output,
+        args.buckets,
+        codec=args.codec,
+        captions=args.captions,
+        text_encoder=args.text_encoder,
+        workers=args.workers,
+        shard_size=args.shard_size,
+        frame_stride=args.frame_stride,
+        strict=args.strict,
+        overwrite=args.overwrite,
+        eval_fraction=args.eval_fraction,
+        progress=not args.no_progress,
+    )
     print(report.summary())
     return 0
 
@@ -181,29 +224,46 @@ def _fit_cost(args) -> int:
         shapes = parse_buckets(args.shapes)
     from dsv_jax.train.shape_bench import fit_cost
 
-    model = fit_cost(cfg, shapes=shapes, shares=shares, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
-                     target_s=args.target_ms / 1e3 if args.target_ms else None,
-                     memory_bytes=int(args.memory_gb * 2 ** 30) if args.memory_gb else None,
-                     mem_fraction=args.mem_fraction, iters=args.repeats, progress=not args.no_progress)
+    model = fit_cost(
+        cfg,
+        shapes=shapes,
+        shares=shares,
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        target_s=args.target_ms / 1e3 if args.target_ms else None,
+        memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb else None,
+        mem_fraction=args.mem_fraction,
+        iters=args.repeats,
+        progress=not args.no_progress,
+    )
     out = args.out or os.path.join("runs", f"{cfg.name}-cost.json")
     model.save(out)
-    print(f"t = {model.a * 1e3:.3f} ms + {model.b:.4g} s * B * S^{model.p:.3f}  (R^2 {model.r2:.4f}, "
-          f"max error {100 * model.max_rel_error:.1f}%, {len(model.info['points'])} points)")
-    print(f"M_mem = {model.m_mem:.0f} tokens, M_comp = {model.m_comp:.4g} (target step "
-          f"{1e3 * model.info['target_step_s']:.1f} ms); wrote {out}")
+    print(
+        f"t = {model.a * 1e3:.3f} ms + {model.b:.4g} s * B * S^{model.p:.3f}  (R^2 {model.r2:.4f}, "
+        f"max error {100 * model.max_rel_error:.1f}%, {len(model.info['points'])} points)"
+    )
+    print(
+        f"M_mem = {model.m_mem:.0f} tokens, M_comp = {model.m_comp:.4g} (target step "
+        f"{1e3 * model.info['target_step_s']:.1f} ms); wrote {out}"
+    )
     print(f"train with: data.batching=dual data.cost_model={out}")
     return 0
 
 
-CONFIG_HELP = (f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config file whose 'name:' is the preset "
-               "it extends (a run's config.json re-runs it)")
+CONFIG_HELP = (
+    f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config file whose 'name:' is the preset "
+    "it extends (a run's config.json re-runs it)"
+)
 
 
-SHIFT_HELP = ("time-grid shift at the sampled shape (> 1: more steps near noise; default: the run's "
-              "train.sample_shift, scaled to the shape when train.resolution_shift_ref is set)")
+SHIFT_HELP = (
+    "time-grid shift at the sampled shape (> 1: more steps near noise; default: the run's "
+    "train.sample_shift, scaled to the shape when train.resolution_shift_ref is set)"
+)
 
-WEIGHTS_HELP = ("which weights of a training workdir's checkpoint: auto (default) the EMA of the weights where the "
-                "run kept one (train.ema_decay > 0), else the trained weights; ema; raw (the trained weights)")
+WEIGHTS_HELP = (
+    "which weights of a training workdir's checkpoint: auto (default) the EMA of the weights where the "
+    "run kept one (train.ema_decay > 0), else the trained weights; ema; raw (the trained weights)"
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -217,10 +277,12 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dsv-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)  # accepted before or after the command
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="debug logging (orbax and absl too)")
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="print the full traceback of a failure")
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging (orbax and absl too)"
+    )
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="print the full traceback of a failure"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (orbax and absl too)")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,9 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--workdir", help="checkpoints, metrics and samples go here (default runs/<config>)")
     p.add_argument("--steps", type=int, help="total training steps (same as train.steps=N)")
-    p.add_argument("--checkpoint", type=int, metavar="STEP",
-                   help="resume from this checkpoint step (default: the newest readable one); newer steps "
-                        "are moved to checkpoints-set-aside/")
+    p.add_argument(
+        "--checkpoint",
+        type=int,
+        metavar="STEP",
+        help="resume from this checkpoint step (default: the newest readable one); newer steps "
+        "are moved to checkpoints-set-aside/",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (SLURM / OpenMPI: detected)")
     p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
@@ -239,29 +305,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.depth=8")
     p.set_defaults(fn=_train)
 
-    p = sub.add_parser("sample", help="generate videos from an exported model or a training workdir",
-                       parents=[common])
-    p.add_argument("--model", "--workdir", dest="model", required=True, metavar="DIR",
-                   help="an exported model (dsv-jax export) or a training workdir")
-    p.add_argument("--out", required=True, action="append",
-                   help="output .gif or .mp4 (repeat for both: the same videos in each file)")
+    p = sub.add_parser("sample", help="generate videos from an exported model or a training workdir", parents=[common])
+    p.add_argument(
+        "--model",
+        "--workdir",
+        dest="model",
+        required=True,
+        metavar="DIR",
+        help="an exported model (dsv-jax export) or a training workdir",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        action="append",
+        help="output .gif or .mp4 (repeat for both: the same videos in each file)",
+    )
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
     p.add_argument("--steps", type=int, default=30, help="Euler steps")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
-    p.add_argument("--checkpoint", type=int, metavar="STEP",
-                   help="checkpoint step of a training workdir (default: the newest readable one)")
-    p.add_argument("--text-encoder", help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained "
-                                          "on precomputed text embeddings")
+    p.add_argument(
+        "--checkpoint",
+        type=int,
+        metavar="STEP",
+        help="checkpoint step of a training workdir (default: the newest readable one)",
+    )
+    p.add_argument(
+        "--text-encoder",
+        help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained on precomputed text embeddings",
+    )
     p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_sample)
 
     p = sub.add_parser("eval", help="held-out loss and semantic score of a trained workdir", parents=[common])
     p.add_argument("--workdir", required=True)
-    p.add_argument("--clips", type=int, default=8,
-                   help="videos generated from held-out captions for the semantic score (0: none)")
+    p.add_argument(
+        "--clips", type=int, default=8, help="videos generated from held-out captions for the semantic score (0: none)"
+    )
     p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
@@ -273,9 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_eval)
 
-
-    p = sub.add_parser("export", help="write a trained model's parameters, config and DSV plans for inference",
-                       parents=[common])
+    p = sub.add_parser(
+        "export", help="write a trained model's parameters, config and DSV plans for inference", parents=[common]
+    )
     p.add_argument("--workdir", required=True, help="the training workdir")
     p.add_argument("--out", required=True, help="folder to write (load it with dsv_jax.load_model(DIR))")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
@@ -288,14 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")
     p.set_defaults(fn=_presets)
 
-    p = sub.add_parser("prepare-data", help="videos/images + captions -> ArrayRecord shards for data.path",
-                       parents=[common])
+    p = sub.add_parser(
+        "prepare-data", help="videos/images + captions -> ArrayRecord shards for data.path", parents=[common]
+    )
     p.add_argument("--input", required=True, help="folder of videos (mp4 webm mov mkv avi gif) and images")
     p.add_argument("--output", required=True, help="dataset folder to write (train with data.path=DIR)")
-    p.add_argument("--buckets", default="1x32x32,1x32x48,1x48x32,8x32x32,8x32x48,16x32x48",
-                   help="latent bucket shapes TxHxW, comma separated (T=1: images)")
-    p.add_argument("--codec", default="pixel:1x2x2",
-                   help="latent codec: pixel, pixel:FTxFHxFW (space-to-depth), or pkg.module:fn (your VAE)")
+    p.add_argument(
+        "--buckets",
+        default="1x32x32,1x32x48,1x48x32,8x32x32,8x32x48,16x32x48",
+        help="latent bucket shapes TxHxW, comma separated (T=1: images)",
+    )
+    p.add_argument(
+        "--codec",
+        default="pixel:1x2x2",
+        help="latent codec: pixel, pixel:FTxFHxFW (space-to-depth), or pkg.module:fn (your VAE)",
+    )
     p.add_argument("--captions", help="caption manifest (.jsonl or .csv with file, caption); else NAME.txt")
     p.add_argument("--text-encoder", help="pkg.module:fn; fn() returns f(captions) -> (emb [N,L,D], mask [N,L])")
     p.add_argument("--workers", type=int, help="reader processes (default: CPUs - 1)")
@@ -303,20 +392,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frame-stride", type=int, default=1, help="take every N-th frame of a video")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output")
-    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
-                   help="hold out this share of the files (by a hash of their names) for evaluation")
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out this share of the files (by a hash of their names) for evaluation",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=_prepare_data)
 
-    p = sub.add_parser("fit-cost", help="time train steps over (B, S), fit t = a + b*B*S^p, write the budgets",
-                       parents=[common])
+    p = sub.add_parser(
+        "fit-cost", help="time train steps over (B, S), fit t = a + b*B*S^p, write the budgets", parents=[common]
+    )
     p.add_argument("--config", default="tiny", help=CONFIG_HELP)
     p.add_argument("--out", help="JSON to write (default runs/<config>-cost.json)")
     p.add_argument("--data", help="take the shapes from a prepared dataset's manifest")
     p.add_argument("--shapes", help="latent shapes TxHxW,... (default: the config's data.buckets)")
     p.add_argument("--batch-sizes", default="1,2,4", help="samples per data-parallel device to time")
-    p.add_argument("--target-ms", type=float,
-                   help="step time M_comp is set for (default: the most even step times at <= 3%% throughput cost)")
+    p.add_argument(
+        "--target-ms",
+        type=float,
+        help="step time M_comp is set for (default: the most even step times at <= 3%% throughput cost)",
+    )
     p.add_argument("--memory-gb", type=float, help="memory per device (default: the device's, or RAM on CPU)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of the memory M_mem may use")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point (median)")
@@ -333,8 +431,11 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     overrides = [x for x in extra if "=" in x and not x.startswith("-")]
     unknown = [x for x in extra if x not in overrides or not hasattr(args, "overrides")]
     if unknown:
-        print(f"dsv-jax {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
-              f"(see dsv-jax {args.command} --help)", file=sys.stderr)
+        print(
+            f"dsv-jax {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+            f"(see dsv-jax {args.command} --help)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     if overrides:
         args.overrides = list(args.overrides) + overrides
@@ -342,11 +443,17 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 
 
 def setup_logging(verbose: bool, debug: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # orbax logs its writer threads' failures with tracebacks; the error we raise says it in a line
-    quiet = {"absl": logging.CRITICAL, "orbax": logging.CRITICAL, "asyncio": logging.CRITICAL,
-             "tensorboardX": logging.ERROR, "jax._src": logging.WARNING}
+    quiet = {
+        "absl": logging.CRITICAL,
+        "orbax": logging.CRITICAL,
+        "asyncio": logging.CRITICAL,
+        "tensorboardX": logging.ERROR,
+        "jax._src": logging.WARNING,
+    }
     for noisy, level in quiet.items():
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose or debug else level)
 

@@ -159,8 +159,10 @@ class DataConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 0 (0: from data.cost_model)")
         if self.batching == "dual" and not self.cost_model and not (self.m_mem and self.m_comp and self.cost_p):
-            raise ConfigError("data.batching=dual needs data.cost_model=PATH (from `dsv-jax fit-cost`) or all of "
-                              "data.m_mem, data.m_comp, data.cost_p")
+            raise ConfigError(
+                "data.batching=dual needs data.cost_model=PATH (from `dsv-jax fit-cost`) or all of "
+                "data.m_mem, data.m_comp, data.cost_p"
+            )
         if self.workers < 0:
             raise ConfigError(f"data.workers={self.workers} must be >= 0")
 
@@ -223,8 +225,10 @@ class TrainConfig:
         _positive("train.lr", self.lr)
         _positive("train.sample_shift", self.sample_shift)
         if self.resolution_shift_ref < 0:
-            raise ConfigError(f"train.resolution_shift_ref={self.resolution_shift_ref} must be >= 0 (0: off; else "
-                              "the latent positions T x H x W at which t_logit_mean and sample_shift apply)")
+            raise ConfigError(
+                f"train.resolution_shift_ref={self.resolution_shift_ref} must be >= 0 (0: off; else "
+                "the latent positions T x H x W at which t_logit_mean and sample_shift apply)"
+            )
         _positive("train.sample_steps", self.sample_steps)
         _positive("train.ckpt_every", self.ckpt_every)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
@@ -232,8 +236,9 @@ class TrainConfig:
         if not 0 <= self.caption_dropout < 1:
             raise ConfigError(f"train.caption_dropout={self.caption_dropout} must be in [0, 1)")
         if not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA of the weights; "
-                              "e.g. 0.999)")
+            raise ConfigError(
+                f"train.ema_decay={self.ema_decay} must be in [0, 1) (0: no EMA of the weights; e.g. 0.999)"
+            )
 
 
 @dataclass(frozen=True)
@@ -251,8 +256,9 @@ class ParallelConfig:
     hcp_degree: int = 0
 
     def __post_init__(self):
-        _choice("parallel.context_strategy", self.context_strategy,
-                ("hybrid", "ulysses", "ring", "allgather", "selective"))
+        _choice(
+            "parallel.context_strategy", self.context_strategy, ("hybrid", "ulysses", "ring", "allgather", "selective")
+        )
         if self.hcp_degree < 0:
             raise ConfigError(f"parallel.hcp_degree={self.hcp_degree} must be >= 0 (0: chosen by the planner)")
         sizes = (self.data, self.fsdp, self.context)
@@ -388,12 +394,14 @@ class Config:
 # MLP widths are chosen so that each preset lands within a few percent of its name; the MMDiT
 # variants use adaLN-single and a narrower text-stream MLP to stay parameter-matched to the DiT.
 
+
 def _tiny() -> Config:
     # Sized for the README's first command: a few minutes on 2 CPU cores.
     return Config(
         name="tiny",
-        model=ModelConfig(hidden=128, depth=4, heads=4, patch=(1, 4, 4), tile=(2, 4, 4), text_dim=64,
-                          in_channels=3, mlp_ratio=4.0),
+        model=ModelConfig(
+            hidden=128, depth=4, heads=4, patch=(1, 4, 4), tile=(2, 4, 4), text_dim=64, in_channels=3, mlp_ratio=4.0
+        ),
         data=DataConfig(tokens_per_batch=1536),
         train=TrainConfig(steps=800, lr=2e-3),
         # attention=dsv reaches stage 2 well within the default steps on a CPU; paper presets switch on the loss.
@@ -408,21 +416,33 @@ def _tiny_motion() -> Config:
     # high noise where the layout and the direction are decided, and a mild guidance.
     cfg = _mmdit(_tiny(), 2.0)
     return dataclasses.replace(
-        cfg, name="tiny-motion",
+        cfg,
+        name="tiny-motion",
         model=dataclasses.replace(cfg.model, remat=False, rope_theta=100.0, absolute_position=True),
         data=dataclasses.replace(cfg.data, buckets=((1, 32, 32), (8, 32, 32)), bucket_weights=(0.5, 0.5)),
-        train=dataclasses.replace(cfg.train, steps=2000, t_logit_mean=1.6, t_logit_std=1.5, sample_shift=3.0,
-                                  guidance=1.5))
+        train=dataclasses.replace(
+            cfg.train, steps=2000, t_logit_mean=1.6, t_logit_std=1.5, sample_shift=3.0, guidance=1.5
+        ),
+    )
 
 
 def _paper(name: str, depth: int, heads: int, head_dim: int, mlp_ratio: float) -> Config:
     return Config(
         name=name,
-        model=ModelConfig(hidden=heads * head_dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
-                          in_channels=16, patch=(1, 2, 2), tile=(4, 4, 4), text_dim=4096),
+        model=ModelConfig(
+            hidden=heads * head_dim,
+            depth=depth,
+            heads=heads,
+            mlp_ratio=mlp_ratio,
+            in_channels=16,
+            patch=(1, 2, 2),
+            tile=(4, 4, 4),
+            text_dim=4096,
+        ),
         text=TextConfig(max_len=64),
-        data=DataConfig(buckets=((1, 64, 64), (13, 48, 80), (21, 60, 104)), bucket_weights=(0.3, 0.4, 0.3),
-                        tokens_per_batch=32768),
+        data=DataConfig(
+            buckets=((1, 64, 64), (13, 48, 80), (21, 60, 104)), bucket_weights=(0.3, 0.4, 0.3), tokens_per_batch=32768
+        ),
         train=TrainConfig(lr=1e-4, warmup_steps=1000, steps=100_000, ckpt_every=1000, log_every=10),
     )
 
@@ -557,8 +577,11 @@ def get_config(name: str, overrides: Sequence[str] = ()) -> Config:
     """The preset `name` with `key=value` overrides applied, type-checked."""
     if name not in PRESETS:
         close = difflib.get_close_matches(name, list(PRESETS), n=3)
-        raise ConfigError(f"unknown preset {name!r}; " + (f"did you mean {' or '.join(close)}? " if close else "")
-                          + f"presets: {', '.join(sorted(PRESETS))}")
+        raise ConfigError(
+            f"unknown preset {name!r}; "
+            + (f"did you mean {' or '.join(close)}? " if close else "")
+            + f"presets: {', '.join(sorted(PRESETS))}"
+        )
     return _apply_overrides(OmegaConf.structured(PRESETS[name]()), overrides)
 
 
@@ -580,16 +603,19 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
         return get_config(name_or_path, overrides)
     looks_like_file = name_or_path.lower().endswith(CONFIG_FILE_SUFFIXES) or os.sep in name_or_path
     if not looks_like_file:
-        raise ConfigError(f"unknown preset {name_or_path!r}; presets: {sorted(PRESETS)}, or a config file "
-                          f"({' '.join(CONFIG_FILE_SUFFIXES)})")
+        raise ConfigError(
+            f"unknown preset {name_or_path!r}; presets: {sorted(PRESETS)}, or a config file "
+            f"({' '.join(CONFIG_FILE_SUFFIXES)})"
+        )
     fields = _read_config_file(name_or_path)
     name = fields.pop("name", None)
     if name is None:
         log.info("%s has no 'name:': extending the tiny preset", name_or_path)
         name = "tiny"
     if not isinstance(name, str) or name not in PRESETS:
-        raise ConfigError(f"{name_or_path}: name={name!r} must name the preset the file extends; presets: "
-                          f"{sorted(PRESETS)}")
+        raise ConfigError(
+            f"{name_or_path}: name={name!r} must name the preset the file extends; presets: {sorted(PRESETS)}"
+        )
     base = OmegaConf.structured(PRESETS[name]())
     try:
         merged = OmegaConf.merge(base, OmegaConf.create(fields))
@@ -611,8 +637,11 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
 def _read_config_file(path: str) -> dict[str, Any]:
     """The fields of a YAML or JSON config file as a plain dict."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist" if not os.path.exists(path)
-                          else f"config file {path!r} is not a file")
+        raise ConfigError(
+            f"config file {path!r} does not exist"
+            if not os.path.exists(path)
+            else f"config file {path!r} is not a file"
+        )
     import yaml  # omegaconf's own dependency
 
     is_json = path.lower().endswith(".json")
@@ -623,13 +652,13 @@ def _read_config_file(path: str) -> dict[str, Any]:
         else:
             fields = OmegaConf.to_container(OmegaConf.load(path))
     except (json.JSONDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"config file {path!r} is not valid {'JSON' if is_json else 'YAML'}: "
-                          f"{' '.join(str(e).split())}") from None
+        raise ConfigError(
+            f"config file {path!r} is not valid {'JSON' if is_json else 'YAML'}: {' '.join(str(e).split())}"
+        ) from None
     if fields is None:
         fields = {}
     if not isinstance(fields, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of config sections, got a "
-                          f"{type(fields).__name__}")
+        raise ConfigError(f"config file {path!r} must hold a mapping of config sections, got a {type(fields).__name__}")
     return fields
 
 
@@ -639,8 +668,9 @@ def config_yaml(cfg: Config) -> str:
 
 
 # Fields that change how a model runs but not its parameters: a checkpoint restores across them.
-RUNTIME_FIELDS = frozenset({"model.adaln_impl", "model.dtype", "model.remat", "model.remat_keep_attention",
-                            "model.scan_layers"})
+RUNTIME_FIELDS = frozenset(
+    {"model.adaln_impl", "model.dtype", "model.remat", "model.remat_keep_attention", "model.scan_layers"}
+)
 
 
 def architecture_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:

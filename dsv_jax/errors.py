@@ -42,7 +42,7 @@ def is_disk_full(e: BaseException | None) -> bool:
 
 
 def mib(n: float) -> str:
-    return f"{n / 2 ** 20:,.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:,.2f} GiB"
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
 def free_space(path: str) -> str:

@@ -22,9 +22,19 @@ log = logging.getLogger(__name__)
 SEMANTIC_KEY = 77_777  # the eval split's rows used for semantic captions (apart from the loss batches)
 
 
-def semantic_eval(cfg: Config, graphdef, params, controller: dict | None = None, *, clips: int = 8,
-                  steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
-                  shift: float | None = None) -> dict:
+def semantic_eval(
+    cfg: Config,
+    graphdef,
+    params,
+    controller: dict | None = None,
+    *,
+    clips: int = 8,
+    steps: int = 30,
+    guidance: float | None = None,
+    seed: int = 0,
+    shape=None,
+    shift: float | None = None,
+) -> dict:
     """{"score", "truth" (score_clips summaries), "captions", "frames" float32 [N, T, H, W, 3]} for
     `clips` videos generated from held-out captions of an embedded dataset at `shape` (default: the
     config's longest bucket). `shift`: of the sampler's time grid (default: the run's, dsv_jax.sample.sampler_shift)."""
@@ -34,25 +44,51 @@ def semantic_eval(cfg: Config, graphdef, params, controller: dict | None = None,
     from dsv_jax.sample import default_shape, generate
 
     if cfg.data.path or cfg.data.source == "arrayrecord":
-        raise ValueError("the semantic score needs an embedded dataset (data.source=synthetic or photos); "
-                         f"this run trained on data.path={cfg.data.path!r}")
+        raise ValueError(
+            "the semantic score needs an embedded dataset (data.source=synthetic or photos); "
+            f"this run trained on data.path={cfg.data.path!r}"
+        )
     shape = tuple(shape or default_shape(cfg))
     feed = SyntheticFeed(cfg, split="eval")
     truth = [feed.render(feed.seed, (SEMANTIC_KEY, i), shape) for i in range(clips)]
     captions = [c for _, c in truth]
     policy = make_policy(cfg, controller)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    latents = generate(cfg, graphdef, params, captions, shape, steps=steps,
-                       guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                       attention=attention, attention_inputs=inputs, shift=shift)
+    latents = generate(
+        cfg,
+        graphdef,
+        params,
+        captions,
+        shape,
+        steps=steps,
+        guidance=cfg.train.guidance if guidance is None else guidance,
+        seed=seed,
+        attention=attention,
+        attention_inputs=inputs,
+        shift=shift,
+    )
     frames = encode_frames(decode_latents(latents, cfg.data.codec))
-    return {"score": score_clips(frames, captions), "truth": score_clips([f for f, _ in truth], captions),
-            "captions": captions, "frames": frames}
+    return {
+        "score": score_clips(frames, captions),
+        "truth": score_clips([f for f, _ in truth], captions),
+        "captions": captions,
+        "frames": frames,
+    }
 
 
-def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None, *, batches: int | None = None,
-                   clips: int = 8, steps: int = 30, guidance: float | None = None, seed: int = 0,
-                   shift: float | None = None) -> dict:
+def evaluate_state(
+    cfg: Config,
+    graphdef,
+    params,
+    controller: dict | None = None,
+    *,
+    batches: int | None = None,
+    clips: int = 8,
+    steps: int = 30,
+    guidance: float | None = None,
+    seed: int = 0,
+    shift: float | None = None,
+) -> dict:
     """Held-out loss(es) and, for an embedded dataset with clips > 0, the semantic score (see the module)."""
     from dsv_jax.data.feed import make_feed
     from dsv_jax.dsv.policy import make_policy
@@ -81,16 +117,17 @@ def evaluate_state(cfg: Config, graphdef, params, controller: dict | None = None
             out["real_clips"] = {"skipped": str(e)}
         else:
             if real.shapes:
-                out["real_clips"] = held_out_loss(cfg, graphdef, params, inference, real, batches, cache=cache,
-                                                  name="real_clip_loss")
+                out["real_clips"] = held_out_loss(
+                    cfg, graphdef, params, inference, real, batches, cache=cache, name="real_clip_loss"
+                )
     if clips > 0 and not cfg.data.path and cfg.data.source != "arrayrecord":
-        out["semantic"] = semantic_eval(cfg, graphdef, params, controller, clips=clips, steps=steps,
-                                        guidance=guidance, seed=seed, shift=shift)
+        out["semantic"] = semantic_eval(
+            cfg, graphdef, params, controller, clips=clips, steps=steps, guidance=guidance, seed=seed, shift=shift
+        )
     return out
 
 
-def evaluate_workdir(workdir: str, *, step: int | None = None, weights: str = "auto",
-                     **kw) -> tuple[Config, int, dict]:
+def evaluate_workdir(workdir: str, *, step: int | None = None, weights: str = "auto", **kw) -> tuple[Config, int, dict]:
     """(config, checkpoint step, `evaluate_state` results) of a training workdir's latest (or `step`)
     checkpoint; `weights` as `load_trained`'s (default: the EMA of the weights where the run kept one).
     The results name the weights evaluated ("weights": "ema" | "raw")."""

@@ -69,12 +69,22 @@ def plan_summary(cfg, controller_state: dict | None) -> dict[str, list[str]]:
         plans = list(plans) if isinstance(plans, (list, tuple)) else [plans] * cfg.model.depth
         out["x".join(map(str, shape))] = [
             (f"{p.mode} keep<={p.keep:g}" if p.mode == "dsv" else f"window {p.window:.3g}")
-            if isinstance(p, AttentionPlan) and p.sparse else "dense" for p in plans]
+            if isinstance(p, AttentionPlan) and p.sparse
+            else "dense"
+            for p in plans
+        ]
     return out
 
 
-def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = None, overwrite: bool = False,
-           weights: str = "auto") -> str:
+def export(
+    workdir: str,
+    out: str,
+    *,
+    dtype: str = "bf16",
+    step: int | None = None,
+    overwrite: bool = False,
+    weights: str = "auto",
+) -> str:
     """Write the parameters (cast to `dtype`), config and DSV state of a training workdir's latest (or
     `step`) checkpoint to `out`. Returns `out`. `weights`: see `load_trained` (default: the EMA of the
     weights where the run kept one); export.json names the weights written."""
@@ -95,8 +105,9 @@ def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = No
         raise FileNotFoundError(f"--workdir {workdir!r} has no checkpoints/ (is it a training workdir?)")
     cfg, _, params, controller, step = load_trained(workdir, step, weights)
     target = jnp.dtype(DTYPES[dtype])
-    pure = jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-                        nnx.to_pure_dict(params))
+    pure = jax.tree.map(
+        lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, nnx.to_pure_dict(params)
+    )
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
@@ -109,10 +120,16 @@ def export(workdir: str, out: str, *, dtype: str = "bf16", step: int | None = No
         if controller is not None:
             with open(os.path.join(staging, "dsv.json"), "w") as f:
                 json.dump(controller, f)
-        meta = {"format": FORMAT, "step": int(step), "dtype": DTYPES[dtype], "parameters": parameter_count(cfg),
-                "source": os.path.abspath(workdir), "text_encoder": text_encoder_hint(cfg),
-                "weights": weights_used(cfg, weights),
-                "attention": plan_summary(cfg, controller)}
+        meta = {
+            "format": FORMAT,
+            "step": int(step),
+            "dtype": DTYPES[dtype],
+            "parameters": parameter_count(cfg),
+            "source": os.path.abspath(workdir),
+            "text_encoder": text_encoder_hint(cfg),
+            "weights": weights_used(cfg, weights),
+            "attention": plan_summary(cfg, controller),
+        }
         with open(os.path.join(staging, EXPORT_JSON), "w") as f:
             json.dump(meta, f, indent=1)
         if os.path.isdir(out):
@@ -158,8 +175,10 @@ def _read_export(path: str) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a directory")
     if not is_export(path):
-        raise FileNotFoundError(f"{path!r} holds no {EXPORT_JSON}: export a training workdir with "
-                                f"`dsv-jax export --workdir RUN --out {path}`")
+        raise FileNotFoundError(
+            f"{path!r} holds no {EXPORT_JSON}: export a training workdir with "
+            f"`dsv-jax export --workdir RUN --out {path}`"
+        )
     with open(os.path.join(path, EXPORT_JSON)) as f:
         info = json.load(f)
     if info.get("format") != FORMAT:
@@ -190,9 +209,12 @@ def load_params(path: str, dtype: str | None = None):
     target = jnp.dtype(DTYPES[dtype or info["dtype"]])
     graphdef, abstract = abstract_model(cfg)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    pure = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-        a.shape, target if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype, sharding=device),
-        nnx.to_pure_dict(abstract))
+    pure = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, target if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype, sharding=device
+        ),
+        nnx.to_pure_dict(abstract),
+    )
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(os.path.join(os.path.abspath(path), "params"), pure)
     nnx.replace_by_pure_dict(abstract, restored)
@@ -205,8 +227,9 @@ def load_model(path: str, dtype: str | None = None) -> LoadedModel:
     from flax import nnx
 
     cfg, graphdef, params, controller, info = load_params(path, dtype)
-    return LoadedModel(model=nnx.merge(graphdef, params), config=cfg, step=int(info["step"]), dsv_state=controller,
-                       info=info)
+    return LoadedModel(
+        model=nnx.merge(graphdef, params), config=cfg, step=int(info["step"]), dsv_state=controller, info=info
+    )
 
 
 def load_for_sampling(path: str, step: int | None = None, weights: str = "auto"):
@@ -214,17 +237,22 @@ def load_for_sampling(path: str, step: int | None = None, weights: str = "auto")
     workdir (its latest or `step` checkpoint; `weights` as `load_trained`'s): what the sampler needs."""
     if is_export(path):
         if step is not None:
-            raise ValueError(f"--checkpoint {step}: {path!r} is an export (of one step); --checkpoint picks a "
-                             "checkpoint of a training workdir")
+            raise ValueError(
+                f"--checkpoint {step}: {path!r} is an export (of one step); --checkpoint picks a "
+                "checkpoint of a training workdir"
+            )
         if weights != "auto":
-            raise ValueError(f"--weights {weights}: {path!r} is an export (of one set of weights); --weights "
-                             "picks the weights of a training workdir's checkpoint")
+            raise ValueError(
+                f"--weights {weights}: {path!r} is an export (of one set of weights); --weights "
+                "picks the weights of a training workdir's checkpoint"
+            )
         cfg, graphdef, params, controller, info = load_params(path)
         return cfg, graphdef, params, controller, info.get("text_encoder")
     from dsv_jax.train.checkpoint import load_trained
 
     if not os.path.isdir(os.path.join(path, "checkpoints")):  # checked first: orbax would create the folder
-        raise FileNotFoundError(f"{path!r} is neither an exported model (no {EXPORT_JSON}) nor a training workdir "
-                                "(no checkpoints/)")
+        raise FileNotFoundError(
+            f"{path!r} is neither an exported model (no {EXPORT_JSON}) nor a training workdir (no checkpoints/)"
+        )
     cfg, graphdef, params, controller, _ = load_trained(path, step, weights)
     return cfg, graphdef, params, controller, text_encoder_hint(cfg)

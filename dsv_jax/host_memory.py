@@ -41,8 +41,7 @@ TRIM_THRESHOLD = 2**31 - 1
 
 TUNABLES = f"glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
 
-ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin",
-                       "libtpu")
+ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 
 def accelerator_plugin_installed() -> bool:
@@ -74,10 +73,14 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     if threading.active_count() > 1 or "jaxlib" in sys.modules:
-        log.warning("keep_freed_memory: threads are already running, so XLA's buffers may still be mapped "
-                    "afresh every step; start the process with GLIBC_TUNABLES=%s instead", TUNABLES)
+        log.warning(
+            "keep_freed_memory: threads are already running, so XLA's buffers may still be mapped "
+            "afresh every step; start the process with GLIBC_TUNABLES=%s instead",
+            TUNABLES,
+        )
     settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     applied = all(mallopt(param, value) == 1 for param, value in settings)
-    log.debug("host malloc: one arena, no mmap, trim threshold %d (%s)", TRIM_THRESHOLD,
-              "applied" if applied else "refused")
+    log.debug(
+        "host malloc: one arena, no mmap, trim threshold %d (%s)", TRIM_THRESHOLD, "applied" if applied else "refused"
+    )
     return applied

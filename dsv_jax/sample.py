@@ -24,8 +24,12 @@ from dsv_jax.train.loss import resolution_shift, shift_timesteps
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROMPTS = ("a large red circle moving right", "a small yellow square moving down",
-                   "a large white triangle moving left", "a small cyan ring moving up")
+DEFAULT_PROMPTS = (
+    "a large red circle moving right",
+    "a small yellow square moving down",
+    "a large white triangle moving left",
+    "a small cyan ring moving up",
+)
 
 
 def default_prompts(cfg: Config) -> tuple[str, ...]:
@@ -50,8 +54,10 @@ def load_text_encoder(cfg: Config, spec: str | None, hint: str | None = None) ->
             log.warning("--text-encoder %s is not used: this model has the built-in text encoder", spec)
         return None
     if not spec:
-        raise ValueError("this model was trained on precomputed text embeddings (text.encoder=precomputed): pass "
-                         f"--text-encoder pkg.module:make{f' (its dataset was prepared with {hint})' if hint else ''}")
+        raise ValueError(
+            "this model was trained on precomputed text embeddings (text.encoder=precomputed): pass "
+            f"--text-encoder pkg.module:make{f' (its dataset was prepared with {hint})' if hint else ''}"
+        )
     return load_callable(spec, "text encoder")()
 
 
@@ -67,12 +73,16 @@ def prompt_batch(cfg: Config, prompts: Sequence[str], text_encoder: Callable | N
     emb, mask = (np.asarray(a) for a in text_encoder(list(prompts)))
     want = (n, cfg.text.max_len, cfg.model.text_dim)
     if emb.shape != want or mask.shape != want[:2]:
-        raise ValueError(f"the text encoder returned embeddings {emb.shape} and mask {mask.shape} for {n} prompts; "
-                         f"the model takes [{n}, text.max_len={want[1]}, model.text_dim={want[2]}] "
-                         f"and [{n}, {want[1]}]")
+        raise ValueError(
+            f"the text encoder returned embeddings {emb.shape} and mask {mask.shape} for {n} prompts; "
+            f"the model takes [{n}, text.max_len={want[1]}, model.text_dim={want[2]}] "
+            f"and [{n}, {want[1]}]"
+        )
     dropped = np.arange(want[1]) == 0  # a dropped caption: zero embeddings, one valid token
-    return {"text_emb": np.concatenate([emb.astype(np.float32), np.zeros(want, np.float32)]),
-            "text_mask": np.concatenate([mask.astype(bool), np.broadcast_to(dropped, (n, want[1]))])}
+    return {
+        "text_emb": np.concatenate([emb.astype(np.float32), np.zeros(want, np.float32)]),
+        "text_mask": np.concatenate([mask.astype(bool), np.broadcast_to(dropped, (n, want[1]))]),
+    }
 
 
 def time_grid(steps: int, shift: float = 1.0) -> jax.Array:
@@ -88,9 +98,21 @@ def sampler_shift(cfg: Config, shape: tuple[int, int, int], shift: float | None 
     return cfg.train.sample_shift * resolution_shift(cfg.train, math.prod(shape))
 
 
-def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple[int, int, int], *,
-             steps: int = 30, guidance: float = 3.0, seed: int = 0, attention="auto",
-             attention_inputs=None, text_encoder: Callable | None = None, shift: float | None = None) -> np.ndarray:
+def generate(
+    cfg: Config,
+    graphdef,
+    params,
+    prompts: Sequence[str],
+    shape: tuple[int, int, int],
+    *,
+    steps: int = 30,
+    guidance: float = 3.0,
+    seed: int = 0,
+    attention="auto",
+    attention_inputs=None,
+    text_encoder: Callable | None = None,
+    shift: float | None = None,
+) -> np.ndarray:
     """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`; `shift`: of
     the time grid, see `sampler_shift`)."""
     batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
@@ -105,8 +127,9 @@ def generate(cfg: Config, graphdef, params, prompts: Sequence[str], shape: tuple
 
         def velocity(x, t):
             both = jnp.concatenate([x, x])
-            v = model(both, jnp.full((2 * n,), t), text, text_mask, attention=attention,
-                      attention_inputs=attention_inputs).astype(jnp.float32)
+            v = model(
+                both, jnp.full((2 * n,), t), text, text_mask, attention=attention, attention_inputs=attention_inputs
+            ).astype(jnp.float32)
             cond, uncond = v[:n], v[n:]
             return uncond + guidance * (cond - uncond)
 
@@ -123,7 +146,7 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
     n, t, h, w, _ = videos.shape
     canvas = np.zeros((t, h, n * (w + 1) - 1, 3), np.uint8)
     for i in range(n):
-        canvas[:, :, i * (w + 1): i * (w + 1) + w] = videos[i]
+        canvas[:, :, i * (w + 1) : i * (w + 1) + w] = videos[i]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     import imageio.v3 as iio
 
@@ -141,17 +164,30 @@ def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
             except Exception as e:  # PyAV raises its own error types for a missing encoder
                 errors.append(f"{codec}: {e}")
         else:
-            raise RuntimeError(f"cannot write {path}: PyAV's FFmpeg has no working H.264 or MPEG-4 encoder "
-                               f"({'; '.join(errors)}); write a .gif instead")
+            raise RuntimeError(
+                f"cannot write {path}: PyAV's FFmpeg has no working H.264 or MPEG-4 encoder "
+                f"({'; '.join(errors)}); write a .gif instead"
+            )
     else:
         raise ValueError(f"unsupported video extension {ext!r} (use .gif or .mp4)")
     return path
 
 
-def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], *,
-                      prompts: Sequence[str] | None = None, shape=None, steps: int = 30, guidance: float = 3.0,
-                      seed: int = 0, controller_state: dict | None = None,
-                      text_encoder: Callable | None = None, shift: float | None = None) -> list[str]:
+def sample_from_state(
+    cfg: Config,
+    graphdef,
+    params,
+    path: str | Sequence[str],
+    *,
+    prompts: Sequence[str] | None = None,
+    shape=None,
+    steps: int = 30,
+    guidance: float = 3.0,
+    seed: int = 0,
+    controller_state: dict | None = None,
+    text_encoder: Callable | None = None,
+    shift: float | None = None,
+) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (or to each of several
     paths, .gif or .mp4: the same videos). Returns the paths written. A DSV run samples with the sparse
     plans of its controller state (stage 2 decisions), a window run with its windows."""
@@ -161,19 +197,40 @@ def sample_from_state(cfg: Config, graphdef, params, path: str | Sequence[str], 
     shape = tuple(shape or default_shape(cfg))
     policy = make_policy(cfg, controller_state)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    latents = generate(cfg, graphdef, params, prompts or default_prompts(cfg), shape, steps=steps, guidance=guidance,
-                       seed=seed, attention=attention, attention_inputs=inputs, text_encoder=text_encoder,
-                       shift=shift)
+    latents = generate(
+        cfg,
+        graphdef,
+        params,
+        prompts or default_prompts(cfg),
+        shape,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        attention=attention,
+        attention_inputs=inputs,
+        text_encoder=text_encoder,
+        shift=shift,
+    )
     if not np.isfinite(latents).all():
         raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
     frames = decode_latents(latents, cfg.data.codec)
     return [save_video(frames, p) for p in paths]
 
 
-def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequence[str] | None = None,
-                        steps: int = 30, guidance: float | None = None, seed: int = 0, shape=None,
-                        step: int | None = None, text_encoder: str | None = None,
-                        weights: str = "auto", shift: float | None = None) -> list[str]:
+def sample_from_workdir(
+    workdir: str,
+    out: str | Sequence[str],
+    *,
+    prompts: Sequence[str] | None = None,
+    steps: int = 30,
+    guidance: float | None = None,
+    seed: int = 0,
+    shape=None,
+    step: int | None = None,
+    text_encoder: str | None = None,
+    weights: str = "auto",
+    shift: float | None = None,
+) -> list[str]:
     """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
     written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
@@ -183,6 +240,17 @@ def sample_from_workdir(workdir: str, out: str | Sequence[str], *, prompts: Sequ
 
     cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step, weights)
     encoder = load_text_encoder(cfg, text_encoder, hint)
-    return sample_from_state(cfg, graphdef, params, out, prompts=prompts, shape=shape,
-                             steps=steps, guidance=cfg.train.guidance if guidance is None else guidance, seed=seed,
-                             controller_state=controller, text_encoder=encoder, shift=shift)
+    return sample_from_state(
+        cfg,
+        graphdef,
+        params,
+        out,
+        prompts=prompts,
+        shape=shape,
+        steps=steps,
+        guidance=cfg.train.guidance if guidance is None else guidance,
+        seed=seed,
+        controller_state=controller,
+        text_encoder=encoder,
+        shift=shift,
+    )

@@ -38,15 +38,29 @@ from pallas_kernels.adaln import BlockSizes, adaln_modulate, adaln_modulate_pall
 
 DEFAULT_SECTIONS = "kernels,memory,train"
 SIZES = {
-    "gpu": {"N": [8192, 16384, 32768, 65536], "C": [1152, 2048, 3072, 5120], "headline": (65536, 3072), "iters": 10,
-            "sweep_shapes": [(65536, 3072), (65536, 1152)], "sweep_limit": None,
-            "memory": (16384, 3072, 4),  # N, C, layers
-            # latents (16, 64, 64, 16), patch (1, 2, 2) -> 16 x 32 x 32 = 16384 video tokens
-            "train": ("2.7b", (16, 64, 64), ["text.max_len=64"], 5), "copy_bytes": 2 << 30},
-    "quick": {"N": [37], "C": [96], "headline": (37, 96), "iters": 3, "sweep_shapes": [(37, 96)], "sweep_limit": 2,
-              "memory": (37, 96, 2),
-              "train": ("tiny", (1, 8, 8), QUICK_MODEL + ["model.depth=1", "model.patch=[1,4,4]", "text.max_len=8"], 3),
-              "copy_bytes": 64 << 20},
+    "gpu": {
+        "N": [8192, 16384, 32768, 65536],
+        "C": [1152, 2048, 3072, 5120],
+        "headline": (65536, 3072),
+        "iters": 10,
+        "sweep_shapes": [(65536, 3072), (65536, 1152)],
+        "sweep_limit": None,
+        "memory": (16384, 3072, 4),  # N, C, layers
+        # latents (16, 64, 64, 16), patch (1, 2, 2) -> 16 x 32 x 32 = 16384 video tokens
+        "train": ("2.7b", (16, 64, 64), ["text.max_len=64"], 5),
+        "copy_bytes": 2 << 30,
+    },
+    "quick": {
+        "N": [37],
+        "C": [96],
+        "headline": (37, 96),
+        "iters": 3,
+        "sweep_shapes": [(37, 96)],
+        "sweep_limit": 2,
+        "memory": (37, 96, 2),
+        "train": ("tiny", (1, 8, 8), QUICK_MODEL + ["model.depth=1", "model.patch=[1,4,4]", "text.max_len=8"], 3),
+        "copy_bytes": 64 << 20,
+    },
 }
 GOALS = {"fwd_pct_of_copy": 85.0, "fwd_bwd_speedup_64k_3072": 2.5, "memory_ratio_max": 0.5}
 TOL = 2e-2  # relative error of bf16 outputs and gradients against the reference
@@ -70,8 +84,11 @@ def fwd_fn(impl, block_sizes=None):
 
 
 def fwd_bwd_fn(impl, block_sizes=None):
-    fn = (functools.partial(adaln_modulate_pallas, block_sizes=block_sizes) if block_sizes is not None
-          else functools.partial(adaln_modulate, impl=impl))
+    fn = (
+        functools.partial(adaln_modulate_pallas, block_sizes=block_sizes)
+        if block_sizes is not None
+        else functools.partial(adaln_modulate, impl=impl)
+    )
     return jax.jit(lambda v: harness.fwd_bwd(fn)(v["x"], v["scale"], v["shift"], v["dy"]))
 
 
@@ -117,19 +134,37 @@ def bench_kernels(ns, cs, dtype, copy_tbps, iters, headline):
             row["fused_fwd_bwd_pct_copy"] = 100 * row["fused_fwd_bwd_tbps"] / copy_tbps
             rows.append(row)
             del v, outs
-    harness.print_table(rows, ["N", "C", "xla_fwd_ms", "fused_fwd_ms", "fwd_speedup", "fused_fwd_pct_copy",
-                               "xla_fwd_bwd_ms", "fused_fwd_bwd_ms", "fwd_bwd_speedup", "fused_fwd_bwd_pct_copy",
-                               "err_fwd_bwd"])
+    harness.print_table(
+        rows,
+        [
+            "N",
+            "C",
+            "xla_fwd_ms",
+            "fused_fwd_ms",
+            "fwd_speedup",
+            "fused_fwd_pct_copy",
+            "xla_fwd_bwd_ms",
+            "fused_fwd_bwd_ms",
+            "fwd_bwd_speedup",
+            "fused_fwd_bwd_pct_copy",
+            "err_fwd_bwd",
+        ],
+    )
 
     n, c = headline  # the gated kernel (residual add + AdaLN) at the headline shape
     v = make_inputs(jax.random.key(1), 1, n, c, dtype, gated=True)
     f = {impl: gated_fns(impl) for impl in ("xla", "pallas")}
     outs = {impl: (f[impl][0](v), f[impl][1](v)) for impl in f}
     isz = jnp.dtype(dtype).itemsize
-    gated = {"N": n, "C": c, "err_fwd": max_rel_error(outs["pallas"][0], outs["xla"][0]),
-             "err_fwd_bwd": max_rel_error(outs["pallas"][1], outs["xla"][1]),
-             # forward: read residual, branch; write h, y. backward: read h, branch, dh, dy; write dr, dbranch
-             "fwd_bytes": 4 * n * c * isz, "fwd_bwd_bytes": 10 * n * c * isz}
+    gated = {
+        "N": n,
+        "C": c,
+        "err_fwd": max_rel_error(outs["pallas"][0], outs["xla"][0]),
+        "err_fwd_bwd": max_rel_error(outs["pallas"][1], outs["xla"][1]),
+        # forward: read residual, branch; write h, y. backward: read h, branch, dh, dy; write dr, dbranch
+        "fwd_bytes": 4 * n * c * isz,
+        "fwd_bwd_bytes": 10 * n * c * isz,
+    }
     if max(gated["err_fwd"], gated["err_fwd_bwd"]) <= TOL:
         for impl, name in (("xla", "xla"), ("pallas", "fused")):
             gated[f"{name}_fwd_ms"] = timed(f[impl][0], v, iters)
@@ -149,14 +184,16 @@ def sweep_options(c):
     split into narrow chunks (1152 = 9 x 128) the padded single-chunk layout."""
     base = BlockSizes.default(c)
     swap = lambda **kw: dataclasses.replace(base, **kw)
-    options = {"default": base,
-               f"fwd rows={base.rows * 2}": swap(rows=base.rows * 2),
-               f"fwd warps={max(1, base.warps // 2)}": swap(warps=max(1, base.warps // 2)),
-               f"fwd warps={base.warps * 2}": swap(warps=min(32, base.warps * 2)),
-               f"bwd rows={base.bwd_rows * 2}": swap(bwd_rows=base.bwd_rows * 2),
-               f"bwd warps={max(1, base.bwd_warps // 2)}": swap(bwd_warps=max(1, base.bwd_warps // 2)),
-               f"bwd programs={base.bwd_programs // 2}": swap(bwd_programs=base.bwd_programs // 2),
-               f"bwd programs={base.bwd_programs * 2}": swap(bwd_programs=base.bwd_programs * 2)}
+    options = {
+        "default": base,
+        f"fwd rows={base.rows * 2}": swap(rows=base.rows * 2),
+        f"fwd warps={max(1, base.warps // 2)}": swap(warps=max(1, base.warps // 2)),
+        f"fwd warps={base.warps * 2}": swap(warps=min(32, base.warps * 2)),
+        f"bwd rows={base.bwd_rows * 2}": swap(bwd_rows=base.bwd_rows * 2),
+        f"bwd warps={max(1, base.bwd_warps // 2)}": swap(bwd_warps=max(1, base.bwd_warps // 2)),
+        f"bwd programs={base.bwd_programs // 2}": swap(bwd_programs=base.bwd_programs // 2),
+        f"bwd programs={base.bwd_programs * 2}": swap(bwd_programs=base.bwd_programs * 2),
+    }
     if c & -c < 512:
         options["padded columns"] = BlockSizes.default(c, min_chunk=4096)
     return options
@@ -173,8 +210,11 @@ def sweep_block_sizes(shapes, dtype, iters, limit=None):
             try:
                 fb = fwd_bwd_fn("pallas", bs)
                 row["err"] = max_rel_error(fb(v), ref)
-                row.update(fwd_ms=timed(fwd_fn("pallas", bs), v, iters), fwd_bwd_ms=timed(fb, v, iters),
-                           **dataclasses.asdict(bs))
+                row.update(
+                    fwd_ms=timed(fwd_fn("pallas", bs), v, iters),
+                    fwd_bwd_ms=timed(fb, v, iters),
+                    **dataclasses.asdict(bs),
+                )
             except Exception as e:  # a config that does not compile (registers, shared memory) is reported
                 row["error"] = harness.error_text(e)
             rows.append(row)
@@ -203,6 +243,7 @@ def chain_memory(n, c, layers, dtype):
             for i in range(layers):
                 x = adaln_modulate(x, scales[i], shifts[i], impl=impl)
             return sum_sq(x)
+
         return jax.grad(loss, argnums=(0, 1, 2))
 
     def gated(impl):
@@ -211,10 +252,13 @@ def chain_memory(n, c, layers, dtype):
             for i in range(layers):
                 h, y = gated_residual_adaln(h, y, scales[i], scales[i], shifts[i], impl=impl)
             return sum_sq(h) + sum_sq(y)
+
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    one_layer = {"plain": (lambda impl: functools.partial(adaln_modulate, impl=impl), (x, vec, vec)),
-                 "gated": (lambda impl: functools.partial(gated_residual_adaln, impl=impl), (x, x, vec, vec, vec))}
+    one_layer = {
+        "plain": (lambda impl: functools.partial(adaln_modulate, impl=impl), (x, vec, vec)),
+        "gated": (lambda impl: functools.partial(gated_residual_adaln, impl=impl), (x, x, vec, vec, vec)),
+    }
     act = n * c * jnp.dtype(dtype).itemsize
     out = {"N": n, "C": c, "layers": layers, "activation_bytes": act}
     for kind, chain in (("plain", plain), ("gated", gated)):
@@ -235,9 +279,15 @@ def train_step(preset, latent_shape, overrides, impl, steps):
     """Median step time of the preset with model.adaln_impl=impl after one warm-up step (B = 1)."""
     cfg = get_config(preset, [*overrides, f"model.adaln_impl={impl}"])
     r = time_train_step(cfg, latent_shape, steps - 1)
-    out = {"impl": impl, "tokens": r["tokens"], "compile_s": r["compile_s"], "step_ms": 1e3 * r["step_s"],
-           "times_ms": [1e3 * t for t in [r["warmup_s"], *r["step_times_s"]]], "loss": r["loss"],
-           "temp_bytes": r["temp_bytes"]}
+    out = {
+        "impl": impl,
+        "tokens": r["tokens"],
+        "compile_s": r["compile_s"],
+        "step_ms": 1e3 * r["step_s"],
+        "times_ms": [1e3 * t for t in [r["warmup_s"], *r["step_times_s"]]],
+        "loss": r["loss"],
+        "temp_bytes": r["temp_bytes"],
+    }
     print("train", out, flush=True)
     return out
 
@@ -245,8 +295,11 @@ def train_step(preset, latent_shape, overrides, impl, steps):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (interpret mode)")
-    p.add_argument("--sections", default=DEFAULT_SECTIONS,
-                   help="comma-separated: kernels, sweep, memory, train (sweep is extra: ~1 min on the GPU)")
+    p.add_argument(
+        "--sections",
+        default=DEFAULT_SECTIONS,
+        help="comma-separated: kernels, sweep, memory, train (sweep is extra: ~1 min on the GPU)",
+    )
     args = p.parse_args()
     sections = set(args.sections.split(","))
     if not sections <= {"kernels", "sweep", "memory", "train"}:

@@ -78,51 +78,117 @@ RESERVE_S = 8.0  # budget kept free for the final results file and table
 SETUPS = {
     # rates (FLOP/s) only feed the budget estimates: linear layers, cuDNN attention, sparse kernel.
     # "main": the AdaLN impl of every variant but the fused-vs-XLA pairs at 16k.
-    "gpu": {"preset": "2.7b", "overrides": ["attention=dsv"], "budget_s": 380.0, "compile_s": 20.0, "lower_s": 4.0,
-            "component_compile_s": 2.0, "rates": (450e12, 550e12, 300e12), "main": "pallas", "compile_workers": 4,
-            "priority": "gpu",
-            # 480p: a Wan-style 81-frame 480p clip's latents (21 x 60 x 104): 21 x 30 x 52 tokens, which no
-            # 4x4x4 tiling covers (padded tiles, masked in the kernels)
-            "lengths": {"16k": (16, 64, 64), "32k": (32, 64, 64), "64k": (64, 64, 64), "128k": (128, 64, 64),
-                        "480p": (21, 60, 104)}},
-    "quick": {"preset": "tiny", "budget_s": 170.0, "compile_s": 3.0, "lower_s": 0.5, "component_compile_s": 0.3,
-              "rates": (2e10, 2e10, 1e10), "compile_workers": 2, "priority": "quick",
-              # interpret-mode Pallas compiles slowly on a CPU: the main variants run the XLA AdaLN
-              "main": "xla",
-              "overrides": ["attention=dsv", "model.hidden=64", "model.heads=2", "model.depth=2", "model.in_channels=4",
-                            "model.patch=[1,2,2]", "model.tile=[4,4,4]", "model.text_dim=32", "text.max_len=8",
-                            "text.hash_buckets=8", "dsv.rank=8", "dsv.max_queries=16"],
-              # the GPU's names, so every code path runs; 256 to 2048 tokens
-              "lengths": {"16k": (4, 16, 16), "64k": (16, 16, 16), "128k": (32, 16, 16)}},
+    "gpu": {
+        "preset": "2.7b",
+        "overrides": ["attention=dsv"],
+        "budget_s": 380.0,
+        "compile_s": 20.0,
+        "lower_s": 4.0,
+        "component_compile_s": 2.0,
+        "rates": (450e12, 550e12, 300e12),
+        "main": "pallas",
+        "compile_workers": 4,
+        "priority": "gpu",
+        # 480p: a Wan-style 81-frame 480p clip's latents (21 x 60 x 104): 21 x 30 x 52 tokens, which no
+        # 4x4x4 tiling covers (padded tiles, masked in the kernels)
+        "lengths": {
+            "16k": (16, 64, 64),
+            "32k": (32, 64, 64),
+            "64k": (64, 64, 64),
+            "128k": (128, 64, 64),
+            "480p": (21, 60, 104),
+        },
+    },
+    "quick": {
+        "preset": "tiny",
+        "budget_s": 170.0,
+        "compile_s": 3.0,
+        "lower_s": 0.5,
+        "component_compile_s": 0.3,
+        "rates": (2e10, 2e10, 1e10),
+        "compile_workers": 2,
+        "priority": "quick",
+        # interpret-mode Pallas compiles slowly on a CPU: the main variants run the XLA AdaLN
+        "main": "xla",
+        "overrides": [
+            "attention=dsv",
+            "model.hidden=64",
+            "model.heads=2",
+            "model.depth=2",
+            "model.in_channels=4",
+            "model.patch=[1,2,2]",
+            "model.tile=[4,4,4]",
+            "model.text_dim=32",
+            "text.max_len=8",
+            "text.hash_buckets=8",
+            "dsv.rank=8",
+            "dsv.max_queries=16",
+        ],
+        # the GPU's names, so every code path runs; 256 to 2048 tokens
+        "lengths": {"16k": (4, 16, 16), "64k": (16, 16, 16), "128k": (32, 16, 16)},
+    },
 }
 # attention name -> (mode, parameter): DSV head sparsity (None: the one quality_parity.json measured) or
 # the window's fraction of the tile grid per dimension
-ATTENTIONS = {"full": ("full", None), "dsv0.9": ("dsv", 0.9), "dsv0.95": ("dsv", 0.95),
-              "dsv-measured": ("dsv", None), "wa-m": ("window", 1 / 3), "wa-l": ("window", 2 / 3),
-              # DSV 0.9 with the predictor's stage-1 rate kept in stage 2 (dsv.stage2_max_queries=0): the
-              # predictor loss on max_queries sampled queries every step, as before that setting existed
-              "dsv0.9-allq": ("dsv", 0.9),
-              # the stage-2 steps between the predictor's (dsv.stage2_predictor_every): no predictor loss; the
-              # predictor trains on one step in that many, so a run's mean step is
-              # (dsv0.9 + (every - 1) x dsv0.9-skip) / every (goals(): "..._cycle_...")
-              "dsv0.9-skip": ("dsv", 0.9), "dsv0.95-skip": ("dsv", 0.95)}
+ATTENTIONS = {
+    "full": ("full", None),
+    "dsv0.9": ("dsv", 0.9),
+    "dsv0.95": ("dsv", 0.95),
+    "dsv-measured": ("dsv", None),
+    "wa-m": ("window", 1 / 3),
+    "wa-l": ("window", 2 / 3),
+    # DSV 0.9 with the predictor's stage-1 rate kept in stage 2 (dsv.stage2_max_queries=0): the
+    # predictor loss on max_queries sampled queries every step, as before that setting existed
+    "dsv0.9-allq": ("dsv", 0.9),
+    # the stage-2 steps between the predictor's (dsv.stage2_predictor_every): no predictor loss; the
+    # predictor trains on one step in that many, so a run's mean step is
+    # (dsv0.9 + (every - 1) x dsv0.9-skip) / every (goals(): "..._cycle_...")
+    "dsv0.9-skip": ("dsv", 0.9),
+    "dsv0.95-skip": ("dsv", 0.95),
+}
 FULL_RATE = {"dsv0.9-allq"}
 SKIP = {"dsv0.9-skip", "dsv0.95-skip"}
 # (length, attention, AdaLN impl: "main" = the setup's), in priority order, and the number of must-haves
 PAIR_16K = [("16k", "full", "xla"), ("16k", "full", "pallas"), ("16k", "dsv0.9", "pallas"), ("16k", "dsv0.9", "xla")]
 MAIN_64K = [("64k", a, "main") for a in ("full", "dsv0.9", "dsv0.95", "wa-m", "wa-l")]
 PRIORITY = {
-    "gpu": (MAIN_64K + PAIR_16K + [("32k", "full", "main"), ("32k", "dsv0.9", "main")] + [
-        ("16k", "dsv-measured", "main"), ("16k", "dsv0.95", "main"), ("16k", "wa-m", "main"), ("16k", "wa-l", "main"),
-        ("32k", "dsv0.95", "main"), ("32k", "wa-m", "main"), ("32k", "wa-l", "main"), ("64k", "dsv0.9", "xla"),
-        ("64k", "dsv0.9-allq", "main"), ("64k", "dsv0.9-skip", "main"), ("64k", "dsv0.95-skip", "main"),
-        ("64k", "dsv-measured", "main"), ("128k", "dsv0.9", "main"), ("128k", "dsv0.9-skip", "main"),
-        ("128k", "full", "main"),
-        ("480p", "full", "main"), ("480p", "dsv0.9", "main")], 11),
+    "gpu": (
+        MAIN_64K
+        + PAIR_16K
+        + [("32k", "full", "main"), ("32k", "dsv0.9", "main")]
+        + [
+            ("16k", "dsv-measured", "main"),
+            ("16k", "dsv0.95", "main"),
+            ("16k", "wa-m", "main"),
+            ("16k", "wa-l", "main"),
+            ("32k", "dsv0.95", "main"),
+            ("32k", "wa-m", "main"),
+            ("32k", "wa-l", "main"),
+            ("64k", "dsv0.9", "xla"),
+            ("64k", "dsv0.9-allq", "main"),
+            ("64k", "dsv0.9-skip", "main"),
+            ("64k", "dsv0.95-skip", "main"),
+            ("64k", "dsv-measured", "main"),
+            ("128k", "dsv0.9", "main"),
+            ("128k", "dsv0.9-skip", "main"),
+            ("128k", "full", "main"),
+            ("480p", "full", "main"),
+            ("480p", "dsv0.9", "main"),
+        ],
+        11,
+    ),
     # quick: one variant per code path (CPU compiles dominate its time)
-    "quick": ([("64k", "full", "main"), ("64k", "dsv0.9", "main"), ("64k", "wa-m", "main")] + PAIR_16K[:3] +
-              [("16k", "dsv-measured", "main"), ("128k", "full", "main"), ("64k", "dsv0.9-allq", "main"),
-               ("64k", "dsv0.9-skip", "main")], 6),
+    "quick": (
+        [("64k", "full", "main"), ("64k", "dsv0.9", "main"), ("64k", "wa-m", "main")]
+        + PAIR_16K[:3]
+        + [
+            ("16k", "dsv-measured", "main"),
+            ("128k", "full", "main"),
+            ("64k", "dsv0.9-allq", "main"),
+            ("64k", "dsv0.9-skip", "main"),
+        ],
+        6,
+    ),
 }
 GOALS = {"dsv_vs_full_64k": 3.5, "dsv_vs_window_64k": 1.5, "fused_adaln_16k": 1.05, "compiles_after_warmup": 0}
 # the mean stage-2 step (one predictor step in `every`) vs full: issue 16's end-to-end goals
@@ -137,7 +203,8 @@ FLOPS_FORMULA = (
     "kept = mean selected KV blocks / all] + DSV: 4 predictor + 1 selection (the remat keeps it); with "
     "model.remat_keep_attention (--set) video attention drops its remat fwd (4.5 -> 3.5). "
     "MFU = FLOPs / step time / the device's dense bf16 peak (dsv_jax.model.flops.peak_flops: 989.4 TFLOP/s on "
-    "an H200).")
+    "an H200)."
+)
 
 
 def component_name(attention: str) -> str:
@@ -151,6 +218,7 @@ def log(msg: str) -> None:
 
 # -- the variants' attention --------------------------------------------------------------------------
 
+
 def measured_sparsity(path: str) -> dict | None:
     """Per-block head sparsity (the controller's EMA at the end) of the quality-parity DSV run."""
     try:
@@ -163,6 +231,7 @@ def measured_sparsity(path: str) -> dict | None:
 
 
 # -- the benchmark --------------------------------------------------------------------------------------
+
 
 class Bench:
     def __init__(self, args, setup):
@@ -183,8 +252,10 @@ class Bench:
         self.lr = jnp.float32(self.cfg.train.lr)
         priority, must = PRIORITY[setup["priority"]]
         self.main = setup["main"]
-        self.entries = [self.entry(length, attn, self.main if impl == "main" else impl, must=i < must)
-                        for i, (length, attn, impl) in enumerate(priority)]
+        self.entries = [
+            self.entry(length, attn, self.main if impl == "main" else impl, must=i < must)
+            for i, (length, attn, impl) in enumerate(priority)
+        ]
         self.entries = [e for e in self.entries if self.wanted(e["id"])]
         self.check: dict = {"status": "planned"}
         self.components: dict[str, dict] = {}
@@ -213,8 +284,14 @@ class Bench:
         """The library's FLOPs of one train step of variant `e` (see FLOPS_FORMULA)."""
         st = self.attention_setup(e["length"], e["attention"])
         dsv = st["mode"] == "dsv"
-        return train_step_flops(self.cfg, self.setup["lengths"][e["length"]], 1, kept=st["kept"],
-                                predictor=dsv and e["attention"] not in SKIP, selection=dsv)
+        return train_step_flops(
+            self.cfg,
+            self.setup["lengths"][e["length"]],
+            1,
+            kept=st["kept"],
+            predictor=dsv and e["attention"] not in SKIP,
+            selection=dsv,
+        )
 
     def attention_setup(self, length: str, name: str) -> dict:
         """{"attention", "inputs" (device arrays or None), "kept", ...} of an attention variant at a length."""
@@ -229,14 +306,19 @@ class Bench:
             out.update(attention="auto", inputs=None, kept=1.0)
         elif mode == "window":
             k = window_selection(tuple(g // t for g, t in zip(layout.grid, layout.tile)), param).shape[1]
-            out.update(attention=AttentionPlan(mode="window", sparse=True, window=param,
-                                               backend=self.cfg.dsv.dense_backend),
-                       inputs=None, kept=k / n_blocks, window=param)
+            out.update(
+                attention=AttentionPlan(mode="window", sparse=True, window=param, backend=self.cfg.dsv.dense_backend),
+                inputs=None,
+                kept=k / n_blocks,
+                window=param,
+            )
         else:
             sparsity = param if param is not None else (self.measured or {}).get("mean")
             if sparsity is None:
-                raise FileNotFoundError("no measured sparsity: experiments/results/quality_parity.json is missing "
-                                        "runs.dsv.blocks[i].theta_sparsity_ema")
+                raise FileNotFoundError(
+                    "no measured sparsity: experiments/results/quality_parity.json is missing "
+                    "runs.dsv.blocks[i].theta_sparsity_ema"
+                )
             # every head of every block at `sparsity`, through the trainer's controller: the plans and inputs
             # are exactly what training runs
             cfg = self.cfg
@@ -248,22 +330,35 @@ class Bench:
             decision = ctl.decide(np.full(self.cfg.model.heads, 1.0 - sparsity), 0.0)
             top_k = plans[0].top_k(n_blocks)
             counts = np.asarray(head_counts(inputs["keep"], n_blocks, top_k))
-            out.update(attention=plans, inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
-                       kept=float(counts.mean()) / n_blocks, sparsity=float(sparsity), top_k=top_k,
-                       keep_rung=plans[0].keep, predictor_lr=float(inputs["predictor_lr"]),
-                       predictor_queries=plans[0].max_queries if plans[0].predictor else 0,
-                       predictor_every=cfg.dsv.stage2_predictor_every,
-                       controller_decision=("dense" if decision == 0 else f"sparse keep<={decision:g}") +
-                       f" (dsv.threshold {self.cfg.dsv.threshold})")
+            out.update(
+                attention=plans,
+                inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
+                kept=float(counts.mean()) / n_blocks,
+                sparsity=float(sparsity),
+                top_k=top_k,
+                keep_rung=plans[0].keep,
+                predictor_lr=float(inputs["predictor_lr"]),
+                predictor_queries=plans[0].max_queries if plans[0].predictor else 0,
+                predictor_every=cfg.dsv.stage2_predictor_every,
+                controller_decision=("dense" if decision == 0 else f"sparse keep<={decision:g}")
+                + f" (dsv.threshold {self.cfg.dsv.threshold})",
+            )
         self.setups[key] = out
         return out
 
     def entry(self, length, attn, impl, must):
         shape = self.setup["lengths"][length]
-        return {"id": f"{length}/{attn}/{impl}", "length": length, "latents": [*shape, self.cfg.model.in_channels],
-                "tokens": self.layout(length).n_real, "padded_tokens": self.layout(length).seq_len,
-                "attention": attn, "adaln": impl, "must": must,
-                "status": "planned"}
+        return {
+            "id": f"{length}/{attn}/{impl}",
+            "length": length,
+            "latents": [*shape, self.cfg.model.in_channels],
+            "tokens": self.layout(length).n_real,
+            "padded_tokens": self.layout(length).seq_len,
+            "attention": attn,
+            "adaln": impl,
+            "must": must,
+            "status": "planned",
+        }
 
     def ensure_state(self) -> None:
         """The one train state; re-created if a failed step consumed its donated buffers."""
@@ -335,8 +430,10 @@ class Bench:
                 self.programs[key] = {"error": "compile: " + error_text(e)}
                 log(f"compiling {key} failed: {self.programs[key]['error'][:300]}")
         if futures:
-            log(f"compiled {len(futures)} programs: " +
-                ", ".join(f"{k} {self.programs[k].get('compile_s', float('nan')):.1f}s" for k in futures))
+            log(
+                f"compiled {len(futures)} programs: "
+                + ", ".join(f"{k} {self.programs[k].get('compile_s', float('nan')):.1f}s" for k in futures)
+            )
 
     # -- correctness check ------------------------------------------------------------------------------
     def check_program(self, attentions: dict):
@@ -372,24 +469,32 @@ class Bench:
             return
         log(f"correctness check at {length} ({layout.seq_len} tokens)")
         dsv = self.attention_setup(length, "dsv0.9")
-        keep1 = AttentionPlan(mode="dsv", backend=self.cfg.dsv.dense_backend, sparse=True, keep=1.0,
-                              kv_block=self.cfg.dsv.kv_block)
-        attentions = {"full": "auto", "dsv_keep1": keep1,
-                      "dsv0.9": tuple(dataclasses.replace(p, predictor=False) for p in dsv["attention"])}
+        keep1 = AttentionPlan(
+            mode="dsv", backend=self.cfg.dsv.dense_backend, sparse=True, keep=1.0, kv_block=self.cfg.dsv.kv_block
+        )
+        attentions = {
+            "full": "auto",
+            "dsv_keep1": keep1,
+            "dsv0.9": tuple(dataclasses.replace(p, predictor=False) for p in dsv["attention"]),
+        }
         inputs = {"full": None, "dsv_keep1": None, "dsv0.9": {"keep": dsv["inputs"]["keep"]}}
         self.ensure_state()
         key = jax.random.key(7)
-        jobs = [(full_id, lambda: self.lower_step(self.entry(length, "full", "pallas", True))),
-                ("check/forward", lambda: self.check_program(attentions).lower(self.state.params, batch, key, inputs)),
-                (dsv_id, lambda: self.lower_step(self.entry(length, "dsv0.9", "pallas", True)))]
+        jobs = [
+            (full_id, lambda: self.lower_step(self.entry(length, "full", "pallas", True))),
+            ("check/forward", lambda: self.check_program(attentions).lower(self.state.params, batch, key, inputs)),
+            (dsv_id, lambda: self.lower_step(self.entry(length, "dsv0.9", "pallas", True))),
+        ]
         self.compile_wave(jobs)
         out = {"status": "error", "length": length, "tokens": layout.seq_len, "tolerance": CHECK_TOL}
         try:
             prog = self.programs.pop("check/forward")
             if "error" in prog:
                 raise RuntimeError(f"check/forward: {prog['error']}")
-            res = {n: (float(loss), np.asarray(pred))
-                   for n, (loss, pred) in prog["exe"](self.state.params, batch, key, inputs).items()}
+            res = {
+                n: (float(loss), np.asarray(pred))
+                for n, (loss, pred) in prog["exe"](self.state.params, batch, key, inputs).items()
+            }
             ref_loss, ref = res["full"]
             out.update({f"loss_{n}": v[0] for n, v in res.items()})
             out["loss_rel_diff_keep1"] = abs(res["dsv_keep1"][0] - ref_loss) / abs(ref_loss)
@@ -399,8 +504,9 @@ class Bench:
                 prog = self.programs.get(vid, {})
                 if "exe" not in prog:
                     raise RuntimeError(f"{vid}: {prog.get('error', 'not compiled')}")
-                args = (batch, self.lr) + ((self.attention_setup(length, vid.split("/")[1])["inputs"],)
-                                           if "dsv" in vid else ())
+                args = (batch, self.lr) + (
+                    (self.attention_setup(length, vid.split("/")[1])["inputs"],) if "dsv" in vid else ()
+                )
                 self.state, m = prog["exe"](self.state, *args)
                 m = jax.device_get(m)
                 out[f"train_loss_{vid.split('/')[1]}"] = float(m["loss"])
@@ -408,8 +514,11 @@ class Bench:
                 if "dsv/predictor_loss" in m:
                     out["predictor_loss_finite"] = bool(np.all(np.isfinite(m["dsv/predictor_loss"])))
             finite = all(v for k, v in out.items() if "finite" in k) and all(np.isfinite(v[0]) for v in res.values())
-            out["passed"] = bool(finite and out["loss_rel_diff_keep1"] <= CHECK_TOL["loss"]
-                                 and out["output_rel_err_keep1"] <= CHECK_TOL["output"])
+            out["passed"] = bool(
+                finite
+                and out["loss_rel_diff_keep1"] <= CHECK_TOL["loss"]
+                and out["output_rel_err_keep1"] <= CHECK_TOL["output"]
+            )
             out["status"] = "ok"
         except Exception as e:
             out["error"] = error_text(e)
@@ -439,8 +548,9 @@ class Bench:
                 add(f"attn_f/{name}", fn, *qkv[:3])
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
             elif st["mode"] == "window":
-                fn = lambda q, k, v, frac=st["window"]: attention(q, k, v, backend="window", grid=layout.grid,
-                                                                  tile=layout.tile, fraction=frac)
+                fn = lambda q, k, v, frac=st["window"]: attention(
+                    q, k, v, backend="window", grid=layout.grid, tile=layout.tile, fraction=frac
+                )
                 add(f"attn_f/{name}", fn, *qkv[:3])
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
             else:
@@ -453,17 +563,23 @@ class Bench:
                 if queries and f"pred_fb/q{queries}" not in [j[0].split("/comp/")[1] for j in jobs]:
                     pred_loss = self.predictor_loss_fn(layout, args["pred_graphdef"], queries)
                     add(f"pred_f/q{queries}", pred_loss, args["pred_params"], args["x"], *qkv[:2])
-                    add(f"pred_fb/q{queries}", jax.value_and_grad(pred_loss), args["pred_params"], args["x"],
-                        *qkv[:2])
+                    add(f"pred_fb/q{queries}", jax.value_and_grad(pred_loss), args["pred_params"], args["x"], *qkv[:2])
                 kv_block = cfg.dsv.kv_block or layout.tile_size
                 sel = lambda q_lr, k_lr, keep, top_k=st["top_k"]: select_kv(
-                    q_lr, k_lr, top_k, keep, q_tile=layout.tile_size, kv_block=kv_block,
-                    block_reduce=cfg.dsv.block_reduce)
+                    q_lr,
+                    k_lr,
+                    top_k,
+                    keep,
+                    q_tile=layout.tile_size,
+                    kv_block=kv_block,
+                    block_reduce=cfg.dsv.block_reduce,
+                )
                 keep = st["inputs"]["keep"][0]
                 add(f"sel/{name}", sel, args["q_lr"], args["k_lr"], keep)
                 idx = jax.eval_shape(sel, args["q_lr"], args["k_lr"], keep)
-                fn = lambda q, k, v, i, c: attention(q, k, v, backend="dsv", kv_index=i, kv_count=c,
-                                                     q_tile=layout.tile_size, kv_block=kv_block)
+                fn = lambda q, k, v, i, c: attention(
+                    q, k, v, backend="dsv", kv_index=i, kv_count=c, q_tile=layout.tile_size, kv_block=kv_block
+                )
                 add(f"attn_f/{name}", fn, *qkv[:3], *idx)
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv[:3], *idx, qkv[3])
         impls = {e["adaln"] for e in chosen if e["attention"] == "full"}
@@ -488,7 +604,7 @@ class Bench:
 
         def pred_loss(params, x, q, k):
             q_lr, k_lr = nnx.merge(graphdef, params)(jax.lax.stop_gradient(x), rope)
-            z = true_logits(q, k, positions, layout.valid, m.head_dim ** -0.5)
+            z = true_logits(q, k, positions, layout.valid, m.head_dim**-0.5)
             return predictor_loss(q_lr, k_lr, z, positions, layout.valid, center=cfg.dsv.center_logits)
 
         return pred_loss
@@ -527,8 +643,9 @@ class Bench:
                     continue
                 if kind == "sel":
                     selections[variant] = out
-                comps[name] = harness.time_fn(prog["exe"], *args, warmup=0,
-                                              iters=int(min(10, max(3, 0.5 // max(once, 1e-6)))))
+                comps[name] = harness.time_fn(
+                    prog["exe"], *args, warmup=0, iters=int(min(10, max(3, 0.5 // max(once, 1e-6))))
+                )
                 comps[name]["compile_s"] = prog["compile_s"]
             except Exception as e:
                 comps[name] = {"error": error_text(e)}
@@ -547,14 +664,19 @@ class Bench:
         e.update({k: v for k, v in st.items() if k not in ("attention", "inputs", "mode")})
         mem = prog["exe"].memory_analysis()
         if mem is not None:
-            need = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                    + mem.temp_size_in_bytes)
-            e["memory"] = {"compiled_peak_gib": need / 2**30, "temp_gib": mem.temp_size_in_bytes / 2**30,
-                           "argument_gib": mem.argument_size_in_bytes / 2**30}
+            need = (
+                mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+            )
+            e["memory"] = {
+                "compiled_peak_gib": need / 2**30,
+                "temp_gib": mem.temp_size_in_bytes / 2**30,
+                "argument_gib": mem.argument_size_in_bytes / 2**30,
+            }
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
             if limit and need > limit:
-                return self.skip(e, f"memory: compiled peak {need / 2**30:.1f} GiB "
-                                    f"> device limit {limit / 2**30:.1f} GiB")
+                return self.skip(
+                    e, f"memory: compiled peak {need / 2**30:.1f} GiB > device limit {limit / 2**30:.1f} GiB"
+                )
         est = self.est_step(e)
         if self.left() < 2 * est:
             return self.skip(e, f"budget: a warm-up and one step need ~{2 * est:.0f} s, {self.left():.0f} s left")
@@ -565,9 +687,16 @@ class Bench:
             self.state, warm = run_steps(prog["exe"], self.state, args, 1)
             n = max(0, min(self.args.steps, int((self.left() - 0.3 * warm.median_s) // warm.median_s)))
             self.state, timed = run_steps(prog["exe"], self.state, args, n)
-            e.update(status="ok", warmup_s=warm.median_s, step_times_s=timed.times_s, losses=warm.losses + timed.losses,
-                     finite=warm.finite and timed.finite, compiles_warmup=warm.compiles, compiles_timed=timed.compiles,
-                     timed_steps=n)
+            e.update(
+                status="ok",
+                warmup_s=warm.median_s,
+                step_times_s=timed.times_s,
+                losses=warm.losses + timed.losses,
+                finite=warm.finite and timed.finite,
+                compiles_warmup=warm.compiles,
+                compiles_timed=timed.compiles,
+                timed_steps=n,
+            )
             m = timed.metrics if n else warm.metrics
             if "dsv/predictor_loss" in m:
                 e["predictor_loss"] = float(np.mean(np.asarray(m["dsv/predictor_loss"])))
@@ -575,16 +704,25 @@ class Bench:
                 e["note"] = f"only {n} timed steps fit the budget" + ("; the warm-up step is reported" if not n else "")
             times = timed.times_s or warm.times_s
             step = statistics.median(times)
-            e["step_ms"] = {"median": 1e3 * step, "min": 1e3 * min(times), "max": 1e3 * max(times),
-                            "spread_pct": 100 * (max(times) - min(times)) / step if n else None}
+            e["step_ms"] = {
+                "median": 1e3 * step,
+                "min": 1e3 * min(times),
+                "max": 1e3 * max(times),
+                "spread_pct": 100 * (max(times) - min(times)) / step if n else None,
+            }
             self.calibration.append(step / self.est_step(e, raw=True))
             stats = jax.devices()[0].memory_stats() or {}
             e.setdefault("memory", {})["device_peak_gib_so_far"] = stats.get("peak_bytes_in_use", 0) / 2**30
-            log(f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm.median_s:.1f} ms), loss "
-                f"{e['losses'][-1]:.4f}, compiles during timing {timed.compiles}")
+            log(
+                f"  {e['id']}: {1e3 * step:.1f} ms/step (warm-up {1e3 * warm.median_s:.1f} ms), loss "
+                f"{e['losses'][-1]:.4f}, compiles during timing {timed.compiles}"
+            )
             profile = self.args.profile
-            if profile is not None and (not profile or e["id"].startswith(tuple(profile.split(",")))) \
-                    and self.left() > 3 * step:
+            if (
+                profile is not None
+                and (not profile or e["id"].startswith(tuple(profile.split(","))))
+                and self.left() > 3 * step
+            ):
                 self.profile_step(e, prog["exe"], args)
         except Exception as ex:
             e.update(status="error", error=error_text(ex))
@@ -593,6 +731,7 @@ class Bench:
     def profile_step(self, e, exe, args) -> None:
         """One more step under jax's profiler: its device time per op and per source function (e["profile"]).
         A profiler failure is recorded there and leaves the variant's timing as it was."""
+
         def one_step():
             self.state, _ = run_steps(exe, self.state, args, 1)
 
@@ -644,15 +783,22 @@ class Bench:
         log(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; budget {self.args.budget_s:.0f} s")
         self.ensure_state()
         n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
-        self.model_info = {"preset": self.cfg.name, "params": int(n_params), "depth": self.cfg.model.depth,
-                           "hidden": self.cfg.model.hidden, "heads": self.cfg.model.heads,
-                           "head_dim": self.cfg.model.head_dim, "compute_dtype": "bfloat16" if harness.on_gpu() else
-                           "float32", "remat": self.cfg.model.remat,
-                           "remat_keep_attention": self.cfg.model.remat_keep_attention,
-                           "scan_layers": self.cfg.model.scan_layers,
-                           "patch": self.cfg.model.patch, "tile": self.cfg.model.tile,
-                           "text_len": self.cfg.text.max_len,
-                           "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30}
+        self.model_info = {
+            "preset": self.cfg.name,
+            "params": int(n_params),
+            "depth": self.cfg.model.depth,
+            "hidden": self.cfg.model.hidden,
+            "heads": self.cfg.model.heads,
+            "head_dim": self.cfg.model.head_dim,
+            "compute_dtype": "bfloat16" if harness.on_gpu() else "float32",
+            "remat": self.cfg.model.remat,
+            "remat_keep_attention": self.cfg.model.remat_keep_attention,
+            "scan_layers": self.cfg.model.scan_layers,
+            "patch": self.cfg.model.patch,
+            "tile": self.cfg.model.tile,
+            "text_len": self.cfg.text.max_len,
+            "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30,
+        }
         log(f"train state: {n_params / 1e9:.2f}B params, {self.model_info['state_gib']:.1f} GiB")
         if not self.args.only:
             self.run_check()
@@ -712,8 +858,11 @@ class Bench:
 
         for s in ("dsv0.9", "dsv0.95"):
             d = f"64k/{s}/{self.main}"
-            for base, target in (("full", GOALS["dsv_vs_full_64k"]), ("wa-m", GOALS["dsv_vs_window_64k"]),
-                                 ("wa-l", GOALS["dsv_vs_window_64k"])):
+            for base, target in (
+                ("full", GOALS["dsv_vs_full_64k"]),
+                ("wa-m", GOALS["dsv_vs_window_64k"]),
+                ("wa-l", GOALS["dsv_vs_window_64k"]),
+            ):
                 b = f"64k/{base}/{self.main}"
                 r = ratio(d, b)
                 if r is not None:
@@ -723,8 +872,11 @@ class Bench:
         for a in ("full", "dsv0.9"):
             r = ratio(f"16k/{a}/pallas", f"16k/{a}/xla")
             if r is not None:
-                g = out[f"fused_adaln_16k_{a}"] = {"target": GOALS["fused_adaln_16k"], "speedup": r,
-                                                    "met": r >= GOALS["fused_adaln_16k"]}
+                g = out[f"fused_adaln_16k_{a}"] = {
+                    "target": GOALS["fused_adaln_16k"],
+                    "speedup": r,
+                    "met": r >= GOALS["fused_adaln_16k"],
+                }
                 if not g["met"]:
                     g["bottleneck"] = self.adaln_bottleneck(ok[f"16k/{a}/xla"], ok[f"16k/{a}/pallas"])
         for length in ("64k", "128k"):  # a run's mean stage-2 step: one predictor step in `every`
@@ -735,14 +887,20 @@ class Bench:
                     cycle = (ok[d]["step_ms"]["median"] + (every - 1) * ok[skip]["step_ms"]["median"]) / every
                     speedup = ok[b]["step_ms"]["median"] / cycle
                     g = out[f"{s}_cycle_vs_full_{length}"] = {
-                        "predictor_every": every, "cycle_step_ms": cycle, "speedup": speedup,
-                        "note": f"mean stage-2 step of ({s} + {every - 1} x {s}-skip) / {every} vs full"}
+                        "predictor_every": every,
+                        "cycle_step_ms": cycle,
+                        "speedup": speedup,
+                        "note": f"mean stage-2 step of ({s} + {every - 1} x {s}-skip) / {every} vs full",
+                    }
                     if (length, s) in CYCLE_GOALS:
                         g.update(target=CYCLE_GOALS[length, s], met=speedup >= CYCLE_GOALS[length, s])
         timed = {k: e["compiles_timed"] for k, e in ok.items()}
         if timed:
-            out["no_recompilation"] = {"target": 0, "compiles_during_timed_steps": timed,
-                                       "met": all(v == 0 for v in timed.values())}
+            out["no_recompilation"] = {
+                "target": 0,
+                "compiles_during_timed_steps": timed,
+                "met": all(v == 0 for v in timed.values()),
+            }
         return out
 
     @staticmethod
@@ -750,17 +908,24 @@ class Bench:
         """Where the DSV step's time goes, against the baseline it should beat."""
         s = fast.get("split", {})
         parts = {k: s[k] for k in ("attention_ms", "predictor_ms", "selection_ms", "rest_ms") if k in s}
-        out = {"dsv_split_ms": parts, "dsv_step_ms": fast["step_ms"]["median"],
-               "baseline_step_ms": slow["step_ms"]["median"], "baseline_split_ms": {
-                   k: slow["split"][k] for k in ("attention_ms", "rest_ms") if k in slow.get("split", {})}}
+        out = {
+            "dsv_split_ms": parts,
+            "dsv_step_ms": fast["step_ms"]["median"],
+            "baseline_step_ms": slow["step_ms"]["median"],
+            "baseline_split_ms": {
+                k: slow["split"][k] for k in ("attention_ms", "rest_ms") if k in slow.get("split", {})
+            },
+        }
         if "rest_ms" in parts:
             top = max(parts, key=parts.get)
             out["largest"] = top[:-3]
             out["speedup_bound_if_attention_free"] = slow["step_ms"]["median"] / parts["rest_ms"]
-            share = parts[top] / fast['step_ms']['median']
-            out["note"] = (f"{top[:-3]} is {share:.0%} of the DSV step; with attention, "
-                           f"predictor and selection free, the DSV step could be at most "
-                           f"{out['speedup_bound_if_attention_free']:.2f}x faster than this baseline")
+            share = parts[top] / fast["step_ms"]["median"]
+            out["note"] = (
+                f"{top[:-3]} is {share:.0%} of the DSV step; with attention, "
+                f"predictor and selection free, the DSV step could be at most "
+                f"{out['speedup_bound_if_attention_free']:.2f}x faster than this baseline"
+            )
         else:
             out["note"] = "split not measured (budget)"
         return out
@@ -768,14 +933,20 @@ class Bench:
     @staticmethod
     def adaln_bottleneck(xla, fused) -> dict:
         a, b = xla.get("split", {}).get("adaln_ms"), fused.get("split", {}).get("adaln_ms")
-        out = {"xla_step_ms": xla["step_ms"]["median"], "fused_step_ms": fused["step_ms"]["median"],
-               "adaln_ms_xla": a, "adaln_ms_fused": b}
+        out = {
+            "xla_step_ms": xla["step_ms"]["median"],
+            "fused_step_ms": fused["step_ms"]["median"],
+            "adaln_ms_xla": a,
+            "adaln_ms_fused": b,
+        }
         if a is not None and b is not None:
             out["adaln_share_xla"] = a / xla["step_ms"]["median"]
             out["max_gain_from_adaln"] = (a - b) / xla["step_ms"]["median"]
-            out["note"] = (f"AdaLN (XLA) is {out['adaln_share_xla']:.1%} of the step; the fused kernel saves "
-                           f"{a - b:.1f} ms = {out['max_gain_from_adaln']:.1%} of it, so the step is bound by the rest "
-                           "(matmuls, attention)")
+            out["note"] = (
+                f"AdaLN (XLA) is {out['adaln_share_xla']:.1%} of the step; the fused kernel saves "
+                f"{a - b:.1f} ms = {out['max_gain_from_adaln']:.1%} of it, so the step is bound by the rest "
+                "(matmuls, attention)"
+            )
         return out
 
     def save(self) -> None:
@@ -783,15 +954,25 @@ class Bench:
             if e["status"] == "ok":
                 self.derive(e)
         payload = {
-            "quick": self.args.quick, "budget_s": self.args.budget_s, "steps": self.args.steps,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "overrides": self.args.set,
-            "compile_workers": self.args.compile_workers, "model": getattr(self, "model_info", {}),
-            "batch": 1, "lengths": {k: {"latents": [*v, self.cfg.model.in_channels], "tokens": self.layout(k).seq_len}
-                                    for k, v in self.setup["lengths"].items()},
-            "flops_formula": FLOPS_FORMULA, "peak_tflops": {"spec": self.peak and self.peak / 1e12,
-                                                            "measured_matmul": harness.H200_BF16_TFLOPS},
-            "check": self.check, "measured_sparsity": self.measured, "goals": self.goals(),
-            "variants": self.entries, "components_ms": self.components,
+            "quick": self.args.quick,
+            "budget_s": self.args.budget_s,
+            "steps": self.args.steps,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "overrides": self.args.set,
+            "compile_workers": self.args.compile_workers,
+            "model": getattr(self, "model_info", {}),
+            "batch": 1,
+            "lengths": {
+                k: {"latents": [*v, self.cfg.model.in_channels], "tokens": self.layout(k).seq_len}
+                for k, v in self.setup["lengths"].items()
+            },
+            "flops_formula": FLOPS_FORMULA,
+            "peak_tflops": {"spec": self.peak and self.peak / 1e12, "measured_matmul": harness.H200_BF16_TFLOPS},
+            "check": self.check,
+            "measured_sparsity": self.measured,
+            "goals": self.goals(),
+            "variants": self.entries,
+            "components_ms": self.components,
             "skipped": [{"id": e["id"], "reason": e.get("reason")} for e in self.entries if e["status"] == "skipped"],
             "wall_s": time.time() - STARTED,
         }
@@ -804,15 +985,38 @@ class Bench:
             r = {"variant": e["id"], "status": e["status"]}
             if e["status"] == "ok":
                 b = base.get((e["length"], e["adaln"])) or base.get((e["length"], self.main))
-                r.update(tokens=e["tokens"], compile_s=e["compile_s"], step_ms=e["step_ms"]["median"],
-                         spread=e["step_ms"]["spread_pct"], tok_s=e["tokens_per_s"],
-                         vs_full=e["tokens_per_s"] / b["tokens_per_s"] if b else "",
-                         mfu_model=e["mfu_model"], mfu_work=e["mfu_work"],
-                         mem_gib=e.get("memory", {}).get("compiled_peak_gib", ""),
-                         attn=e.get("attention_share", ""), compiles=e["compiles_timed"])
+                r.update(
+                    tokens=e["tokens"],
+                    compile_s=e["compile_s"],
+                    step_ms=e["step_ms"]["median"],
+                    spread=e["step_ms"]["spread_pct"],
+                    tok_s=e["tokens_per_s"],
+                    vs_full=e["tokens_per_s"] / b["tokens_per_s"] if b else "",
+                    mfu_model=e["mfu_model"],
+                    mfu_work=e["mfu_work"],
+                    mem_gib=e.get("memory", {}).get("compiled_peak_gib", ""),
+                    attn=e.get("attention_share", ""),
+                    compiles=e["compiles_timed"],
+                )
             rows.append(r)
-        harness.print_table(rows, ["variant", "status", "tokens", "compile_s", "step_ms", "spread", "tok_s", "vs_full",
-                                   "mfu_model", "mfu_work", "mem_gib", "attn", "compiles"])
+        harness.print_table(
+            rows,
+            [
+                "variant",
+                "status",
+                "tokens",
+                "compile_s",
+                "step_ms",
+                "spread",
+                "tok_s",
+                "vs_full",
+                "mfu_model",
+                "mfu_work",
+                "mem_gib",
+                "attn",
+                "compiles",
+            ],
+        )
         for name, g in self.goals().items():
             line = {k: v for k, v in g.items() if k != "bottleneck"}
             print(f"goal {name}: {json.dumps(line, default=str)}")
@@ -827,20 +1031,40 @@ def main():
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (interpret mode), every code path")
-    p.add_argument("--budget-s", type=float, default=None, help="hard wall budget from process start "
-                   "(default 380 on the GPU, 170 with --quick); what does not fit is skipped and recorded")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="hard wall budget from process start "
+        "(default 380 on the GPU, 170 with --quick); what does not fit is skipped and recorded",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant after one warm-up")
-    p.add_argument("--profile", nargs="?", const="", default=None, metavar="PREFIXES",
-                   help="after the timed steps, one more step under jax's profiler (every variant, or those whose id "
-                        "starts with one of the comma-separated PREFIXES): device time per op and per source "
-                        "function in the results")
-    p.add_argument("--compile-workers", type=int, default=None,
-                   help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PREFIXES",
+        help="after the timed steps, one more step under jax's profiler (every variant, or those whose id "
+        "starts with one of the comma-separated PREFIXES): device time per op and per source "
+        "function in the results",
+    )
+    p.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)",
+    )
     p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")
     p.add_argument("--preset", default="", help="model preset (default 2.7b on the GPU), e.g. 2.7b-mmdit")
     p.add_argument("--name", default="bench_e2e", help="results file experiments/results/NAME.json")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every variant (e.g. model.remat_keep_attention=true); repeatable")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every variant (e.g. model.remat_keep_attention=true); repeatable",
+    )
     args = p.parse_args()
     if args.profile is not None and not args.quick:
         # XLA runs a GPU step's kernels as CUDA graphs ("command buffers"), which the profiler reports as a

@@ -35,9 +35,10 @@ from dsv_jax.attention.rope import apply_rope, axis_dims, full_width_table, rota
 from dsv_jax.model.tokens import token_layout
 from experiments import harness
 
-SIZES = {"gpu": {"grids": {"64k": (64, 32, 32), "128k": (128, 32, 32)}, "heads": 16, "head_dim": 128,
-                 "copy_bytes": 2 << 30},
-         "quick": {"grids": {"512": (8, 8, 8)}, "heads": 2, "head_dim": 24, "copy_bytes": 16 << 20}}
+SIZES = {
+    "gpu": {"grids": {"64k": (64, 32, 32), "128k": (128, 32, 32)}, "heads": 16, "head_dim": 128, "copy_bytes": 2 << 30},
+    "quick": {"grids": {"512": (8, 8, 8)}, "heads": 2, "head_dim": 24, "copy_bytes": 16 << 20},
+}
 
 
 def autodiff_parts(x, rope):
@@ -46,9 +47,9 @@ def autodiff_parts(x, rope):
     xf = x.astype(jnp.float32)
     out, start_x, start_a = [], 0, 0
     for dim in axis_dims(x.shape[-1]):
-        part = xf[..., start_x:start_x + dim]
-        c, s = cos[..., start_a:start_a + dim // 2], sin[..., start_a:start_a + dim // 2]
-        a, b = part[..., : dim // 2], part[..., dim // 2:]
+        part = xf[..., start_x : start_x + dim]
+        c, s = cos[..., start_a : start_a + dim // 2], sin[..., start_a : start_a + dim // 2]
+        a, b = part[..., : dim // 2], part[..., dim // 2 :]
         out += [a * c - b * s, a * s + b * c]
         start_x += dim
         start_a += dim // 2
@@ -104,15 +105,26 @@ def bench_length(name, grid, heads, head_dim, copy_tbps):
         assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - out[0].astype(jnp.float32)))) == 0.0
         if reference is None:
             reference = out
-        errors = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                  for a, b in zip(out, reference)]
+        errors = [
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(out, reference)
+        ]
         t_fwd = harness.time_fn(fwd, x)
         t_both = harness.time_fn(both, x, g)
-        rows.append({"length": name, "tokens": s, "variant": variant, "max_abs_diff_fwd": errors[0],
-                     "max_abs_diff_dx": errors[1], "fwd_ms": t_fwd["median_ms"], "fwd_spread_pct": t_fwd["spread_pct"],
-                     "fwd_bwd_ms": t_both["median_ms"], "fwd_bwd_spread_pct": t_both["spread_pct"],
-                     "fwd_pct_of_copy": 100 * 2 * nbytes / (t_fwd["median_ms"] * 1e-3) / 1e12 / copy_tbps,
-                     "fwd_bwd_pct_of_copy": 100 * 4 * nbytes / (t_both["median_ms"] * 1e-3) / 1e12 / copy_tbps})
+        rows.append(
+            {
+                "length": name,
+                "tokens": s,
+                "variant": variant,
+                "max_abs_diff_fwd": errors[0],
+                "max_abs_diff_dx": errors[1],
+                "fwd_ms": t_fwd["median_ms"],
+                "fwd_spread_pct": t_fwd["spread_pct"],
+                "fwd_bwd_ms": t_both["median_ms"],
+                "fwd_bwd_spread_pct": t_both["spread_pct"],
+                "fwd_pct_of_copy": 100 * 2 * nbytes / (t_fwd["median_ms"] * 1e-3) / 1e12 / copy_tbps,
+                "fwd_bwd_pct_of_copy": 100 * 4 * nbytes / (t_both["median_ms"] * 1e-3) / 1e12 / copy_tbps,
+            }
+        )
     base = rows[0]
     for r in rows:
         r["fwd_bwd_speedup"] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"]
@@ -131,11 +143,32 @@ def main():
     rows = []
     for name, grid in z["grids"].items():
         rows += bench_length(name, grid, z["heads"], z["head_dim"], copy_tbps)
-    harness.print_table(rows, ["length", "variant", "fwd_ms", "fwd_bwd_ms", "fwd_pct_of_copy", "fwd_bwd_pct_of_copy",
-                               "fwd_bwd_speedup", "max_abs_diff_fwd", "max_abs_diff_dx"])
-    harness.write_results("bench_rope" + ("_quick" if args.quick else ""),
-                          {"dtype": "bfloat16", "batch": 1, "heads": z["heads"], "head_dim": z["head_dim"],
-                           "copy_tbps": copy_tbps, "rows": rows, "wall_s": time.perf_counter() - t0})
+    harness.print_table(
+        rows,
+        [
+            "length",
+            "variant",
+            "fwd_ms",
+            "fwd_bwd_ms",
+            "fwd_pct_of_copy",
+            "fwd_bwd_pct_of_copy",
+            "fwd_bwd_speedup",
+            "max_abs_diff_fwd",
+            "max_abs_diff_dx",
+        ],
+    )
+    harness.write_results(
+        "bench_rope" + ("_quick" if args.quick else ""),
+        {
+            "dtype": "bfloat16",
+            "batch": 1,
+            "heads": z["heads"],
+            "head_dim": z["head_dim"],
+            "copy_tbps": copy_tbps,
+            "rows": rows,
+            "wall_s": time.perf_counter() - t0,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -49,15 +49,51 @@ from pallas_kernels.sparse_attention_triton import LaunchConfig, prepare_index, 
 from pallas_kernels.sparse_index import dkdv_worklist
 from pallas_kernels.tuning import for_device, generation
 
-FULL = dict(sizes=[16384, 65536, 131072, 32768], sparsities=[0.8, 0.9, 0.95, 0.98], kv_blocks=[64, 1],
-            select_sparsities=[0.9, 0.95], heads=16, head_dim=128, q_tile=64, rank=16, token_group=16,
-            full_check_max=16384, iters=3, budget_s=235.0, mosaic_timeout_s=60, sweep_seq=32768,
-            padded_grid=(21, 30, 52), padded_check_grid=(5, 30, 52), tile=(4, 4, 4), lse_sizes=[16384, 65536],
-            extra_sparsity=0.9, extra_iters=10, extra_budget_s=180.0)
-QUICK = dict(sizes=[256], sparsities=[0.75], kv_blocks=[32, 1], select_sparsities=[0.75], heads=2,
-             head_dim=64, q_tile=64, rank=16, token_group=16, full_check_max=256, iters=1, budget_s=120.0,
-             sweep_seq=256, padded_grid=(5, 7, 9), padded_check_grid=(3, 7, 9), tile=(2, 4, 8), lse_sizes=[256],
-             extra_sparsity=0.75, extra_iters=1, extra_budget_s=900.0)
+FULL = dict(
+    sizes=[16384, 65536, 131072, 32768],
+    sparsities=[0.8, 0.9, 0.95, 0.98],
+    kv_blocks=[64, 1],
+    select_sparsities=[0.9, 0.95],
+    heads=16,
+    head_dim=128,
+    q_tile=64,
+    rank=16,
+    token_group=16,
+    full_check_max=16384,
+    iters=3,
+    budget_s=235.0,
+    mosaic_timeout_s=60,
+    sweep_seq=32768,
+    padded_grid=(21, 30, 52),
+    padded_check_grid=(5, 30, 52),
+    tile=(4, 4, 4),
+    lse_sizes=[16384, 65536],
+    extra_sparsity=0.9,
+    extra_iters=10,
+    extra_budget_s=180.0,
+)
+QUICK = dict(
+    sizes=[256],
+    sparsities=[0.75],
+    kv_blocks=[32, 1],
+    select_sparsities=[0.75],
+    heads=2,
+    head_dim=64,
+    q_tile=64,
+    rank=16,
+    token_group=16,
+    full_check_max=256,
+    iters=1,
+    budget_s=120.0,
+    sweep_seq=256,
+    padded_grid=(5, 7, 9),
+    padded_check_grid=(3, 7, 9),
+    tile=(2, 4, 8),
+    lse_sizes=[256],
+    extra_sparsity=0.75,
+    extra_iters=1,
+    extra_budget_s=900.0,
+)
 SECTIONS = ("main", "padded", "lse")
 HEADLINE = (65536, 64)  # (S, kv_block) of the goals
 LOCAL_SHARE = 0.2  # of a selection: the blocks around the query tile (about the +-1% band of earlier runs at 90%)
@@ -78,8 +114,9 @@ def random_selection(key, *, seq, heads, q_tile, group, keep):
     count [1, H, T]) with K = the largest count."""
     k_heads, k_blocks = jax.random.split(key)
     head_keep = keep * jax.random.permutation(k_heads, jnp.linspace(0.6, 1.4, heads))
-    return harness.random_selection(k_blocks, seq=seq, heads=heads, q_tile=q_tile, kv_block=group, keep=head_keep,
-                                    local_share=LOCAL_SHARE)
+    return harness.random_selection(
+        k_blocks, seq=seq, heads=heads, q_tile=q_tile, kv_block=group, keep=head_keep, local_share=LOCAL_SHARE
+    )
 
 
 def to_tokens(index, count, group):
@@ -111,8 +148,16 @@ def lowrank_inputs(key, seq, heads, rank):
 def sparse_fns(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False):
     """Compiled-to-be fwd(q, k, v, index, count) and fwd_bwd(..., do): the Pallas path, optionally masking
     padded keys (kv_valid, a constant of the call) and returning lse (then fwd_bwd takes (do, dlse))."""
-    attend = functools.partial(sparse_attention_pallas, q_tile=q_tile, kv_block=kv_block, sm_scale=None,
-                               tuning=tuning, interpret=interpret, kv_valid=kv_valid, return_lse=with_lse)
+    attend = functools.partial(
+        sparse_attention_pallas,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=None,
+        tuning=tuning,
+        interpret=interpret,
+        kv_valid=kv_valid,
+        return_lse=with_lse,
+    )
 
     def fwd(q, k, v, index, count):
         return attend(q, k, v, index, count, sm_scale=q.shape[-1] ** -0.5)
@@ -129,8 +174,9 @@ def dense_fns(implementation):
 
 def time_worklist(index, count, q_tile, kv_block, tuning, seq, head_dim):
     """The dK/dV work list alone (part of the backward): how much of the backward the index transpose costs."""
-    launch = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0,
-                          tuning=tuning, interpret=True)
+    launch = LaunchConfig(
+        q_tile=q_tile, kv_block=kv_block, seq_len=seq, head_dim=head_dim, sm_scale=1.0, tuning=tuning, interpret=True
+    )
 
     def build(index, count):
         index, count = prepare_index(index, count, launch, seq)
@@ -160,7 +206,7 @@ def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block, kv_valid=N
     kh, vh = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [H, S, D]
     ks = jax.vmap(lambda kk, r: kk[r])(kh, key_rows).astype(jnp.float32)  # [H, n, R, D]
     vs = jax.vmap(lambda vv, r: vv[r])(vh, key_rows).astype(jnp.float32)
-    logits = jnp.einsum("hnqd,hnrd->hnqr", qs, ks, precision="highest") * d ** -0.5
+    logits = jnp.einsum("hnqd,hnrd->hnqr", qs, ks, precision="highest") * d**-0.5
     logits = jnp.where(key_live[:, :, None], logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("hnqr,hnrd->hnqd", p, vs, precision="highest")
@@ -185,9 +231,11 @@ def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
     picked = jnp.take_along_axis(scores, got, axis=-1)
     kth = jax.lax.top_k(scores, top_k)[0][..., -1]
     slack = 1e-5 * (jnp.abs(kth) + 1.0)
-    return {"id_agreement": float(jnp.mean(got == exact)),
-            "picks_are_top_k": bool(jnp.all(picked >= (kth - slack)[..., None])),
-            "ascending": bool(jnp.all(jnp.diff(got, axis=-1) > 0))}
+    return {
+        "id_agreement": float(jnp.mean(got == exact)),
+        "picks_are_top_k": bool(jnp.all(picked >= (kth - slack)[..., None])),
+        "ascending": bool(jnp.all(jnp.diff(got, axis=-1) > 0)),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,8 +271,9 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
         # Random selections at every sparsity, all padded to the capacity of the densest one.
         selections = {}
         for sp in cfg["sparsities"]:
-            idx, cnt = random_selection(jax.random.key(int(sp * 1000) + seq), seq=seq, heads=h, q_tile=q_tile,
-                                        group=group, keep=1.0 - sp)
+            idx, cnt = random_selection(
+                jax.random.key(int(sp * 1000) + seq), seq=seq, heads=h, q_tile=q_tile, group=group, keep=1.0 - sp
+            )
             if kv_block == 1:
                 idx, cnt = to_tokens(idx, cnt, group)
             selections[sp] = (idx, cnt)
@@ -233,9 +282,15 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
         tuning = tunings.get(kv_block, for_device()[0])
         base = {"seq": seq, "kv_block": kv_block, "capacity_K": cap}
         try:
-            fwd_c, fwd_bwd_c, part = checked_pair(q_tile, kv_block, tuning, interpret, inputs=(q, k, v, do, None),
-                                                  selection=selections[cfg["sparsities"][0]],
-                                                  full=seq <= cfg["full_check_max"])
+            fwd_c, fwd_bwd_c, part = checked_pair(
+                q_tile,
+                kv_block,
+                tuning,
+                interpret,
+                inputs=(q, k, v, do, None),
+                selection=selections[cfg["sparsities"][0]],
+                full=seq <= cfg["full_check_max"],
+            )
             base.update(part)
         except Exception as e:
             out["runs"].append({**base, "error": error_text(e, trace=True)})
@@ -249,9 +304,17 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
             f_ms = harness.time_fn(fwd_c, q, k, v, idx, cnt, warmup=1, iters=iters)["median_ms"]
             fb_ms = harness.time_fn(fwd_bwd_c, q, k, v, idx, cnt, do, warmup=1, iters=iters)["median_ms"]
             flops = attention_flops(seq, h, d, keys_per_query)
-            row = {**base, "selection": label, "kept_fraction": keys_per_query / seq, "fwd_ms": f_ms,
-                   "bwd_ms": fb_ms - f_ms, "fwd_bwd_ms": fb_ms, "fwd_tflops": flops / f_ms / 1e9,
-                   "fwd_bwd_tflops": ATTENTION_FWD_BWD * flops / fb_ms / 1e9, **(extra or {})}
+            row = {
+                **base,
+                "selection": label,
+                "kept_fraction": keys_per_query / seq,
+                "fwd_ms": f_ms,
+                "bwd_ms": fb_ms - f_ms,
+                "fwd_bwd_ms": fb_ms,
+                "fwd_tflops": flops / f_ms / 1e9,
+                "fwd_bwd_tflops": ATTENTION_FWD_BWD * flops / fb_ms / 1e9,
+                **(extra or {}),
+            }
             if dense_ms:
                 row["speedup_vs_dense"] = dense_ms / fb_ms
                 row["tflops_vs_dense"] = row["fwd_bwd_tflops"] / entry["dense_tflops"]
@@ -277,13 +340,20 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
             top_k = max(1, round((1.0 - sp) * seq / kv_block))
             sel_row = {"seq": seq, "kv_block": kv_block, "sparsity": sp, "top_k": top_k}
             try:
-                select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
-                                           block_reduce="mean", tuning=tunings.get("select", for_device()[1]),
-                                           interpret=interpret)
+                select = functools.partial(
+                    lowrank_topk_pallas,
+                    top_k=top_k,
+                    q_tile=q_tile,
+                    kv_block=kv_block,
+                    block_reduce="mean",
+                    tuning=tunings.get("select", for_device()[1]),
+                    interpret=interpret,
+                )
                 sel_c, t_c = compile_timed(select, q_lr, k_lr)
                 ids = sel_c(q_lr, k_lr)
-                sel_row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
-                                               tiles=sample_tiles))
+                sel_row.update(
+                    check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=sample_tiles)
+                )
                 sel_row["select_ms"] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=iters)["median_ms"]
                 mem = sel_c.memory_analysis()
                 sel_row["select_temp_bytes"] = int(mem.temp_size_in_bytes) if mem else None
@@ -307,8 +377,9 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
         fwd_c = fwd_bwd_c = time_sparse = None
 
         if (seq, kv_block) == HEADLINE and harness.on_gpu():
-            headline(q, k, v, do, q_lr, k_lr, cfg, tuning, tunings.get("select", for_device()[1]), dense_ms,
-                     budget, out)
+            headline(
+                q, k, v, do, q_lr, k_lr, cfg, tuning, tunings.get("select", for_device()[1]), dense_ms, budget, out
+            )
 
 
 def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, select_tuning, dense_ms, budget, out):
@@ -323,8 +394,15 @@ def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, select_tuning, dense_ms, budg
         top_k = round((1.0 - sp) * seq / kv_block)
         row = {"seq": seq, "kv_block": kv_block, "sparsity": sp, "top_k": top_k}
         try:
-            select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
-                                       block_reduce="mean", tuning=select_tuning, interpret=False)
+            select = functools.partial(
+                lowrank_topk_pallas,
+                top_k=top_k,
+                q_tile=q_tile,
+                kv_block=kv_block,
+                block_reduce="mean",
+                tuning=select_tuning,
+                interpret=False,
+            )
 
             def step(q, k, v, q_lr, k_lr, do):
                 ids = select(q_lr, k_lr)
@@ -332,8 +410,9 @@ def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, select_tuning, dense_ms, budg
                 return fwd_bwd(q, k, v, ids, count, do)
 
             step_c, _ = compile_timed(step, q, k, v, q_lr, k_lr, do)
-            row["select_fwd_bwd_ms"] = harness.time_fn(step_c, q, k, v, q_lr, k_lr, do, warmup=1,
-                                                       iters=cfg["iters"])["median_ms"]
+            row["select_fwd_bwd_ms"] = harness.time_fn(step_c, q, k, v, q_lr, k_lr, do, warmup=1, iters=cfg["iters"])[
+                "median_ms"
+            ]
             if dense_ms:
                 row["speedup_vs_dense"] = dense_ms / row["select_fwd_bwd_ms"]
         except Exception as e:
@@ -348,8 +427,10 @@ def tuning_sweep(cfg, interpret, out, budget):
     h, d = cfg["heads"], cfg["head_dim"]
     q, k, v, do = harness.random_qkv(jax.random.key(5), seq, h, d)
     base = for_device()[0]
-    candidates = {64: [base, dataclasses.replace(base, rows_per_step=128, fwd_warps=8, dq_warps=8)],
-                  1: [base, dataclasses.replace(base, dkdv_rows=32)]}
+    candidates = {
+        64: [base, dataclasses.replace(base, rows_per_step=128, fwd_warps=8, dq_warps=8)],
+        1: [base, dataclasses.replace(base, dkdv_rows=32)],
+    }
     best = {}
     for kv_block, variants in candidates.items():
         group = kv_block if kv_block > 1 else cfg["token_group"]
@@ -375,15 +456,25 @@ def tuning_sweep(cfg, interpret, out, budget):
     q_lr, k_lr = lowrank_inputs(jax.random.key(7), seq, h, cfg["rank"])
     base_sel = for_device()[1]
     best_ms = None
-    for tuning in [base_sel, dataclasses.replace(base_sel, warps=4),
-                   dataclasses.replace(base_sel, tiles_per_program=32, keys_per_step=32)]:
+    for tuning in [
+        base_sel,
+        dataclasses.replace(base_sel, warps=4),
+        dataclasses.replace(base_sel, tiles_per_program=32, keys_per_step=32),
+    ]:
         if budget.left() < 180:
             out["skipped"].append("tuning sweep selection: time budget")
             break
         row = {"kernel": "lowrank_topk kv_block=1", "tuning": str(tuning)}
         try:
-            select = functools.partial(lowrank_topk_pallas, top_k=seq // 10, q_tile=q_tile, kv_block=1,
-                                       block_reduce="mean", tuning=tuning, interpret=interpret)
+            select = functools.partial(
+                lowrank_topk_pallas,
+                top_k=seq // 10,
+                q_tile=q_tile,
+                kv_block=1,
+                block_reduce="mean",
+                tuning=tuning,
+                interpret=interpret,
+            )
             sel_c, _ = compile_timed(select, q_lr, k_lr)
             row["select_ms"] = harness.time_fn(sel_c, q_lr, k_lr, warmup=1, iters=3)["median_ms"]
             if best_ms is None or row["select_ms"] < best_ms:
@@ -411,8 +502,9 @@ def padded_kv_valid(grid, tile, kv_block):
     return jnp.asarray(per_block[None], jnp.int32), len(real) * size, int(real.sum())
 
 
-def checked_pair(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False, full=False,
-                 inputs=None, selection=None):
+def checked_pair(
+    q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse=False, full=False, inputs=None, selection=None
+):
     """Compile fwd and fwd+bwd of one variant and check them against the reference (the whole call, or
     sampled query tiles) on `inputs` (q, k, v, do, dlse) and `selection` (index, count).
     -> (fwd_c, fwd_bwd_c, {"compile_s", "check", "correct"})."""
@@ -424,9 +516,11 @@ def checked_pair(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse
     fwd_bwd_c, t_fb = compile_timed(fwd_bwd, q, k, v, idx, cnt, cot)
     row = {"compile_s": t_f + t_fb}
     if full:
+
         def ref(q, k, v):
-            return sparse_attention_reference(q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid,
-                                              return_lse=with_lse)
+            return sparse_attention_reference(
+                q, k, v, idx, cnt, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid, return_lse=with_lse
+            )
 
         ref_out, ref_vjp = jax.vjp(ref, q, k, v)
         out, grads = fwd_bwd_c(q, k, v, idx, cnt, cot)
@@ -436,8 +530,9 @@ def checked_pair(q_tile, kv_block, tuning, interpret, *, kv_valid=None, with_lse
             check["lse"] = harness.rel_error(out[1], ref_out[1])
         check.update({n: harness.rel_error(g, rg) for n, g, rg in zip(("dq", "dk", "dv"), grads, ref_vjp(cot))})
     else:
-        tiles = jnp.asarray(np.random.default_rng(0).choice(q.shape[1] // q_tile, min(4, q.shape[1] // q_tile),
-                                                            replace=False))
+        tiles = jnp.asarray(
+            np.random.default_rng(0).choice(q.shape[1] // q_tile, min(4, q.shape[1] // q_tile), replace=False)
+        )
         ref = sampled_reference(q, k, v, idx, cnt, tiles, q_tile, kv_block, kv_valid, with_lse=True)
         out = fwd_c(q, k, v, idx, cnt)
         o = out[0] if with_lse else out
@@ -468,19 +563,25 @@ def compare_variants(cfg, interpret, seq, kv_block, selection, inputs, variant, 
     """Check and time two variants of the same call (equal kept work): {"baseline": ..., "variant": ...,
     "fwd_ratio", "fwd_bwd_ratio"} (variant time / baseline time)."""
     q_tile, tuning = cfg["q_tile"], for_device()[0]
-    row = {"seq": seq, "kv_block": kv_block, "target_sparsity": cfg["extra_sparsity"],
-           "kept_fraction": float(jnp.mean(selection[1].astype(jnp.float32))) * kv_block / seq}
+    row = {
+        "seq": seq,
+        "kv_block": kv_block,
+        "target_sparsity": cfg["extra_sparsity"],
+        "kept_fraction": float(jnp.mean(selection[1].astype(jnp.float32))) * kv_block / seq,
+    }
     timed = {}
     for name, opts in (("baseline", baseline), ("variant", variant)):
         if budget.left() < 15:
             row["error"] = f"time budget before {name}"
             return row
         try:
-            fwd_c, fwd_bwd_c, part = checked_pair(q_tile, kv_block, tuning, interpret, full=full, inputs=inputs,
-                                                  selection=selection, **opts)
+            fwd_c, fwd_bwd_c, part = checked_pair(
+                q_tile, kv_block, tuning, interpret, full=full, inputs=inputs, selection=selection, **opts
+            )
             if part["correct"]:
-                part["fwd_ms"], part["fwd_bwd_ms"] = time_pair(fwd_c, fwd_bwd_c, inputs, selection,
-                                                               cfg["extra_iters"], opts.get("with_lse", False))
+                part["fwd_ms"], part["fwd_bwd_ms"] = time_pair(
+                    fwd_c, fwd_bwd_c, inputs, selection, cfg["extra_iters"], opts.get("with_lse", False)
+                )
                 timed[name] = part
             row[name] = part
             del fwd_c, fwd_bwd_c
@@ -504,12 +605,22 @@ def run_padded(cfg, interpret, out, budget):
     for label, grid, full in (("check", cfg["padded_check_grid"], True), ("timed", cfg["padded_grid"], False)):
         kv_valid, seq, real = padded_kv_valid(grid, cfg["tile"], kv_block)
         inputs = extra_inputs(jax.random.key(seq), seq, cfg)
-        selection = random_selection(jax.random.key(seq + 1), seq=seq, heads=h, q_tile=q_tile, group=kv_block,
-                                     keep=1.0 - cfg["extra_sparsity"])
-        row = compare_variants(cfg, interpret, seq, kv_block, selection, inputs, {"kv_valid": kv_valid}, {},
-                               full=full, budget=budget)
-        row.update({"rows": label, "grid": list(grid), "tile": list(cfg["tile"]), "real_tokens": real,
-                    "valid_blocks": int(jnp.sum(kv_valid > 0)), "blocks": int(kv_valid.shape[1])})
+        selection = random_selection(
+            jax.random.key(seq + 1), seq=seq, heads=h, q_tile=q_tile, group=kv_block, keep=1.0 - cfg["extra_sparsity"]
+        )
+        row = compare_variants(
+            cfg, interpret, seq, kv_block, selection, inputs, {"kv_valid": kv_valid}, {}, full=full, budget=budget
+        )
+        row.update(
+            {
+                "rows": label,
+                "grid": list(grid),
+                "tile": list(cfg["tile"]),
+                "real_tokens": real,
+                "valid_blocks": int(jnp.sum(kv_valid > 0)),
+                "blocks": int(kv_valid.shape[1]),
+            }
+        )
         out["padded"].append(row)
 
     # selection on the timed grid: lowrank_topk with kv_valid (masked means, proxies of valid rows) vs without
@@ -521,8 +632,16 @@ def run_padded(cfg, interpret, out, budget):
     try:
         q_lr, k_lr = lowrank_inputs(jax.random.key(seq + 2), seq, h, cfg["rank"])
         for name, valid in (("select_ms", None), ("select_padded_ms", kv_valid)):
-            select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile, kv_block=kv_block,
-                                       block_reduce="mean", tuning=for_device()[1], interpret=interpret, kv_valid=valid)
+            select = functools.partial(
+                lowrank_topk_pallas,
+                top_k=top_k,
+                q_tile=q_tile,
+                kv_block=kv_block,
+                block_reduce="mean",
+                tuning=for_device()[1],
+                interpret=interpret,
+                kv_valid=valid,
+            )
             sel_c, _ = compile_timed(select, q_lr, k_lr)
             ids = sel_c(q_lr, k_lr)
             if valid is not None:
@@ -542,10 +661,21 @@ def run_lse(cfg, interpret, out, budget):
     kv_block, h, q_tile = 64, cfg["heads"], cfg["q_tile"]
     for seq in cfg["lse_sizes"]:
         inputs = extra_inputs(jax.random.key(seq + 3), seq, cfg)
-        selection = random_selection(jax.random.key(seq + 4), seq=seq, heads=h, q_tile=q_tile, group=kv_block,
-                                     keep=1.0 - cfg["extra_sparsity"])
-        row = compare_variants(cfg, interpret, seq, kv_block, selection, inputs, {"with_lse": True}, {},
-                               full=seq <= cfg["full_check_max"], budget=budget)
+        selection = random_selection(
+            jax.random.key(seq + 4), seq=seq, heads=h, q_tile=q_tile, group=kv_block, keep=1.0 - cfg["extra_sparsity"]
+        )
+        row = compare_variants(
+            cfg,
+            interpret,
+            seq,
+            kv_block,
+            selection,
+            inputs,
+            {"with_lse": True},
+            {},
+            full=seq <= cfg["full_check_max"],
+            budget=budget,
+        )
         out["lse"].append(row)
 
 
@@ -569,8 +699,12 @@ def mosaic_check_main():
 def try_mosaic_gpu(timeout_s):
     """Runs mosaic_check_main in a child process (before this one claims the GPU), so that a crash or a
     barrier deadlock in the experimental kernel costs at most timeout_s and never the benchmark."""
-    result = harness.in_child("experiments.bench_sparse_attention", ["--mosaic-check"], timeout_s,
-                              env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"})
+    result = harness.in_child(
+        "experiments.bench_sparse_attention",
+        ["--mosaic-check"],
+        timeout_s,
+        env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"},
+    )
     return result if "ok" in result else {"ok": False, **result}
 
 
@@ -578,7 +712,7 @@ def goals(out):
     g = {}
     for row in out["headline"]:
         if "speedup_vs_dense" in row:
-            goal = 5 if row['sparsity'] == 0.9 else 9
+            goal = 5 if row["sparsity"] == 0.9 else 9
             g[f"select+fwd+bwd speedup S=64k {int(row['sparsity'] * 100)}% (goal {goal}x)"] = row["speedup_vs_dense"]
     for key, section in (("padded kv_valid / unpadded", "padded"), ("return_lse / plain", "lse")):
         for r in out.get(section, []):
@@ -588,8 +722,11 @@ def goals(out):
     if ratios:
         g["sparse fwd+bwd TFLOP/s / cuDNN, median over runs (goal 0.7)"] = float(np.median(ratios))
         g["sparse fwd+bwd TFLOP/s / cuDNN, best (goal 0.7)"] = float(np.max(ratios))
-    shares = {f"kv_block={r['kv_block']} {r['sparsity']}": r["select_share_of_attention"] for r in out["selection"]
-              if r["seq"] == max(FULL["sizes"]) and "select_share_of_attention" in r}
+    shares = {
+        f"kv_block={r['kv_block']} {r['sparsity']}": r["select_share_of_attention"]
+        for r in out["selection"]
+        if r["seq"] == max(FULL["sizes"]) and "select_share_of_attention" in r
+    }
     if shares:
         g["selection / sparse attention at S=128k (goal <= 0.1)"] = shares
     out["goals"] = g
@@ -598,8 +735,9 @@ def goals(out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes on CPU (Pallas interpret mode)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)"
+    )
     parser.add_argument("--mosaic-check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
@@ -614,9 +752,19 @@ def main():
     interpret = not harness.on_gpu()
     start = time.perf_counter()
     budget = budget_from_now(cfg["budget_s"])
-    out = {"config": {k_: v_ for k_, v_ in cfg.items()}, "sections": sections, "generation": generation(),
-           "dense": [], "runs": [], "selection": [], "headline": [], "tuning_sweep": [], "padded": [], "lse": [],
-           "skipped": []}
+    out = {
+        "config": {k_: v_ for k_, v_ in cfg.items()},
+        "sections": sections,
+        "generation": generation(),
+        "dense": [],
+        "runs": [],
+        "selection": [],
+        "headline": [],
+        "tuning_sweep": [],
+        "padded": [],
+        "lse": [],
+        "skipped": [],
+    }
     if mosaic is not None:
         out["mosaic_gpu"] = mosaic
     if main_rows:
@@ -640,29 +788,74 @@ def main():
         print(f"dense ({out['dense'][0].get('dense_impl') if out['dense'] else '-'}):")
         harness.print_table(out["dense"], ["seq", "dense_fwd_ms", "dense_fwd_bwd_ms", "dense_tflops"])
         print("\nsparse attention:")
-        harness.print_table(out["runs"], ["seq", "kv_block", "selection", "kept_fraction", "fwd_ms", "bwd_ms",
-                                          "worklist_ms", "fwd_bwd_tflops", "speedup_vs_dense", "tflops_vs_dense",
-                                          "correct"])
+        harness.print_table(
+            out["runs"],
+            [
+                "seq",
+                "kv_block",
+                "selection",
+                "kept_fraction",
+                "fwd_ms",
+                "bwd_ms",
+                "worklist_ms",
+                "fwd_bwd_tflops",
+                "speedup_vs_dense",
+                "tflops_vs_dense",
+                "correct",
+            ],
+        )
         print("\nselection (lowrank_topk):")
-        harness.print_table(out["selection"], ["seq", "kv_block", "sparsity", "top_k", "select_ms", "naive_select_ms",
-                                               "select_share_of_attention", "id_agreement", "picks_are_top_k"])
+        harness.print_table(
+            out["selection"],
+            [
+                "seq",
+                "kv_block",
+                "sparsity",
+                "top_k",
+                "select_ms",
+                "naive_select_ms",
+                "select_share_of_attention",
+                "id_agreement",
+                "picks_are_top_k",
+            ],
+        )
     for key in ("padded", "lse"):
         if out[key]:
             print(f"\n{key} (variant / baseline at equal kept work):")
-            harness.print_table([{**r, **{f"{n}_{m}": r.get(n, {}).get(m) for n in ("baseline", "variant")
-                                          for m in ("fwd_ms", "fwd_bwd_ms", "correct")}} for r in out[key]],
-                                ["rows", "seq", "kv_block", "kept_fraction", "baseline_fwd_bwd_ms",
-                                 "variant_fwd_bwd_ms", "fwd_ratio", "fwd_bwd_ratio", "variant_correct",
-                                 "select_ratio"])
+            harness.print_table(
+                [
+                    {
+                        **r,
+                        **{
+                            f"{n}_{m}": r.get(n, {}).get(m)
+                            for n in ("baseline", "variant")
+                            for m in ("fwd_ms", "fwd_bwd_ms", "correct")
+                        },
+                    }
+                    for r in out[key]
+                ],
+                [
+                    "rows",
+                    "seq",
+                    "kv_block",
+                    "kept_fraction",
+                    "baseline_fwd_bwd_ms",
+                    "variant_fwd_bwd_ms",
+                    "fwd_ratio",
+                    "fwd_bwd_ratio",
+                    "variant_correct",
+                    "select_ratio",
+                ],
+            )
     if out["headline"]:
         print("\nheadline:")
         harness.print_table(out["headline"], ["seq", "kv_block", "sparsity", "select_fwd_bwd_ms", "speedup_vs_dense"])
     errors = [r for r in out["runs"] + out["selection"] + out["headline"] + out["padded"] + out["lse"] if "error" in r]
     errors += [r[n] for r in out["padded"] + out["lse"] for n in ("baseline", "variant") if "error" in r.get(n, {})]
     for r in errors:
-        print(f"\nERROR at {({k_: r[k_] for k_ in ('seq', 'kv_block') if k_ in r})}: {r['error'][:300]}")
+        print(f"\nERROR at { ({k_: r[k_] for k_ in ('seq', 'kv_block') if k_ in r}) }: {r['error'][:300]}")
     if "mosaic_gpu" in out:
-        print(f"\nMosaic GPU forward: {({k_: v_ for k_, v_ in out['mosaic_gpu'].items() if k_ != 'error'})}")
+        print(f"\nMosaic GPU forward: { ({k_: v_ for k_, v_ in out['mosaic_gpu'].items() if k_ != 'error'}) }")
     print(f"\ngoals: {out['goals']}\nskipped: {out['skipped']}\nwrote {path} in {out['wall_s']:.0f} s")
 
 

@@ -50,8 +50,9 @@ def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=None, kv_block=
     q_tile, kv_block = q_tile or Q_TILE, kv_block or KV_BLOCK
     k_qkv, k_sel = jax.random.split(jax.random.key(seed))
     q, k, v, w = harness.random_qkv(k_qkv, seq, heads, head_dim)
-    index, count = harness.random_selection(k_sel, seq=seq, heads=heads, q_tile=q_tile, kv_block=kv_block,
-                                            keep=1.0 - sparsity, local_share=0.0)
+    index, count = harness.random_selection(
+        k_sel, seq=seq, heads=heads, q_tile=q_tile, kv_block=kv_block, keep=1.0 - sparsity, local_share=0.0
+    )
     return q, k, v, w, index, count
 
 
@@ -69,8 +70,18 @@ def attention_fns(impl, index, count, **options):
         from pallas_kernels.tuning import for_device
 
         def attend(q, k, v):
-            return sparse_attention_pallas(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK,
-                                           sm_scale=q.shape[-1] ** -0.5, tuning=for_device()[0], interpret=False)
+            return sparse_attention_pallas(
+                q,
+                k,
+                v,
+                index,
+                count,
+                q_tile=Q_TILE,
+                kv_block=KV_BLOCK,
+                sm_scale=q.shape[-1] ** -0.5,
+                tuning=for_device()[0],
+                interpret=False,
+            )
     else:
         from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
 
@@ -91,24 +102,28 @@ def check(seq, sparsity, options):
 
     @jax.jit
     def reference(q, k, v, w, index, count):  # one head: [1, S, 1, D]
-        f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=Q_TILE,
-                                                       kv_block=KV_BLOCK).astype(jnp.float32)
+        f = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK).astype(
+            jnp.float32
+        )
         o, vjp = jax.vjp(f, q, k, v)
         return (o, *vjp(w))
 
     num = np.zeros(4)
     den = np.zeros(4)
     for h in range(q.shape[2]):
-        part = lambda x: x[:, :, h:h + 1].astype(jnp.float32)
-        ref = reference(part(q), part(k), part(v), part(w), index[:, h:h + 1], count[:, h:h + 1])
+        part = lambda x: x[:, :, h : h + 1].astype(jnp.float32)
+        ref = reference(part(q), part(k), part(v), part(w), index[:, h : h + 1], count[:, h : h + 1])
         for i, (got, want) in enumerate(zip([o, *grads], ref)):
             want = np.asarray(want, np.float64)
-            num[i] += np.sum((got[:, :, h:h + 1] - want) ** 2)
-            den[i] += np.sum(want ** 2)
+            num[i] += np.sum((got[:, :, h : h + 1] - want) ** 2)
+            den[i] += np.sum(want**2)
     errors = dict(zip(["o", "dq", "dk", "dv"], (np.sqrt(num / np.maximum(den, 1e-30))).tolist()))
     finite = all(np.isfinite(x).all() for x in [o, *grads])
-    return {"errors": errors, "finite": bool(finite),
-            "correct": bool(finite and errors["o"] < 1e-2 and max(errors.values()) < 2e-2)}
+    return {
+        "errors": errors,
+        "finite": bool(finite),
+        "correct": bool(finite and errors["o"] < 1e-2 and max(errors.values()) < 2e-2),
+    }
 
 
 def dense_masked_reference(q, k, v, index, count, kv_valid, *, q_tile, kv_block, sm_scale):
@@ -135,7 +150,12 @@ def dense_masked_reference(q, k, v, index, count, kv_valid, *, q_tile, kv_block,
 
 
 SMALL_CASES = [  # (q_tile, kv_block, D, masked): both list modes of every kernel, both head dims
-    (64, 64, 128, False), (64, 64, 64, True), (128, 128, 128, True), (128, 64, 64, False), (64, 192, 128, True)]
+    (64, 64, 128, False),
+    (64, 64, 64, True),
+    (128, 128, 128, True),
+    (128, 64, 64, False),
+    (64, 192, 128, True),
+]
 
 
 def small_check(options=None):
@@ -160,24 +180,38 @@ def small_check(options=None):
             n_sel = max(1, blocks // 3)
             index = jnp.sort(jax.lax.top_k(jax.random.uniform(ks[3], (b, h, tiles, blocks)), n_sel)[1], axis=-1)
             count = jax.random.randint(ks[4], (b, h, tiles), 0, n_sel + 1).at[:, :, 0].set(0)
-            kv_valid = (jax.random.randint(ks[5], (b, blocks), 0, kv_block + 1).at[:, 1].set(0)
-                        if masked else None)
+            kv_valid = jax.random.randint(ks[5], (b, blocks), 0, kv_block + 1).at[:, 1].set(0) if masked else None
             wo = jax.random.normal(ks[6], (b, s, h, d))
             wl = jax.random.normal(ks[7], (b, h, s))
-            scale = d ** -0.5
+            scale = d**-0.5
 
             def loss(fn):
                 def f(q, k, v):
                     o, lse = fn(q, k, v)
                     lse_term = jnp.where(jnp.isfinite(lse), lse * wl, 0.0)
                     return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(lse_term), (o, lse)
+
                 return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 
-            kernel = loss(lambda q, k, v: sparse_attention_mgpu(q, k, v, index, count, q_tile=q_tile,
-                                                                kv_block=kv_block, kv_valid=kv_valid,
-                                                                return_lse=True, tuning=options or None))
-            ref = loss(lambda q, k, v: dense_masked_reference(q, k, v, index, count, kv_valid, q_tile=q_tile,
-                                                              kv_block=kv_block, sm_scale=scale))
+            kernel = loss(
+                lambda q, k, v: sparse_attention_mgpu(
+                    q,
+                    k,
+                    v,
+                    index,
+                    count,
+                    q_tile=q_tile,
+                    kv_block=kv_block,
+                    kv_valid=kv_valid,
+                    return_lse=True,
+                    tuning=options or None,
+                )
+            )
+            ref = loss(
+                lambda q, k, v: dense_masked_reference(
+                    q, k, v, index, count, kv_valid, q_tile=q_tile, kv_block=kv_block, sm_scale=scale
+                )
+            )
             (_, got), got_g = kernel(q, k, v)
             (_, want), want_g = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
             for name, a, w in zip(["o", "lse", "dq", "dk", "dv"], [*got, *got_g], [*want, *want_g]):
@@ -185,10 +219,13 @@ def small_check(options=None):
                 fin = np.isfinite(w)
                 same = (np.isfinite(a) == fin).all()
                 a, w = np.where(fin, a, 0.0), np.where(fin, w, 0.0)
-                row[name] = (float(np.linalg.norm(a - w) / max(np.linalg.norm(w), 1e-30)) if same
-                             else "nonfinite mismatch")
-            row["ok"] = all(isinstance(row[n], float) and row[n] < (1e-4 if n == "lse" else 2e-2)
-                            for n in ["o", "lse", "dq", "dk", "dv"])
+                row[name] = (
+                    float(np.linalg.norm(a - w) / max(np.linalg.norm(w), 1e-30)) if same else "nonfinite mismatch"
+                )
+            row["ok"] = all(
+                isinstance(row[n], float) and row[n] < (1e-4 if n == "lse" else 2e-2)
+                for n in ["o", "lse", "dq", "dk", "dv"]
+            )
         except Exception as e:
             row["ok"] = False
             row["error"] = error_text(e, trace=True)
@@ -223,7 +260,7 @@ def pieces(q, k, v, w, index, count, options, interpret=False):
     from pallas_kernels.sparse_index import sanitize_index
 
     seq = q.shape[1]
-    cfg = mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM ** -0.5, interpret=interpret, tuning=options)
+    cfg = mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM**-0.5, interpret=interpret, tuning=options)
     mgpu.check_smem(cfg)
     index, count = sanitize_index(index, count, seq // KV_BLOCK)
     forward = jax.jit(lambda q, k, v: fwd.forward(q, k, v, index, count, None, cfg))
@@ -233,11 +270,14 @@ def pieces(q, k, v, w, index, count, options, interpret=False):
     worklist = jax.jit(lambda index, count: mgpu.dkdv_schedule(index, count, cfg, seq))
     tiles, starts, blocks = worklist(index, count)
     dq = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dq(q, k, v, w, lse2, delta, index, count, None, cfg))
-    dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, blocks, None,
-                                                            cfg))
+    dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, blocks, None, cfg))
     grads_in = (q, k, v, w, lse2, delta)
-    return [("fwd", forward, (q, k, v), 2), ("worklist", worklist, (index, count), 0),
-            ("dq", dq, grads_in, 3), ("dkdv", dkdv, grads_in, 4)]
+    return [
+        ("fwd", forward, (q, k, v), 2),
+        ("worklist", worklist, (index, count), 0),
+        ("dq", dq, grads_in, 3),
+        ("dkdv", dkdv, grads_in, 4),
+    ]
 
 
 def parts(q, k, v, w, index, count, options):
@@ -273,13 +313,17 @@ def select_and_attend(q, k, v, w, top_k, options):
     def step(q, k, v, w, q_lr, k_lr):
         ids = select(q_lr, k_lr)
         count = jnp.full(ids.shape[:3], top_k, jnp.int32)
-        attend = lambda q, k, v: sparse_attention_mgpu(q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK,
-                                                       tuning=options)
+        attend = lambda q, k, v: sparse_attention_mgpu(
+            q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK, tuning=options
+        )
         return harness.fwd_bwd(attend)(q, k, v, w)
 
-    return {"top_k": top_k, "select_impl": "xla" if triton_missing() else "pallas (Triton)",
-            "select": timed(jax.jit(select), q_lr, k_lr),
-            "select_fwd_bwd": timed(step, q, k, v, w, q_lr, k_lr)}
+    return {
+        "top_k": top_k,
+        "select_impl": "xla" if triton_missing() else "pallas (Triton)",
+        "select": timed(jax.jit(select), q_lr, k_lr),
+        "select_fwd_bwd": timed(step, q, k, v, w, q_lr, k_lr),
+    }
 
 
 def measure(job):
@@ -340,8 +384,17 @@ def plan(seqs, sparsities, variants, small_check=True, check_all=True, triton=Tr
         jobs.append({"seq": seq, "impl": "cudnn"})
         for sparsity in sparsities:
             for options in variants:
-                jobs.append({"seq": seq, "sparsity": sparsity, "impl": "mgpu", "options": options,
-                             "check": check_all or sparsity == sparsities[0], "parts": True, "select": True})
+                jobs.append(
+                    {
+                        "seq": seq,
+                        "sparsity": sparsity,
+                        "impl": "mgpu",
+                        "options": options,
+                        "check": check_all or sparsity == sparsities[0],
+                        "parts": True,
+                        "select": True,
+                    }
+                )
             if triton:
                 jobs.append({"seq": seq, "sparsity": sparsity, "impl": "triton"})
     return jobs
@@ -354,8 +407,12 @@ def summarise(results):
         job = r["job"]
         if job["impl"] == "small_check":
             continue
-        row = {"seq": job["seq"], "sparsity": job.get("sparsity", 0.0), "impl": job["impl"],
-               "options": json.dumps(job.get("options", {}))}
+        row = {
+            "seq": job["seq"],
+            "sparsity": job.get("sparsity", 0.0),
+            "impl": job["impl"],
+            "options": json.dumps(job.get("options", {})),
+        }
         if "error" in r:
             row["error"] = r["error"].splitlines()[0][:120]
         if "check" in r:
@@ -392,13 +449,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95])
-    parser.add_argument("--variants", default='[{}]', help="JSON list of option dicts for the Mosaic GPU path "
-                        "(its tuning, e.g. fwd_stages; or the geometry: q_tile, kv_block)")
+    parser.add_argument(
+        "--variants",
+        default="[{}]",
+        help="JSON list of option dicts for the Mosaic GPU path "
+        "(its tuning, e.g. fwd_stages; or the geometry: q_tile, kv_block)",
+    )
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this")
     parser.add_argument("--job-timeout-s", type=float, default=180.0)
     parser.add_argument("--no-small-check", action="store_true", help="skip the small-shape check of all geometries")
-    parser.add_argument("--check-first-sparsity-only", action="store_true",
-                        help="check against the reference at the first sparsity of each size only")
+    parser.add_argument(
+        "--check-first-sparsity-only",
+        action="store_true",
+        help="check against the reference at the first sparsity of each size only",
+    )
     parser.add_argument("--no-triton", action="store_true", help="leave the Triton path out")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -408,26 +472,51 @@ def main():
 
     budget = harness.Budget(args.budget_s)
     results, skipped = [], []
-    for job in plan(args.seqs, args.sparsities, json.loads(args.variants), not args.no_small_check,
-                    not args.check_first_sparsity_only, not args.no_triton):
+    for job in plan(
+        args.seqs,
+        args.sparsities,
+        json.loads(args.variants),
+        not args.no_small_check,
+        not args.check_first_sparsity_only,
+        not args.no_triton,
+    ):
         if not budget.allows(30):
             skipped.append(job)
             continue
         results.append(run_child(job, min(args.job_timeout_s, budget.left())))
         r = results[-1]
-        print(f"[{budget.elapsed():5.0f} s] {json.dumps(job)}: "
-              f"{r.get('error', '').splitlines()[0][:200] if 'error' in r else 'ok'}", flush=True)
+        print(
+            f"[{budget.elapsed():5.0f} s] {json.dumps(job)}: "
+            f"{r.get('error', '').splitlines()[0][:200] if 'error' in r else 'ok'}",
+            flush=True,
+        )
 
     rows = summarise(results)
-    path = harness.write_results("bench_sparse_mgpu", {
-        "config": {"batch": 1, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
-                   "q_tile": Q_TILE, "kv_block": KV_BLOCK, "geometry": "q_tile, kv_block: the default; a "
-                   "variant's own q_tile / kv_block override them for its jobs",
-                   "selection": "uniform random blocks, full counts", "seqs": args.seqs,
-                   "sparsities": args.sparsities, "variants": json.loads(args.variants),
-                   "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x", "timing": "harness.time_fn: median of 7 "
-                   "repetitions, each n back-to-back calls blocked once (~200 ms)"},
-        "results": results, "summary": rows, "skipped": skipped, "wall_s": budget.elapsed()})
+    path = harness.write_results(
+        "bench_sparse_mgpu",
+        {
+            "config": {
+                "batch": 1,
+                "heads": HEADS,
+                "head_dim": HEAD_DIM,
+                "dtype": "bfloat16",
+                "q_tile": Q_TILE,
+                "kv_block": KV_BLOCK,
+                "geometry": "q_tile, kv_block: the default; a "
+                "variant's own q_tile / kv_block override them for its jobs",
+                "selection": "uniform random blocks, full counts",
+                "seqs": args.seqs,
+                "sparsities": args.sparsities,
+                "variants": json.loads(args.variants),
+                "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x",
+                "timing": "harness.time_fn: median of 7 repetitions, each n back-to-back calls blocked once (~200 ms)",
+            },
+            "results": results,
+            "summary": rows,
+            "skipped": skipped,
+            "wall_s": budget.elapsed(),
+        },
+    )
     for r in results:
         if "error" in r:
             print(f"\nERROR {json.dumps(r['job'])}:\n{r['error'][-1200:]}")
@@ -435,18 +524,54 @@ def main():
             shown = {k_: (f"{v_:.2e}" if isinstance(v_, float) else v_) for k_, v_ in case.items() if k_ != "error"}
             print("small check", json.dumps(r["job"].get("options", {})), shown, case.get("error", "")[:600])
     print(f"\nwrote {path}")
-    harness.print_table(rows, ["seq", "sparsity", "impl", "options", "correct", "max_err", "fwd_ms", "fwd_spread",
-                               "fwd_bwd_ms", "fb_spread", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_cudnn_rate",
-                               "fwd_bwd_vs_cudnn_rate", "fwd_bwd_speedup", "select_ms", "select_fwd_bwd_ms",
-                               "sfb_spread", "select_fwd_bwd_speedup"])
+    harness.print_table(
+        rows,
+        [
+            "seq",
+            "sparsity",
+            "impl",
+            "options",
+            "correct",
+            "max_err",
+            "fwd_ms",
+            "fwd_spread",
+            "fwd_bwd_ms",
+            "fb_spread",
+            "fwd_tflops",
+            "fwd_bwd_tflops",
+            "fwd_vs_cudnn_rate",
+            "fwd_bwd_vs_cudnn_rate",
+            "fwd_bwd_speedup",
+            "select_ms",
+            "select_fwd_bwd_ms",
+            "sfb_spread",
+            "select_fwd_bwd_speedup",
+        ],
+    )
     part_rows = [r for r in rows if "dq_kernel_ms" in r]
     if part_rows:
-        print(f"\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs; of_ceiling: that rate over "
-              f"{harness.H200_BF16_MAX_TFLOPS:.0f} TFLOP/s, the bf16 matmul ceiling):")
-        harness.print_table(part_rows, ["seq", "sparsity", "options", "fwd_kernel_ms", "worklist_kernel_ms",
-                                        "dq_kernel_ms", "dkdv_kernel_ms",
-                                        "fwd_executed_tflops", "dq_executed_tflops", "dkdv_executed_tflops",
-                                        "fwd_of_ceiling", "dq_of_ceiling", "dkdv_of_ceiling"])
+        print(
+            f"\nMosaic GPU pieces (executed TFLOP/s: the products each kernel runs; of_ceiling: that rate over "
+            f"{harness.H200_BF16_MAX_TFLOPS:.0f} TFLOP/s, the bf16 matmul ceiling):"
+        )
+        harness.print_table(
+            part_rows,
+            [
+                "seq",
+                "sparsity",
+                "options",
+                "fwd_kernel_ms",
+                "worklist_kernel_ms",
+                "dq_kernel_ms",
+                "dkdv_kernel_ms",
+                "fwd_executed_tflops",
+                "dq_executed_tflops",
+                "dkdv_executed_tflops",
+                "fwd_of_ceiling",
+                "dq_of_ceiling",
+                "dkdv_of_ceiling",
+            ],
+        )
 
 
 if __name__ == "__main__":

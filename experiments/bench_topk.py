@@ -46,10 +46,32 @@ from experiments.bench_sparse_attention import (
 from pallas_kernels.lowrank_topk_triton import SEED_MIN_RATIO, first_thresholds, lowrank_topk_pallas, sortable_key
 from pallas_kernels.tuning import for_device
 
-FULL = dict(seqs=[32768, 131072], sparsities=[0.9, 0.95], kv_blocks=[1, 64], heads=16, rank=16, q_tile=64,
-            head_dim=128, token_group=16, iters=5, attention_seqs=[131072], variants=[{}, {"sample": 0}])
-QUICK = dict(seqs=[512], sparsities=[0.9], kv_blocks=[1, 16], heads=2, rank=16, q_tile=64, head_dim=64,
-             token_group=16, iters=1, attention_seqs=[512], variants=[{}, {"sample": 0}, {"sample": 16}])
+FULL = dict(
+    seqs=[32768, 131072],
+    sparsities=[0.9, 0.95],
+    kv_blocks=[1, 64],
+    heads=16,
+    rank=16,
+    q_tile=64,
+    head_dim=128,
+    token_group=16,
+    iters=5,
+    attention_seqs=[131072],
+    variants=[{}, {"sample": 0}],
+)
+QUICK = dict(
+    seqs=[512],
+    sparsities=[0.9],
+    kv_blocks=[1, 16],
+    heads=2,
+    rank=16,
+    q_tile=64,
+    head_dim=64,
+    token_group=16,
+    iters=1,
+    attention_seqs=[512],
+    variants=[{}, {"sample": 0}, {"sample": 16}],
+)
 
 
 def sampled_scores(q_lr, k_lr, *, q_tile, kv_block, tiles) -> dict:
@@ -121,20 +143,33 @@ def run(cfg, variants, budget, interpret):
                 first_ids = None  # of the first variant: every variant must pick the same ids, bit for bit
                 for variant in variants:
                     tuning = dataclasses.replace(base, **variant)
-                    row = {"seq": seq, "kv_block": kv_block, "sparsity": sparsity, "top_k": top_k,
-                           "variant": json.dumps(variant), "tuning": str(tuning)}
+                    row = {
+                        "seq": seq,
+                        "kv_block": kv_block,
+                        "sparsity": sparsity,
+                        "top_k": top_k,
+                        "variant": json.dumps(variant),
+                        "tuning": str(tuning),
+                    }
                     if not budget.allows(30):
                         row["skipped"] = "time budget"
                         rows.append(row)
                         continue
                     try:
-                        select = functools.partial(lowrank_topk_pallas, top_k=top_k, q_tile=q_tile,
-                                                   kv_block=kv_block, block_reduce="mean", tuning=tuning,
-                                                   interpret=interpret)
+                        select = functools.partial(
+                            lowrank_topk_pallas,
+                            top_k=top_k,
+                            q_tile=q_tile,
+                            kv_block=kv_block,
+                            block_reduce="mean",
+                            tuning=tuning,
+                            interpret=interpret,
+                        )
                         compiled, row["compile_s"] = harness.compile_timed(select, q_lr, k_lr)
                         ids = compiled(q_lr, k_lr)
-                        row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block,
-                                                   tiles=tiles))
+                        row.update(
+                            check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
+                        )
                         row["recall"] = recall(ids, sampled, top_k, tiles=tiles)
                         if first_ids is None:
                             first_ids = ids
@@ -159,8 +194,14 @@ def run(cfg, variants, budget, interpret):
                 attention.append(row)
                 continue
             try:
-                idx, cnt = random_selection(jax.random.key(seq + 2), seq=seq, heads=h, q_tile=q_tile,
-                                            group=cfg["token_group"], keep=1 - sparsity)
+                idx, cnt = random_selection(
+                    jax.random.key(seq + 2),
+                    seq=seq,
+                    heads=h,
+                    q_tile=q_tile,
+                    group=cfg["token_group"],
+                    keep=1 - sparsity,
+                )
                 idx, cnt = to_tokens(idx, cnt, cfg["token_group"])
                 compiled, row["compile_s"] = harness.compile_timed(fwd_bwd, q, k, v, idx, cnt, do)
                 t = harness.time_fn(compiled, q, k, v, idx, cnt, do, warmup=1, iters=3)
@@ -170,8 +211,9 @@ def run(cfg, variants, budget, interpret):
             attention.append(row)
             print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "error"}), flush=True)
     for row in rows:  # the selection's share of the token-level attention it feeds, same run
-        match = [a for a in attention if a["seq"] == row["seq"] and a["sparsity"] == row["sparsity"]
-                 and "fwd_bwd_ms" in a]
+        match = [
+            a for a in attention if a["seq"] == row["seq"] and a["sparsity"] == row["sparsity"] and "fwd_bwd_ms" in a
+        ]
         if row["kv_block"] == 1 and match and "select_ms" in row:
             row["share_of_attention"] = row["select_ms"] / match[0]["fwd_bwd_ms"]
     return rows, attention
@@ -201,12 +243,28 @@ def main():
     budget = harness.Budget(args.budget_s, reserve=10.0, start=time.time())
     interpret = not harness.on_gpu()
     rows, attention = run(cfg, variants, budget, interpret)
-    harness.write_results(args.name, {"config": cfg, "variants": variants, "rows": rows, "attention": attention,
-                                      "wall_s": budget.elapsed()})
+    harness.write_results(
+        args.name,
+        {"config": cfg, "variants": variants, "rows": rows, "attention": attention, "wall_s": budget.elapsed()},
+    )
     print()
-    harness.print_table([r for r in rows if "select_ms" in r],
-                        ["seq", "kv_block", "sparsity", "variant", "select_ms", "min_ms", "max_ms", "passes",
-                         "score_passes_per_ns", "share_of_attention", "recall", "same_ids_as_first"])
+    harness.print_table(
+        [r for r in rows if "select_ms" in r],
+        [
+            "seq",
+            "kv_block",
+            "sparsity",
+            "variant",
+            "select_ms",
+            "min_ms",
+            "max_ms",
+            "passes",
+            "score_passes_per_ns",
+            "share_of_attention",
+            "recall",
+            "same_ids_as_first",
+        ],
+    )
     if attention:
         harness.print_table(attention, ["seq", "sparsity", "fwd_bwd_ms", "min_ms", "max_ms"])
 

@@ -74,8 +74,9 @@ def split(index, count):
 
 def reference(qkv, cots, selection, kv_valid):
     """(o, lse, dq, dk, dv) of the whole selection on float32 copies."""
-    f = lambda q, k, v: sparse_attention_reference(q, k, v, *selection, q_tile=Q_TILE, kv_block=KV_BLOCK,
-                                                   kv_valid=kv_valid, return_lse=True)
+    f = lambda q, k, v: sparse_attention_reference(
+        q, k, v, *selection, q_tile=Q_TILE, kv_block=KV_BLOCK, kv_valid=kv_valid, return_lse=True
+    )
     (o, lse), vjp = jax.vjp(f, *(x.astype(jnp.float32) for x in qkv))
     return (o, lse, *vjp((cots[0].astype(jnp.float32), cots[1])))
 
@@ -85,14 +86,18 @@ def path_fns(path, interpret):
     if path == "mgpu":
         from pallas_kernels import sparse_attention_mgpu as m
 
-        return (lambda *a, **kw: m.sparse_attention_mgpu(*a, return_lse=True, interpret=interpret, **kw),
-                lambda *a, **kw: m.sparse_attention_mgpu_backward(*a, interpret=interpret, **kw))
+        return (
+            lambda *a, **kw: m.sparse_attention_mgpu(*a, return_lse=True, interpret=interpret, **kw),
+            lambda *a, **kw: m.sparse_attention_mgpu_backward(*a, interpret=interpret, **kw),
+        )
     from pallas_kernels import sparse_attention_triton as t
     from pallas_kernels.tuning import for_device
 
-    extra = dict(sm_scale=HEAD_DIM ** -0.5, tuning=for_device()[0], interpret=interpret)
-    return (lambda *a, **kw: t.sparse_attention_pallas(*a, return_lse=True, **extra, **kw),
-            lambda *a, **kw: t.sparse_attention_pallas_backward(*a, **extra, **kw))
+    extra = dict(sm_scale=HEAD_DIM**-0.5, tuning=for_device()[0], interpret=interpret)
+    return (
+        lambda *a, **kw: t.sparse_attention_pallas(*a, return_lse=True, **extra, **kw),
+        lambda *a, **kw: t.sparse_attention_pallas_backward(*a, **extra, **kw),
+    )
 
 
 def check_merged_backward(path, qkv, cots, selection, kv_valid, want, interpret=False):
@@ -115,11 +120,27 @@ def check_ring(qkv, cots, selection, kv_valid, want):
     seq_spec, tile_spec = P(None, "context"), P(None, None, "context")
 
     def body(q, k, v, index, count, kv_valid):
-        return scp.ring_attention(q, k, v, axis=axis, sm_scale=HEAD_DIM ** -0.5, kv_index=index, kv_count=count,
-                                  kv_valid=kv_valid, q_tile=Q_TILE, kv_block=KV_BLOCK, impl="auto")
+        return scp.ring_attention(
+            q,
+            k,
+            v,
+            axis=axis,
+            sm_scale=HEAD_DIM**-0.5,
+            kv_index=index,
+            kv_count=count,
+            kv_valid=kv_valid,
+            q_tile=Q_TILE,
+            kv_block=KV_BLOCK,
+            impl="auto",
+        )
 
-    ring = jax.shard_map(body, mesh=mesh, in_specs=(seq_spec,) * 3 + (tile_spec, tile_spec, P()),
-                         out_specs=(seq_spec, tile_spec), check_vma=False)
+    ring = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(seq_spec,) * 3 + (tile_spec, tile_spec, P()),
+        out_specs=(seq_spec, tile_spec),
+        check_vma=False,
+    )
 
     @jax.jit
     def run(q, k, v, do, dlse, index, count, kv_valid):
@@ -136,8 +157,11 @@ def errors(got, want):
     lse, w_lse = np.asarray(lse), np.asarray(w_lse)
     finite = np.isfinite(w_lse)
     lse_err = rel_error(lse[finite], w_lse[finite]) if np.array_equal(np.isfinite(lse), finite) else np.inf
-    return {"o": rel_error(o, w_o), "lse": lse_err,
-            **{name: rel_error(g, w) for name, g, w in zip(("dq", "dk", "dv"), grads, w_grads)}}
+    return {
+        "o": rel_error(o, w_o),
+        "lse": lse_err,
+        **{name: rel_error(g, w) for name, g, w in zip(("dq", "dk", "dv"), grads, w_grads)},
+    }
 
 
 def report(name, errs):
@@ -145,8 +169,10 @@ def report(name, errs):
         print(f"{name}: ERROR {errs['error']}", flush=True)
         return False
     bad = [k for k, e in errs.items() if not e < TOL]
-    print(f"{name}: " + " ".join(f"{k} {e:.2e}" for k, e in errs.items()) + (f"  FAILED {bad}" if bad else "  ok"),
-          flush=True)
+    print(
+        f"{name}: " + " ".join(f"{k} {e:.2e}" for k, e in errs.items()) + (f"  FAILED {bad}" if bad else "  ok"),
+        flush=True,
+    )
     return not bad
 
 
@@ -191,8 +217,9 @@ def main(argv=None):
                 errs, label = {"error": error_text(e)}, "sparse ring"
             rows.append({"case": name, "seq": case[0][0].shape[1], "check": label, **errs})
             ok &= report(f"{name}: {label}", errs)
-    path = write_results("check_sparse_backward" + ("_quick" if args.quick else ""),
-                         {"tolerance": TOL, "rows": rows, "all_ok": bool(ok)})
+    path = write_results(
+        "check_sparse_backward" + ("_quick" if args.quick else ""), {"tolerance": TOL, "rows": rows, "all_ok": bool(ok)}
+    )
     print("wrote", path)
     return 0 if ok else 1
 

@@ -44,11 +44,15 @@ HEADS, HEAD_DIM, HIDDEN, DEPTH = MODEL.heads, MODEL.head_dim, MODEL.hidden, MODE
 # hurts an in-order head split most), twelve very sparse ones.
 SKEWED = (0.6, 0.7, 0.8, 0.85) + (0.9541666666666667,) * 12
 UNIFORM = (0.9,) * HEADS
-PAPER = {"speedup_over_full_attention": [2.1, 3.02], "rebalancing_speedup_4gpu_artifact": 1.41,
-         "hcp_straggler_without_rebalancing": 0.357}
+PAPER = {
+    "speedup_over_full_attention": [2.1, 3.02],
+    "rebalancing_speedup_4gpu_artifact": 1.41,
+    "hcp_straggler_without_rebalancing": 0.357,
+}
 
 
 # -- 1. kernel measurements -------------------------------------------------------------------
+
 
 def _qkv(s, dtype):
     return harness.random_qkv(jax.random.key(0), s, HEADS, HEAD_DIM, dtype)
@@ -69,8 +73,15 @@ def measure_dense(sizes, backend, dtype, iters):
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
         flops = attention_flops(s, HEADS, HEAD_DIM, s)
-        rows.append({"seq_len": s, "fwd_ms": fwd, "fwd_bwd_ms": both, "rel_error": err,
-                     "fwd_bwd_tflops": ATTENTION_FWD_BWD * flops / both / 1e9})
+        rows.append(
+            {
+                "seq_len": s,
+                "fwd_ms": fwd,
+                "fwd_bwd_ms": both,
+                "rel_error": err,
+                "fwd_bwd_tflops": ATTENTION_FWD_BWD * flops / both / 1e9,
+            }
+        )
     return rows
 
 
@@ -78,8 +89,15 @@ def random_selection(s, sparsity, local_share=0.5):
     """A block selection (64-token tiles and blocks) keeping (1 - s_h) of the blocks of head h: `local_share`
     of them the blocks around the tile, the rest random far blocks (video attention's mix of neighbourhood
     and global keys)."""
-    return harness.random_selection(jax.random.key(0), seq=s, heads=HEADS, q_tile=64, kv_block=64,
-                                    keep=1.0 - np.asarray(sparsity, np.float64), local_share=local_share)
+    return harness.random_selection(
+        jax.random.key(0),
+        seq=s,
+        heads=HEADS,
+        q_tile=64,
+        kv_block=64,
+        keep=1.0 - np.asarray(sparsity, np.float64),
+        local_share=local_share,
+    )
 
 
 def needed_fraction(idx, cnt, n, q_tile=64, kv_block=64):
@@ -96,7 +114,7 @@ def needed_fraction(idx, cnt, n, q_tile=64, kv_block=64):
         for h in range(heads):
             sel = np.zeros(nb, bool)
             for t in range(me * t_loc, (me + 1) * t_loc):
-                sel[idx[h, t, :cnt[h, t]]] = True
+                sel[idx[h, t, : cnt[h, t]]] = True
             per_peer += sel.reshape(n, nb_loc).sum(axis=1)
         per_peer[me] = 0
         worst = max(worst, int(per_peer.max()))
@@ -124,8 +142,18 @@ def measure_sparse(sizes, sparsity, dtype, iters):
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
         kept = attention_flops(s, HEADS, HEAD_DIM, s * (1 - sparsity))
-        rows.append({"seq_len": s, "sparsity": sparsity, "fwd_ms": fwd, "fwd_bwd_ms": both, "impl": impl,
-                     "note": note, "rel_error": err, "fwd_bwd_tflops_kept": ATTENTION_FWD_BWD * kept / both / 1e9})
+        rows.append(
+            {
+                "seq_len": s,
+                "sparsity": sparsity,
+                "fwd_ms": fwd,
+                "fwd_bwd_ms": both,
+                "impl": impl,
+                "note": note,
+                "rel_error": err,
+                "fwd_bwd_tflops_kept": ATTENTION_FWD_BWD * kept / both / 1e9,
+            }
+        )
     return rows
 
 
@@ -143,13 +171,21 @@ def measure_ring_block(sizes, dtype, iters):
         q, k, v, do = _qkv(s, dtype)
         one = GroupAxis("cp_seq", 1)
         body = lambda q, k, v: scp.ring_attention(  # -> (o, lse): the output
-            q, k, v, axis=one, sm_scale=HEAD_DIM ** -0.5, q_chunk=1024)[0]
+            q, k, v, axis=one, sm_scale=HEAD_DIM**-0.5, q_chunk=1024
+        )[0]
         f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), check_vma=False)
         err = harness.rel_error(jax.jit(f)(q, k, v), jax.nn.dot_product_attention(q, k, v))
         fwd = harness.time_fn(jax.jit(f), q, k, v, iters=iters)["median_ms"]
         both = harness.time_fn(_fwd_bwd(f), q, k, v, do, iters=iters)["median_ms"]
-        rows.append({"seq_len": s, "fwd_ms": fwd, "fwd_bwd_ms": both, "rel_error": err,
-                     "fwd_bwd_tflops": ATTENTION_FWD_BWD * attention_flops(s, HEADS, HEAD_DIM, s) / both / 1e9})
+        rows.append(
+            {
+                "seq_len": s,
+                "fwd_ms": fwd,
+                "fwd_bwd_ms": both,
+                "rel_error": err,
+                "fwd_bwd_tflops": ATTENTION_FWD_BWD * attention_flops(s, HEADS, HEAD_DIM, s) / both / 1e9,
+            }
+        )
     return rows
 
 
@@ -172,6 +208,7 @@ def measure_matmul(tokens, dtype, iters):
 
 # -- 2. the model of a training step ----------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     tokens: int
@@ -187,8 +224,9 @@ def linear_s(tokens, gpus, tflops, recompute=True):
     return linear / DEPTH / gpus * passes / (tflops * 1e12)
 
 
-def selection_s(w: Workload, hcp, scp_deg, hw_tflops=harness.H200_BF16_TFLOPS, copy_tbps=harness.H200_COPY_TBPS,
-                rank=16):
+def selection_s(
+    w: Workload, hcp, scp_deg, hw_tflops=harness.H200_BF16_TFLOPS, copy_tbps=harness.H200_COPY_TBPS, rank=16
+):
     """Fused low-rank top-k per block per GPU: tile proxies x all low-rank keys, one pass over the scores."""
     tiles, nb, heads = w.seq_len // scp_deg // w.q_tile, w.seq_len // w.kv_block, w.heads // hcp
     flops = 2 * tiles * w.seq_len * rank * heads
@@ -203,12 +241,27 @@ def model_setup(setup: Setup, km: KernelModel, hw: Hardware, linear_tflops: floa
     def row(label, kind, cost, sparse):
         w_sel = selection_s(Workload(seq_len=s, heads=HEADS, head_dim=HEAD_DIM), cost.hcp, cost.scp) if sparse else 0.0
         block = cost.time_s + lin + w_sel
-        rows.append({"tokens": s, "gpus": n, "attention": kind, "strategy": label, "hcp": cost.hcp, "scp": cost.scp,
-                     "scp_strategy": cost.scp_strategy, "attn_ms": 1e3 * cost.time_s,
-                     "attn_compute_ms": 1e3 * cost.compute_s, "comm_exposed_ms": 1e3 * cost.comm_s,
-                     "linear_ms": 1e3 * lin, "selection_ms": 1e3 * w_sel, "step_s": DEPTH * block,
-                     "bytes_per_gpu_per_layer": cost.bytes_sent, "attn_memory_gb": cost.memory_bytes / 1e9,
-                     "fits": cost.fits, "max_device_load": max(cost.device_loads)})
+        rows.append(
+            {
+                "tokens": s,
+                "gpus": n,
+                "attention": kind,
+                "strategy": label,
+                "hcp": cost.hcp,
+                "scp": cost.scp,
+                "scp_strategy": cost.scp_strategy,
+                "attn_ms": 1e3 * cost.time_s,
+                "attn_compute_ms": 1e3 * cost.compute_s,
+                "comm_exposed_ms": 1e3 * cost.comm_s,
+                "linear_ms": 1e3 * lin,
+                "selection_ms": 1e3 * w_sel,
+                "step_s": DEPTH * block,
+                "bytes_per_gpu_per_layer": cost.bytes_sent,
+                "attn_memory_gb": cost.memory_bytes / 1e9,
+                "fits": cost.fits,
+                "max_device_load": max(cost.device_loads),
+            }
+        )
 
     dense = Workload(seq_len=s, heads=HEADS, head_dim=HEAD_DIM)
     row("ring", "full", candidate_cost(dense, 1, n, "ring", hw, km, memory_cap=memory_cap), False)
@@ -224,9 +277,14 @@ def model_setup(setup: Setup, km: KernelModel, hw: Hardware, linear_tflops: floa
         plan = plan_attention(sp, n, hw, km, memory_cap=memory_cap)
         row("hybrid-planned", kind, plan.cost, True)
         if plan.hcp > 1:
-            row("hybrid-planned, no rebalancing", kind,
-                candidate_cost(sp, plan.hcp, plan.scp, plan.scp_strategy, hw, km, rebalance=False,
-                               memory_cap=memory_cap), True)
+            row(
+                "hybrid-planned, no rebalancing",
+                kind,
+                candidate_cost(
+                    sp, plan.hcp, plan.scp, plan.scp_strategy, hw, km, rebalance=False, memory_cap=memory_cap
+                ),
+                True,
+            )
         best_naive = plan_attention(sp, n, hw, km, memory_cap=memory_cap, rebalance=False)
         row("planned without rebalancing", kind, best_naive.cost, True)
     return rows
@@ -243,24 +301,37 @@ def goals(km: KernelModel, hw: Hardware, quick: bool):
             w = Workload(seq_len=s, heads=HEADS, head_dim=HEAD_DIM, head_sparsity=prof)
             nb_loc = s // n // w.kv_block
             cap = math.ceil(nb_loc * float(np.sum(1 - np.asarray(prof))))
-            ring = context_bytes(hcp=1, scp=n, scp_strategy="ring", batch=1, seq_len=s, heads=HEADS,
-                                 head_dim=HEAD_DIM, itemsize=2)
+            ring = context_bytes(
+                hcp=1, scp=n, scp_strategy="ring", batch=1, seq_len=s, heads=HEADS, head_dim=HEAD_DIM, itemsize=2
+            )
             kv_sel = 2 * (n - 1) * cap * w.kv_block * HEAD_DIM * 2
             one_block = 2 * (n - 1) * w.kv_block * HEAD_DIM * 2 / ring["scp_forward"]
-            ratios.append({"tokens": s, "gpus": n, "mean_sparsity": float(np.mean(prof)),
-                           "selective_over_ring_kv_bytes": kv_sel / ring["scp_forward"],
-                           "bound_1_minus_s": 1 - float(np.mean(prof)), "one_block_rounding": one_block})
+            ratios.append(
+                {
+                    "tokens": s,
+                    "gpus": n,
+                    "mean_sparsity": float(np.mean(prof)),
+                    "selective_over_ring_kv_bytes": kv_sel / ring["scp_forward"],
+                    "bound_1_minus_s": 1 - float(np.mean(prof)),
+                    "one_block_rounding": one_block,
+                }
+            )
     out["selective_kv_bytes"] = ratios
     out["selective_kv_goal_met"] = all(
-        r["selective_over_ring_kv_bytes"] <= r["bound_1_minus_s"] + r["one_block_rounding"] for r in ratios)
+        r["selective_over_ring_kv_bytes"] <= r["bound_1_minus_s"] + r["one_block_rounding"] for r in ratios
+    )
     # How far real selections are from that assumption: the capacity a synthetic selection needs.
     s_union, n_union = (4096, 4) if quick else (32768, 8)
     union = {}
     for share in (1.0, 0.75, 0.5):
         idx, cnt = random_selection(s_union, SKEWED, local_share=share)
         union[f"local_share_{share}"] = needed_fraction(idx, cnt, n_union)
-    out["needed_fraction_synthetic"] = {"seq_len": s_union, "devices": n_union,
-                                        "per_tile_keep": 1 - float(np.mean(SKEWED)), **union}
+    out["needed_fraction_synthetic"] = {
+        "seq_len": s_union,
+        "devices": n_union,
+        "per_tile_keep": 1 - float(np.mean(SKEWED)),
+        **union,
+    }
     # Straggler excess removed by rebalancing, by HCP degree: equal heads per device, and uneven
     # (extra head slots, the planner's best count).
     rng = np.random.default_rng(0)
@@ -273,22 +344,33 @@ def goals(km: KernelModel, hw: Hardware, quick: bool):
             mean = keep.sum() / d
             naive = max(keep[g].sum() for g in balance_heads_host(keep, d, rebalance=False)) - mean
             equal = max(keep[g].sum() for g in balance_heads_host(keep, d)) - mean
-            uneven = min(max(keep[g].sum() for g in balance_heads_host(keep, d, slots=m))
-                         for m in range(HEADS // d, min(HEADS, 2 * HEADS // d) + 1)) - mean
+            uneven = (
+                min(
+                    max(keep[g].sum() for g in balance_heads_host(keep, d, slots=m))
+                    for m in range(HEADS // d, min(HEADS, 2 * HEADS // d) + 1)
+                )
+                - mean
+            )
             res["equal"].append(1 - equal / naive if naive > 0 else 1.0)
             res["uneven"].append(1 - uneven / naive if naive > 0 else 1.0)
-        removal[str(d)] = {"heads_per_device": HEADS // d,
-                           "skewed_profile_equal": res["equal"][0], "skewed_profile_uneven": res["uneven"][0],
-                           "random_profiles_equal_mean": float(np.mean(res["equal"][1:])),
-                           "random_profiles_uneven_mean": float(np.mean(res["uneven"][1:]))}
+        removal[str(d)] = {
+            "heads_per_device": HEADS // d,
+            "skewed_profile_equal": res["equal"][0],
+            "skewed_profile_uneven": res["uneven"][0],
+            "random_profiles_equal_mean": float(np.mean(res["equal"][1:])),
+            "random_profiles_uneven_mean": float(np.mean(res["uneven"][1:])),
+        }
     out["straggler_excess_removed"] = removal
-    out["rebalancing_goal_met"] = {d: max(v["skewed_profile_equal"], v["skewed_profile_uneven"]) >= 0.8
-                                   for d, v in removal.items()}
+    out["rebalancing_goal_met"] = {
+        d: max(v["skewed_profile_equal"], v["skewed_profile_uneven"]) >= 0.8 for d, v in removal.items()
+    }
     # The paper's artifact setting: 4 GPUs of one node, HCP only, skewed heads.
     w = Workload(seq_len=131072, heads=HEADS, head_dim=HEAD_DIM, head_sparsity=SKEWED)
     off = candidate_cost(w, 4, 1, "allgather", hw, km, rebalance=False)
-    hcp4 = {"straggler_without": max(off.device_loads) / np.mean(off.device_loads) - 1,
-            "paper_artifact_speedup": PAPER["rebalancing_speedup_4gpu_artifact"]}
+    hcp4 = {
+        "straggler_without": max(off.device_loads) / np.mean(off.device_loads) - 1,
+        "paper_artifact_speedup": PAPER["rebalancing_speedup_4gpu_artifact"],
+    }
     for label, slots in (("equal", None), ("uneven", plan_attention(w, 4, hw, km).hcp_slots)):
         on = candidate_cost(w, 4, 1, "allgather", hw, km, slots=slots)
         hcp4[f"attention_speedup_{label}"] = off.time_s / on.time_s
@@ -307,8 +389,9 @@ def main():
     iters = 2 if quick else 5
 
     measured = {
-        "dense": measure_dense([256, 512] if quick else [8192, 16384, 32768], "xla" if quick else "cudnn", dtype,
-                               iters),
+        "dense": measure_dense(
+            [256, 512] if quick else [8192, 16384, 32768], "xla" if quick else "cudnn", dtype, iters
+        ),
         "sparse": measure_sparse([512] if quick else [8192, 16384, 32768], 0.9, dtype, iters),
         "ring_block": measure_ring_block([256] if quick else [8192, 16384], dtype, iters),
         "matmul": measure_matmul(512 if quick else 16384, dtype, iters),
@@ -319,12 +402,14 @@ def main():
         km = KernelModel(source="modelled (cuDNN 585 TFLOP/s, docs/architecture.md; sparse at 0.6 of it)")
         linear_tflops = 400.0
     else:
-        km = KernelModel(heads=HEADS, head_dim=HEAD_DIM,
-                         dense=tuple((r["seq_len"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in measured["dense"]),
-                         sparse=tuple((r["seq_len"], r["sparsity"], r["fwd_ms"], r["fwd_bwd_ms"])
-                                      for r in measured["sparse"]),
-                         ring_block=tuple((r["seq_len"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in measured["ring_block"]),
-                         source=f"measured on {harness.device_info()['device']}")
+        km = KernelModel(
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            dense=tuple((r["seq_len"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in measured["dense"]),
+            sparse=tuple((r["seq_len"], r["sparsity"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in measured["sparse"]),
+            ring_block=tuple((r["seq_len"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in measured["ring_block"]),
+            source=f"measured on {harness.device_info()['device']}",
+        )
         linear_tflops = measured["matmul"]["tflops"]
     # The same model with a sparse kernel at 60% of the dense FLOP rate (what the Pallas kernel targets),
     # so the effect of the kernel and of the parallel strategy can be told apart.
@@ -346,32 +431,66 @@ def main():
                 sel = [r for r in rows if r["tokens"] == tokens and r["gpus"] == gpus]
                 full = next(r for r in sel if r["attention"] == "full" and r["strategy"] == "hybrid-planned")
                 sparse = next(r for r in sel if r["attention"] == "sparse-skewed" and r["strategy"] == "hybrid-planned")
-                naive = next(r for r in sel if r["attention"] == "sparse-skewed"
-                             and r["strategy"] == "planned without rebalancing")
-                summary.append({"kernels": name, "tokens": tokens, "gpus": gpus,
-                                "full_plan": f"{full['hcp']}x{full['scp']} {full['scp_strategy']}",
-                                "sparse_plan": f"{sparse['hcp']}x{sparse['scp']} {sparse['scp_strategy']}",
-                                "full_step_s": full["step_s"], "sparse_step_s": sparse["step_s"],
-                                "speedup": full["step_s"] / sparse["step_s"],
-                                "rebalancing_speedup": naive["step_s"] / sparse["step_s"]})
+                naive = next(
+                    r
+                    for r in sel
+                    if r["attention"] == "sparse-skewed" and r["strategy"] == "planned without rebalancing"
+                )
+                summary.append(
+                    {
+                        "kernels": name,
+                        "tokens": tokens,
+                        "gpus": gpus,
+                        "full_plan": f"{full['hcp']}x{full['scp']} {full['scp_strategy']}",
+                        "sparse_plan": f"{sparse['hcp']}x{sparse['scp']} {sparse['scp_strategy']}",
+                        "full_step_s": full["step_s"],
+                        "sparse_step_s": sparse["step_s"],
+                        "speedup": full["step_s"] / sparse["step_s"],
+                        "rebalancing_speedup": naive["step_s"] / sparse["step_s"],
+                    }
+                )
     print()
     harness.print_table(summary, list(summary[0].keys()))
     g = goals(km_target, hw, quick)
-    print("\nselective K/V bytes over ring's (<= 1 - s, up to one block):",
-          [round(r["selective_over_ring_kv_bytes"], 4) for r in g["selective_kv_bytes"]],
-          "met:", g["selective_kv_goal_met"])
+    print(
+        "\nselective K/V bytes over ring's (<= 1 - s, up to one block):",
+        [round(r["selective_over_ring_kv_bytes"], 4) for r in g["selective_kv_bytes"]],
+        "met:",
+        g["selective_kv_goal_met"],
+    )
     print("capacity a synthetic selection needs (fraction of a peer's blocks):", g["needed_fraction_synthetic"])
-    print("straggler excess removed (skewed heads), equal / uneven head counts by HCP degree:",
-          {d: (round(v["skewed_profile_equal"], 3), round(v["skewed_profile_uneven"], 3))
-           for d, v in g["straggler_excess_removed"].items()})
+    print(
+        "straggler excess removed (skewed heads), equal / uneven head counts by HCP degree:",
+        {
+            d: (round(v["skewed_profile_equal"], 3), round(v["skewed_profile_uneven"], 3))
+            for d, v in g["straggler_excess_removed"].items()
+        },
+    )
     h4 = g["hcp4_rebalancing"]
-    print(f"4-GPU HCP rebalancing, attention speedup: {h4['attention_speedup_equal']:.3f} (equal heads), "
-          f"{h4['attention_speedup_uneven']:.3f} (uneven); paper artifact 1.41x")
-    payload = {"quick": quick, "hardware": dataclasses.asdict(hw), "kernel_model": km.to_dict(),
-               "linear_tflops": linear_tflops, "memory_cap_gb": args.memory_cap_gb, "measured": measured,
-               "model": {"depth": DEPTH, "heads": HEADS, "head_dim": HEAD_DIM, "hidden": HIDDEN,
-                         "skewed_head_sparsity": SKEWED, "remat": True},
-               "setups": tables, "summary": summary, "goals": g, "paper": PAPER}
+    print(
+        f"4-GPU HCP rebalancing, attention speedup: {h4['attention_speedup_equal']:.3f} (equal heads), "
+        f"{h4['attention_speedup_uneven']:.3f} (uneven); paper artifact 1.41x"
+    )
+    payload = {
+        "quick": quick,
+        "hardware": dataclasses.asdict(hw),
+        "kernel_model": km.to_dict(),
+        "linear_tflops": linear_tflops,
+        "memory_cap_gb": args.memory_cap_gb,
+        "measured": measured,
+        "model": {
+            "depth": DEPTH,
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "hidden": HIDDEN,
+            "skewed_head_sparsity": SKEWED,
+            "remat": True,
+        },
+        "setups": tables,
+        "summary": summary,
+        "goals": g,
+        "paper": PAPER,
+    }
     print("wrote", harness.write_results("cp_model_quick" if quick else "cp_model", payload))
 
 

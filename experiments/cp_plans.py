@@ -37,12 +37,16 @@ def dense_bytes(cfg, seq_len, devices) -> dict[str, float]:
     """Per device per step (fwd + bwd + remat fwd) of one block's dense attention, per pure strategy."""
     m = cfg.model
     out = {}
-    for name, (ph, ps, st) in {"ring": (1, devices, "ring"), "allgather": (1, devices, "allgather"),
-                               "ulysses": (devices if m.heads % devices == 0 else 0, 1, "allgather")}.items():
+    for name, (ph, ps, st) in {
+        "ring": (1, devices, "ring"),
+        "allgather": (1, devices, "allgather"),
+        "ulysses": (devices if m.heads % devices == 0 else 0, 1, "allgather"),
+    }.items():
         if not ph:
             continue
-        parts = context_bytes(hcp=ph, scp=ps, scp_strategy=st, batch=1, seq_len=seq_len, heads=m.heads,
-                              head_dim=m.head_dim, itemsize=2)
+        parts = context_bytes(
+            hcp=ph, scp=ps, scp_strategy=st, batch=1, seq_len=seq_len, heads=m.heads, head_dim=m.head_dim, itemsize=2
+        )
         out[name] = 2 * (parts["hcp_forward"] + parts["scp_forward"]) + parts["hcp_backward"] + parts["scp_backward"]
     return out
 
@@ -50,8 +54,9 @@ def dense_bytes(cfg, seq_len, devices) -> dict[str, float]:
 def main() -> None:
     rows = []
     for devices in (8, 32):
-        cfg = get_config("2.7b", [f"parallel.context={devices}", "parallel.fsdp=1", "attention=dsv",
-                                  "model.dtype=bfloat16"])
+        cfg = get_config(
+            "2.7b", [f"parallel.context={devices}", "parallel.fsdp=1", "attention=dsv", "model.dtype=bfloat16"]
+        )
         mesh = make_mesh(cfg.parallel, jax.devices()[:devices])
         for tokens, shape in SHAPES.items():
             seq_len = token_layout(grid_shape(shape, cfg.model.patch), cfg.model.tile).seq_len
@@ -62,22 +67,48 @@ def main() -> None:
                 record = policy.record(shape)
                 placement = next(iter(policy.placements.values()))  # every block has the same keep here
                 dense_parts = policy.summary([shape])
-                row = {"devices": devices, "tokens": tokens, "seq_len": seq_len, "heads_keep": keep_name,
-                       "rung": plans[0].keep, "placement": f"{placement['hcp']}x{placement['scp']} "
-                       f"{placement['scp_strategy']}", "head_slots": placement["slots"],
-                       "sparse_mb_per_block": placement["bytes"] / 1e6,
-                       "sparse_mb_per_step": record["cp/bytes_per_step"] / 1e6,
-                       "dense_hybrid": dense_parts[f"cp/{'x'.join(map(str, shape))}/plan"],
-                       "modelled_attention_ms_per_block": 1e3 * placement["time_s"]}
+                row = {
+                    "devices": devices,
+                    "tokens": tokens,
+                    "seq_len": seq_len,
+                    "heads_keep": keep_name,
+                    "rung": plans[0].keep,
+                    "placement": f"{placement['hcp']}x{placement['scp']} {placement['scp_strategy']}",
+                    "head_slots": placement["slots"],
+                    "sparse_mb_per_block": placement["bytes"] / 1e6,
+                    "sparse_mb_per_step": record["cp/bytes_per_step"] / 1e6,
+                    "dense_hybrid": dense_parts[f"cp/{'x'.join(map(str, shape))}/plan"],
+                    "modelled_attention_ms_per_block": 1e3 * placement["time_s"],
+                }
                 row.update({f"dense_{k}_mb_per_block": v / 1e6 for k, v in dense_bytes(cfg, seq_len, devices).items()})
                 row["dense_hybrid_mb_per_block"] = policy._bytes(shape, None, "auto") / 1e6
                 rows.append(row)
-    columns = ["devices", "tokens", "heads_keep", "rung", "placement", "head_slots", "sparse_mb_per_block",
-               "dense_ring_mb_per_block", "dense_allgather_mb_per_block", "dense_ulysses_mb_per_block",
-               "dense_hybrid", "dense_hybrid_mb_per_block", "modelled_attention_ms_per_block"]
+    columns = [
+        "devices",
+        "tokens",
+        "heads_keep",
+        "rung",
+        "placement",
+        "head_slots",
+        "sparse_mb_per_block",
+        "dense_ring_mb_per_block",
+        "dense_allgather_mb_per_block",
+        "dense_ulysses_mb_per_block",
+        "dense_hybrid",
+        "dense_hybrid_mb_per_block",
+        "modelled_attention_ms_per_block",
+    ]
     harness.print_table(rows, columns)
-    harness.write_results("cp_plans", {"preset": "2.7b", "batch_per_device": 1, "dtype": "bfloat16", "rows": rows,
-                                       "note": "bytes per device, forward + backward + remat forward, one block"})
+    harness.write_results(
+        "cp_plans",
+        {
+            "preset": "2.7b",
+            "batch_per_device": 1,
+            "dtype": "bfloat16",
+            "rows": rows,
+            "note": "bytes per device, forward + backward + remat forward, one block",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,23 @@ from experiments.training import time_train_step
 
 def versions():
     out = {}
-    for p in ["jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "scipy", "omegaconf", "grain",
-              "tensorboardX", "tqdm", "imageio", "av", "triton", "jax-cuda13-plugin"]:
+    for p in [
+        "jax",
+        "jaxlib",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "numpy",
+        "scipy",
+        "omegaconf",
+        "grain",
+        "tensorboardX",
+        "tqdm",
+        "imageio",
+        "av",
+        "triton",
+        "jax-cuda13-plugin",
+    ]:
         try:
             out[p] = md.version(p)
         except md.PackageNotFoundError:
@@ -57,16 +72,25 @@ def mosaic_attention():
 def step_2p7b(seq_frames=16):
     """The 2.7B preset's train step at seq_frames x 64 x 64 latents (16k tokens): median of 4 steps after 2."""
     r = time_train_step(get_config("2.7b", ["text.max_len=64"]), (seq_frames, 64, 64), 4, warmup=2)
-    return {"tokens": r["tokens"], "compile_s": r["compile_s"], "step_ms": 1e3 * r["step_s"],
-            "tokens_per_s": r["tokens_per_s"], "loss": r["loss"], "peak_bytes": harness.peak_memory_bytes()}
+    return {
+        "tokens": r["tokens"],
+        "compile_s": r["compile_s"],
+        "step_ms": 1e3 * r["step_s"],
+        "tokens_per_s": r["tokens_per_s"],
+        "loss": r["loss"],
+        "peak_bytes": harness.peak_memory_bytes(),
+    }
 
 
 def main():
     out = os.environ.get("OUT", "/tmp")
     res = {"versions": versions()}
     print(res["versions"], flush=True)
-    for name, fn in [("pallas_triton_add_err", pallas_triton_add), ("mosaic_attention_f16_relerr", mosaic_attention),
-                     ("step_2p7b_16k", step_2p7b)]:
+    for name, fn in [
+        ("pallas_triton_add_err", pallas_triton_add),
+        ("mosaic_attention_f16_relerr", mosaic_attention),
+        ("step_2p7b_16k", step_2p7b),
+    ]:
         t0 = time.perf_counter()
         try:
             res[name] = fn()
@@ -74,15 +98,33 @@ def main():
             res[name] = {"error": harness.error_text(e, trace=True)}
         print(name, round(time.perf_counter() - t0, 1), "s:", str(res[name])[:800], flush=True)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "dsv_jax", "train", "--config", "tiny", "--workdir", "/tmp/tiny",
-                        "--steps", "60", "--no-progress", "train.sample_steps=10"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv_jax",
+            "train",
+            "--config",
+            "tiny",
+            "--workdir",
+            "/tmp/tiny",
+            "--steps",
+            "60",
+            "--no-progress",
+            "train.sample_steps=10",
+        ],
+        capture_output=True,
+        text=True,
+    )
     res["tiny_train"] = {"rc": r.returncode, "seconds": time.perf_counter() - t0, "tail": (r.stdout + r.stderr)[-1500:]}
     print("tiny train", res["tiny_train"], flush=True)
     harness.write_results("gpu_probe", res)
     # The installed jax's Pallas sources, to read this version's API offline.
     root = os.path.dirname(jax.__file__)
-    subprocess.run(["tar", "czf", os.path.join(out, "pallas_src.tgz"), "-C", root, "experimental/pallas",
-                    "_src/pallas"], check=False)
+    subprocess.run(
+        ["tar", "czf", os.path.join(out, "pallas_src.tgz"), "-C", root, "experimental/pallas", "_src/pallas"],
+        check=False,
+    )
 
 
 if __name__ == "__main__":

@@ -53,14 +53,20 @@ H200_COPY_TBPS = 2.8  # elementwise copy, read + write
 
 # -- the machine and the results files -------------------------------------------------------------------
 
+
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
 def device_info() -> dict[str, Any]:
     d = jax.devices()[0]
-    return {"jax": jax.__version__, "backend": jax.default_backend(), "device": d.device_kind,
-            "device_count": jax.device_count(), "python": platform.python_version()}
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": d.device_kind,
+        "device_count": jax.device_count(),
+        "python": platform.python_version(),
+    }
 
 
 def write_results(name: str, payload: dict[str, Any], directory: str | None = None) -> str:
@@ -139,17 +145,19 @@ def in_child(module: str, args: list[str], timeout_s: float, env: dict[str, str]
     crash or a deadlock there (e.g. of an experimental kernel) costs at most timeout_s, never the caller."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"no answer within {timeout_s:.0f} s (deadlock, hang or slow compile)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]
     if not lines:
         return {"error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}"}
-    return json.loads(lines[-1][len(CHILD_TAG):])
+    return json.loads(lines[-1][len(CHILD_TAG) :])
 
 
 # -- time budgets -----------------------------------------------------------------------------------------
+
 
 class Budget:
     """A wall-clock budget of `seconds` (None: unlimited) counted from `start` (time.time(); default: the
@@ -184,8 +192,16 @@ class Budget:
 
 # -- timing -----------------------------------------------------------------------------------------------
 
-def time_fn(fn: Callable, *args, warmup: int = 2, iters: int = 10, min_ms: float = 20.0, max_calls: int = 200,
-            agree: Callable[[int], int] = int) -> dict:
+
+def time_fn(
+    fn: Callable,
+    *args,
+    warmup: int = 2,
+    iters: int = 10,
+    min_ms: float = 20.0,
+    max_calls: int = 200,
+    agree: Callable[[int], int] = int,
+) -> dict:
     """Device time per call of fn(*args) in ms (see the module docstring): median / min / max / spread over
     `iters` repetitions of n back-to-back calls, n sized so that a repetition lasts about min_ms (by one
     blocked call after at least one warm-up call); `agree` makes n the same on every process of a
@@ -205,8 +221,14 @@ def time_fn(fn: Callable, *args, warmup: int = 2, iters: int = 10, min_ms: float
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3 / n)
     med = statistics.median(times)
-    result = {"median_ms": med, "min_ms": min(times), "max_ms": max(times),
-              "spread_pct": 100.0 * (max(times) - min(times)) / med, "runs": iters, "calls_per_run": n}
+    result = {
+        "median_ms": med,
+        "min_ms": min(times),
+        "max_ms": max(times),
+        "spread_pct": 100.0 * (max(times) - min(times)) / med,
+        "runs": iters,
+        "calls_per_run": n,
+    }
     if n > 1:
         single = []
         for _ in range(iters):
@@ -228,7 +250,7 @@ def _hlo_table(hlo_text: str, title: str, pattern: str) -> dict[int, tuple]:
     """One of the source tables at the top of an HLO module's text (FileNames, StackFrames, ...): id -> fields."""
     block = re.search(rf"^{title}\n(.*?)(?:\n\n|\Z)", hlo_text, re.M | re.S)
     rows = {}
-    for line in (block.group(1).splitlines() if block else []):
+    for line in block.group(1).splitlines() if block else []:
         m = re.match(rf"\s*(\d+) {pattern}", line)
         if m:
             rows[int(m.group(1))] = m.groups()[1:]
@@ -298,8 +320,9 @@ def device_profile(run: Callable[[], Any], hlo_text: str | None = None, top: int
     scopes = _op_scopes(hlo_text) if hlo_text else {}
     by_op: dict[str, dict[str, Any]] = {}
     for op, kernel, ms in events:
-        row = by_op.setdefault(op, {"op": op, "ms": 0.0, "calls": 0, "kernel": kernel[:120],
-                                    "scope": scopes.get(op, "")})
+        row = by_op.setdefault(
+            op, {"op": op, "ms": 0.0, "calls": 0, "kernel": kernel[:120], "scope": scopes.get(op, "")}
+        )
         row["ms"] += ms
         row["calls"] += 1
     by_scope: dict[str, dict[str, Any]] = {}
@@ -309,13 +332,19 @@ def device_profile(run: Callable[[], Any], hlo_text: str | None = None, top: int
         agg["ms"] += row["ms"]
         agg["calls"] += row["calls"]
     rank = lambda rows: sorted(rows, key=lambda r: -r["ms"])[:top]
-    return {"device_ms": sum(ms for *_, ms in events), "wall_ms": 1e3 * wall, "events": len(events),
-            "ops": rank(by_op.values()), "scopes": rank(by_scope.values())}
+    return {
+        "device_ms": sum(ms for *_, ms in events),
+        "wall_ms": 1e3 * wall,
+        "events": len(events),
+        "ops": rank(by_op.values()),
+        "scopes": rank(by_scope.values()),
+    }
 
 
 def fwd_bwd(fn: Callable, n_diff: int | None = None) -> Callable:
     """fn's forward and backward in one call: run(*args, cotangent) -> (out, gradients of the first n_diff
     args (default: all)); the cotangent takes the output's dtypes."""
+
     def run(*a):
         n = len(a) - 1 if n_diff is None else n_diff
         out, vjp = jax.vjp(lambda *d: fn(*d, *a[n:-1]), *a[:n])
@@ -337,8 +366,11 @@ def compiled_memory(fn: Callable, *args) -> dict[str, int]:
     m = jax.jit(fn).lower(*args).compile().memory_analysis()
     if m is None:
         return {}
-    return {"temp_bytes": int(m.temp_size_in_bytes), "argument_bytes": int(m.argument_size_in_bytes),
-            "output_bytes": int(m.output_size_in_bytes)}
+    return {
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+    }
 
 
 def peak_memory_bytes() -> int | None:
@@ -352,6 +384,7 @@ def rel_error(out, ref) -> float:
 
 
 # -- random inputs ----------------------------------------------------------------------------------------
+
 
 def random_qkv(key, seq: int, heads: int, head_dim: int, dtype=jnp.bfloat16, n: int = 4, batch: int = 1):
     """n standard-normal arrays [batch, seq, heads, head_dim]: q, k, v and an output cotangent."""

@@ -80,7 +80,7 @@ class Bucket:
 def duration_shares(edges_s, mean_s=PANDA70M_MEAN_CLIP_S, sigma=DURATION_SIGMA) -> list[float]:
     """Share of clips whose length falls in [edge_i, edge_i+1) (the last bucket is open), log-normal
     lengths with the given mean; clips shorter than edges[0] are dropped and the rest renormalised."""
-    mu = math.log(mean_s) - sigma ** 2 / 2
+    mu = math.log(mean_s) - sigma**2 / 2
 
     def cdf(x):
         return 0.5 * (1 + math.erf((math.log(x) - mu) / (sigma * math.sqrt(2))))
@@ -97,8 +97,12 @@ def mix(quick: bool) -> list[Bucket]:
         edges = [2, 4]
     else:
         images = [("image 256x256", (1, 32, 32), 1 / 3), ("image 512x512", (1, 64, 64), 2 / 3)]
-        videos = [("video 1s 192x320", (4, 24, 40)), ("video 2s 192x320", (8, 24, 40)),
-                  ("video 4s 192x320", (16, 24, 40)), ("video 8s 192x320", (32, 24, 40))]
+        videos = [
+            ("video 1s 192x320", (4, 24, 40)),
+            ("video 2s 192x320", (8, 24, 40)),
+            ("video 4s 192x320", (16, 24, 40)),
+            ("video 8s 192x320", (32, 24, 40)),
+        ]
         edges = [1, 2, 4, 8]
     out = [Bucket(n, s, IMAGE_SHARE * w) for n, s, w in images]
     out += [Bucket(n, s, (1 - IMAGE_SHARE) * w) for (n, s), w in zip(videos, duration_shares(edges))]
@@ -119,8 +123,12 @@ def predicted_per_rank(model: CostModel, shares, batch, seq, ranks: int, steps: 
     t = model.predict(np.asarray(batch)[pick], np.asarray(seq)[pick])
     step = t.max(axis=1)
     tokens = (np.asarray(batch) * seq)[pick].sum(axis=1)
-    return {"ranks": ranks, "tokens_per_s": float(tokens.sum() / step.sum()),
-            "compute_imbalance": float(np.mean(1 - t.mean(axis=1) / step)), "step_cv": step_time_cv(step)}
+    return {
+        "ranks": ranks,
+        "tokens_per_s": float(tokens.sum() / step.sum()),
+        "compute_imbalance": float(np.mean(1 - t.mean(axis=1) / step)),
+        "step_cv": step_time_cv(step),
+    }
 
 
 QUICK_OVERRIDES = (*QUICK_MODEL, "model.depth=1", "model.patch=[1,2,2]", "text.max_len=8", "parallel.fsdp=1")
@@ -153,8 +161,15 @@ def shape_benchmark(bench: StepBench, buckets, eq_b, iters: int):
         bench.compiled(b, shape)
         compile_s += time.perf_counter() - t0
         times = bench.time_steps(b, shape, warmup=2, iters=iters)
-        points.append({"batch": b, "shape": list(shape), "seq_len": bench.seq_len(shape),
-                       "time_s": statistics.median(times), **bench.memory(b, shape)})
+        points.append(
+            {
+                "batch": b,
+                "shape": list(shape),
+                "seq_len": bench.seq_len(shape),
+                "time_s": statistics.median(times),
+                **bench.memory(b, shape),
+            }
+        )
     fit = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points], [p["time_s"] for p in points])
     for p in points:
         p["predicted_s"] = float(fit.predict(p["batch"], p["seq_len"]))
@@ -165,9 +180,16 @@ def batch_modes(fit: CostModel, seq, shares, eq_b, m_mem: int, multiple: int, ta
     """Step 2: both modes' batch sizes per bucket at the same memory cap. The dual rule's compute budget
     comes from a target step time: `target` in ms, or auto (cost_model.balance_target, as fit-cost).
     Returns ({"equal_tokens": B, "dual": B}, target seconds, the predicted sweep over targets)."""
+
     def dual_batches(target_s):
-        rule = BatchRule("dual", max_batch=MAX_BATCH, multiple=multiple, m_mem=m_mem,
-                         m_comp=fit.compute_budget_for(target_s), p=fit.p)
+        rule = BatchRule(
+            "dual",
+            max_batch=MAX_BATCH,
+            multiple=multiple,
+            m_mem=m_mem,
+            m_comp=fit.compute_budget_for(target_s),
+            p=fit.p,
+        )
         return np.array([rule(s) for s in seq])
 
     target_s, sweep = balance_target(fit, seq, shares, dual_batches, eq_b)
@@ -185,15 +207,17 @@ def compile_modes(bench: StepBench, buckets, modes: dict) -> tuple[dict, float]:
             t0 = time.perf_counter()
             bench.compiled(int(b), bk.shape)
             compile_s += time.perf_counter() - t0
-    batches = {(int(b), bk.shape): bench.random_batch(int(b), bk.shape) for bb in modes.values()
-               for b, bk in zip(bb, buckets)}
+    batches = {
+        (int(b), bk.shape): bench.random_batch(int(b), bk.shape) for bb in modes.values() for b, bk in zip(bb, buckets)
+    }
     for (b, shape), batch in batches.items():
         bench.step(b, shape, batch)
     return batches, compile_s
 
 
-def measure_modes(bench: StepBench, buckets, seq, modes: dict, batches: dict, n_steps: int, *, seed: int = 1,
-                  on_block=None):
+def measure_modes(
+    bench: StepBench, buckets, seq, modes: dict, batches: dict, n_steps: int, *, seed: int = 1, on_block=None
+):
     """Step 3b: `n_steps` steps per mode, buckets drawn in proportion to samples / B, the modes
     interleaved in blocks (drift hits both alike), OOMs counted (the state is rebuilt). on_block(measured)
     is called after every block with the summary so far. Returns (measured per mode, compiles during
@@ -201,13 +225,17 @@ def measure_modes(bench: StepBench, buckets, seq, modes: dict, batches: dict, n_
     cfg = bench.cfg
     shares = np.array([b.share for b in buckets])
     rng = np.random.default_rng(seed)
-    schedule = {name: rng.choice(len(buckets), size=n_steps, p=step_frequencies(shares, bb))
-                for name, bb in modes.items()}
+    schedule = {
+        name: rng.choice(len(buckets), size=n_steps, p=step_frequencies(shares, bb)) for name, bb in modes.items()
+    }
     times = {name: [] for name in modes}
     tokens = {name: 0 for name in modes}
     flops = {name: 0.0 for name in modes}  # dense-equivalent model FLOPs (dsv_jax.model.flops)
-    step_flops = {(int(b), bk.shape): train_step_flops(cfg, bk.shape, int(b))["dense_equiv"]
-                  for bb in modes.values() for b, bk in zip(bb, buckets)}
+    step_flops = {
+        (int(b), bk.shape): train_step_flops(cfg, bk.shape, int(b))["dense_equiv"]
+        for bb in modes.values()
+        for b, bk in zip(bb, buckets)
+    }
     ooms = {name: 0 for name in modes}
     used = {name: set() for name in modes}
     losses = []
@@ -216,16 +244,20 @@ def measure_modes(bench: StepBench, buckets, seq, modes: dict, batches: dict, n_
         out = {}
         for name in modes:
             total = sum(times[name])
-            out[name] = {"steps": len(times[name]), "step_cv": step_time_cv(times[name]),
-                         "median_step_ms": 1e3 * statistics.median(times[name]) if times[name] else math.nan,
-                         "tokens_per_s": tokens[name] / total if total else math.nan,
-                         "model_tflops": flops[name] / total / 1e12 if total else math.nan,
-                         "mfu_vs_bf16_ceiling": flops[name] / total / 1e12 / H200_BF16_TFLOPS / bench.mesh.size
-                         if total else math.nan,
-                         "programs": len(used[name]),
-                         "compiled_peak_bytes": max((bench.memory(b, s).get("peak_bytes", 0) for b, s in used[name]),
-                                                    default=0),
-                         "ooms": ooms[name], "step_times_s": list(times[name])}
+            out[name] = {
+                "steps": len(times[name]),
+                "step_cv": step_time_cv(times[name]),
+                "median_step_ms": 1e3 * statistics.median(times[name]) if times[name] else math.nan,
+                "tokens_per_s": tokens[name] / total if total else math.nan,
+                "model_tflops": flops[name] / total / 1e12 if total else math.nan,
+                "mfu_vs_bf16_ceiling": flops[name] / total / 1e12 / H200_BF16_TFLOPS / bench.mesh.size
+                if total
+                else math.nan,
+                "programs": len(used[name]),
+                "compiled_peak_bytes": max((bench.memory(b, s).get("peak_bytes", 0) for b, s in used[name]), default=0),
+                "ooms": ooms[name],
+                "step_times_s": list(times[name]),
+            }
         return out
 
     block = max(4, n_steps // 10)
@@ -258,12 +290,19 @@ def main():
     ap.add_argument("--preset", default="0.8b")
     ap.add_argument("--depth", type=int, default=8, help="layers (the 0.8B preset has 28; fewer fit the budget)")
     ap.add_argument("--mem-tokens", type=int, help="M_mem, tokens per batch (default: 4 of the longest clips)")
-    ap.add_argument("--target", default="auto",
-                    help="dual target step time in ms, or auto: the most even predicted step times within 3%% "
-                         "of equal-token tokens/s (cost_model.balance_target, as fit-cost)")
+    ap.add_argument(
+        "--target",
+        default="auto",
+        help="dual target step time in ms, or auto: the most even predicted step times within 3%% "
+        "of equal-token tokens/s (cost_model.balance_target, as fit-cost)",
+    )
     ap.add_argument("--steps", type=int, default=300, help="timed steps per mode (fewer if the budget needs)")
-    ap.add_argument("--budget-s", type=float, default=270.0,
-                    help="wall-clock budget of the whole script: the timed steps per mode shrink to fit it")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="wall-clock budget of the whole script: the timed steps per mode shrink to fit it",
+    )
     ap.add_argument("--ranks", type=int, default=8, help="data-parallel ranks of the per-rank prediction")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -280,20 +319,25 @@ def main():
     m_mem = args.mem_tokens or 4 * int(seq.max())
     eq_b = equal_batches(bench, seq, m_mem)
     n_params = parameter_count(cfg)
-    print(f"{cfg.name} depth {cfg.model.depth} hidden {cfg.model.hidden} ({n_params / 1e6:.0f}M params) on "
-          f"{jax.devices()[0].device_kind}; M_mem = {m_mem} tokens")
+    print(
+        f"{cfg.name} depth {cfg.model.depth} hidden {cfg.model.hidden} ({n_params / 1e6:.0f}M params) on "
+        f"{jax.devices()[0].device_kind}; M_mem = {m_mem} tokens"
+    )
 
     # 1. shape benchmarking
     fit, points, compile_s = shape_benchmark(bench, buckets, eq_b, iters)
-    print(f"[{time.perf_counter() - t_start:.0f} s] fit: t = {fit.a * 1e3:.2f} ms + {fit.b:.3g} * B * S^{fit.p:.3f}"
-          f"   R^2 {fit.r2:.4f}, max error {100 * fit.max_rel_error:.1f}% over {len(points)} shapes")
+    print(
+        f"[{time.perf_counter() - t_start:.0f} s] fit: t = {fit.a * 1e3:.2f} ms + {fit.b:.3g} * B * S^{fit.p:.3f}"
+        f"   R^2 {fit.r2:.4f}, max error {100 * fit.max_rel_error:.1f}% over {len(points)} shapes"
+    )
 
     # 2. the dual rule's compute budget from a target step time
     shares = np.array([b.share for b in buckets])
     modes, target, sweep = batch_modes(fit, seq, shares, eq_b, m_mem, bench.dp, args.target)
     for s in sweep:
-        s["per_rank_tokens_per_s"] = predicted_per_rank(fit, shares, np.array(s["batch"]), seq,
-                                                        args.ranks)["tokens_per_s"]
+        s["per_rank_tokens_per_s"] = predicted_per_rank(fit, shares, np.array(s["batch"]), seq, args.ranks)[
+            "tokens_per_s"
+        ]
     eq_b, dual_b = modes["equal_tokens"], modes["dual"]
 
     # (a) predicted
@@ -317,38 +361,76 @@ def main():
     if not all(math.isfinite(x) for x in losses):
         raise RuntimeError(f"non-finite training loss during the timed steps: {losses}")
 
-    rows = [{"bucket": bk.name, "shape": "x".join(map(str, bk.shape)), "S": int(s), "share": round(bk.share, 3),
-             "B equal": int(e), "B dual": int(d), "t equal ms": 1e3 * float(fit.predict(e, s)),
-             "t dual ms": 1e3 * float(fit.predict(d, s))} for bk, s, e, d in zip(buckets, seq, eq_b, dual_b)]
+    rows = [
+        {
+            "bucket": bk.name,
+            "shape": "x".join(map(str, bk.shape)),
+            "S": int(s),
+            "share": round(bk.share, 3),
+            "B equal": int(e),
+            "B dual": int(d),
+            "t equal ms": 1e3 * float(fit.predict(e, s)),
+            "t dual ms": 1e3 * float(fit.predict(d, s)),
+        }
+        for bk, s, e, d in zip(buckets, seq, eq_b, dual_b)
+    ]
     print_table(rows, list(rows[0]))
     print()
-    table = [{"mode": n, "pred CV": predicted[n]["spmd"]["cv"], "meas CV": measured[n]["step_cv"],
-              "tokens/s": measured[n]["tokens_per_s"], "pred tok/s": predicted[n]["spmd"]["tokens_per_s"],
-              f"per-rank x{args.ranks} tok/s ratio": predicted[n]["per_rank"]["tokens_per_s_ratio"],
-              "imbalance": predicted[n]["per_rank"]["compute_imbalance"],
-              "peak GiB": measured[n]["compiled_peak_bytes"] / 2 ** 30, "OOMs": measured[n]["ooms"]}
-             for n in modes]
+    table = [
+        {
+            "mode": n,
+            "pred CV": predicted[n]["spmd"]["cv"],
+            "meas CV": measured[n]["step_cv"],
+            "tokens/s": measured[n]["tokens_per_s"],
+            "pred tok/s": predicted[n]["spmd"]["tokens_per_s"],
+            f"per-rank x{args.ranks} tok/s ratio": predicted[n]["per_rank"]["tokens_per_s_ratio"],
+            "imbalance": predicted[n]["per_rank"]["compute_imbalance"],
+            "peak GiB": measured[n]["compiled_peak_bytes"] / 2**30,
+            "OOMs": measured[n]["ooms"],
+        }
+        for n in modes
+    ]
     print_table(table, list(table[0]))
-    print(f"\ndual vs equal tokens: measured tokens/s {100 * gain:+.1f}%, step-time CV "
-          f"{100 * measured['equal_tokens']['step_cv']:.1f}% -> {100 * measured['dual']['step_cv']:.1f}%; "
-          f"compiles after warm-up: {n_compiles}; target step {1e3 * target:.1f} ms; {n_steps} steps per mode")
+    print(
+        f"\ndual vs equal tokens: measured tokens/s {100 * gain:+.1f}%, step-time CV "
+        f"{100 * measured['equal_tokens']['step_cv']:.1f}% -> {100 * measured['dual']['step_cv']:.1f}%; "
+        f"compiles after warm-up: {n_compiles}; target step {1e3 * target:.1f} ms; {n_steps} steps per mode"
+    )
 
     payload = {
-        "quick": args.quick, "preset": cfg.name, "depth": cfg.model.depth, "hidden": cfg.model.hidden,
-        "params": n_params, "dtype": cfg.model.dtype, "attention": cfg.attention,
-        "distribution": {"source": "Panda-70M clip lengths (mean 8.5 s = 167k h / 70.7M clips); "
-                                   f"log-normal sigma {DURATION_SIGMA} and image share {IMAGE_SHARE} assumed",
-                         "buckets": [{"name": b.name, "shape": list(b.shape), "seq_len": int(s), "share": b.share}
-                                     for b, s in zip(buckets, seq)]},
-        "m_mem_tokens": m_mem, "target_step_s": target, "m_comp": fit.compute_budget_for(target),
-        "fit": {"a": fit.a, "b": fit.b, "p": fit.p, "r2": fit.r2, "max_rel_error": fit.max_rel_error,
-                "points": points},
+        "quick": args.quick,
+        "preset": cfg.name,
+        "depth": cfg.model.depth,
+        "hidden": cfg.model.hidden,
+        "params": n_params,
+        "dtype": cfg.model.dtype,
+        "attention": cfg.attention,
+        "distribution": {
+            "source": "Panda-70M clip lengths (mean 8.5 s = 167k h / 70.7M clips); "
+            f"log-normal sigma {DURATION_SIGMA} and image share {IMAGE_SHARE} assumed",
+            "buckets": [
+                {"name": b.name, "shape": list(b.shape), "seq_len": int(s), "share": b.share}
+                for b, s in zip(buckets, seq)
+            ],
+        },
+        "m_mem_tokens": m_mem,
+        "target_step_s": target,
+        "m_comp": fit.compute_budget_for(target),
+        "fit": {"a": fit.a, "b": fit.b, "p": fit.p, "r2": fit.r2, "max_rel_error": fit.max_rel_error, "points": points},
         "batch_sizes": {n: bb.tolist() for n, bb in modes.items()},
-        "predicted": predicted, "target_sweep": sweep, "measured": measured,
-        "tokens_per_s_gain": gain, "compiles_after_warmup": n_compiles,
-        "compile_seconds": compile_s, "device_peak_bytes": peak_memory_bytes(),
-        "goals": {"step_cv_le_8pct": measured["dual"]["step_cv"] <= 0.08, "tokens_per_s_ge_20pct": gain >= 0.20,
-                  "zero_ooms": not any(ooms.values()), "zero_recompiles": n_compiles == 0},
+        "predicted": predicted,
+        "target_sweep": sweep,
+        "measured": measured,
+        "tokens_per_s_gain": gain,
+        "compiles_after_warmup": n_compiles,
+        "compile_seconds": compile_s,
+        "device_peak_bytes": peak_memory_bytes(),
+        "goals": {
+            "step_cv_le_8pct": measured["dual"]["step_cv"] <= 0.08,
+            "tokens_per_s_ge_20pct": gain >= 0.20,
+            "zero_ooms": not any(ooms.values()),
+            "zero_recompiles": n_compiles == 0,
+        },
         "wall_s": time.perf_counter() - t_start,
     }
     name = "load_balance_quick" if args.quick else "load_balance"
@@ -371,13 +453,17 @@ def plot(payload: dict, path: str) -> None:
     lim = [min(p["time_s"] for p in pts) * 800, max(p["time_s"] for p in pts) * 1200]
     ax[1].plot(lim, lim, "k:", lw=1)
     f = payload["fit"]
-    ax[1].set(xlabel="measured (ms)", ylabel="predicted (ms)",
-              title=f"t = a + b B S^p: p = {f['p']:.3f}, R^2 = {f['r2']:.3f}")
+    ax[1].set(
+        xlabel="measured (ms)", ylabel="predicted (ms)", title=f"t = a + b B S^p: p = {f['p']:.3f}, R^2 = {f['r2']:.3f}"
+    )
     sw = payload["target_sweep"]
     ax[2].plot([s["cv"] * 100 for s in sw], [s["tokens_per_s_ratio"] for s in sw], ".", label="dual, one target each")
     ax[2].axvline(payload["predicted"]["equal_tokens"]["spmd"]["cv"] * 100, color="gray", ls=":", label="equal tokens")
-    ax[2].set(xlabel="predicted step-time CV (%)", ylabel="tokens/s vs equal tokens",
-              title="dual rule over target step times (predicted)")
+    ax[2].set(
+        xlabel="predicted step-time CV (%)",
+        ylabel="tokens/s vs equal tokens",
+        title="dual rule over target step times (predicted)",
+    )
     ax[2].legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=110)

@@ -45,7 +45,7 @@ def centroid_shift(frames) -> np.ndarray:
     mass = sal.sum(axis=(2, 3)) + 1e-9
     centre = np.stack([(sal * yy).sum(axis=(2, 3)) / mass, (sal * xx).sum(axis=(2, 3)) / mass], -1)
     half = t // 2
-    return centre[:, t - half:].mean(1) - centre[:, :half].mean(1)
+    return centre[:, t - half :].mean(1) - centre[:, :half].mean(1)
 
 
 def moving_clips(n: int, shape, seed: int = 123):
@@ -100,14 +100,24 @@ def main():
             row[k] = float(shift.mean())
             row[f"{k}_share_positive"] = float(np.mean(shift > 0))
         rows.append(row)
-    harness.print_table(rows, ["t", "noisy_input", "caption", "flipped", "empty", "caption_share_positive",
-                               "flipped_share_positive"])
+    harness.print_table(
+        rows, ["t", "noisy_input", "caption", "flipped", "empty", "caption_share_positive", "flipped_share_positive"]
+    )
     print(f"the clips themselves: {truth:+.2f} px along their direction")
-    harness.write_results(args.name, {"workdir": args.workdir, "config": cfg.name, "clips": args.clips,
-                                      "latent_shape": list(args.shape), "truth_px": truth,
-                                      "units": "mean displacement (px) of the x0 prediction's salience centroid, "
-                                               "second half of the frames minus the first, along each clip's "
-                                               "true direction", "rows": rows})
+    harness.write_results(
+        args.name,
+        {
+            "workdir": args.workdir,
+            "config": cfg.name,
+            "clips": args.clips,
+            "latent_shape": list(args.shape),
+            "truth_px": truth,
+            "units": "mean displacement (px) of the x0 prediction's salience centroid, "
+            "second half of the frames minus the first, along each clip's "
+            "true direction",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

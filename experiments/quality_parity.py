@@ -67,24 +67,42 @@ from experiments.harness import RESULTS_DIR, device_info, print_table, write_res
 from experiments.training import study_overrides
 
 # name -> (attention, model seed, run-specific overrides)
-RUNS = {"full": ("auto", 0, []), "full_seed1": ("auto", 1, []), "window": ("window", 0, []), "dsv": ("dsv", 0, []),
-        # a quality probe, not a speed setting: the paper's keep rule (1 - theta-sparsity, no recall target)
-        # with the threshold below the measured sparsities, so that blocks do attend sparsely at this scale
-        "dsv_forced": ("dsv", 0, ["dsv.recall_target=0", "dsv.threshold=0.4", "dsv.ladder=[0.5,1.0]"]),
-        # the paper's predictor loss on raw logit rows (dsv.center_logits=false), otherwise as dsv
-        "dsv_paper_loss": ("dsv", 0, ["dsv.center_logits=false"])}
+RUNS = {
+    "full": ("auto", 0, []),
+    "full_seed1": ("auto", 1, []),
+    "window": ("window", 0, []),
+    "dsv": ("dsv", 0, []),
+    # a quality probe, not a speed setting: the paper's keep rule (1 - theta-sparsity, no recall target)
+    # with the threshold below the measured sparsities, so that blocks do attend sparsely at this scale
+    "dsv_forced": ("dsv", 0, ["dsv.recall_target=0", "dsv.threshold=0.4", "dsv.ladder=[0.5,1.0]"]),
+    # the paper's predictor loss on raw logit rows (dsv.center_logits=false), otherwise as dsv
+    "dsv_paper_loss": ("dsv", 0, ["dsv.center_logits=false"]),
+}
 
 
 def overrides(args, name: str) -> list[str]:
     """Config overrides of run `name` (the run's attention is added by `run`)."""
     seed = RUNS[name][1]
     setup = study_overrides(args.setup, args.tokens, quick=args.quick)  # model and data, as the studies share them
-    train = [f"train.steps={args.steps}", f"train.eval_every={args.eval_every}",
-             f"train.eval_batches={args.eval_batches}", f"train.warmup_steps={max(1, args.steps // 20)}",
-             f"train.lr={args.lr}", f"train.log_every={args.eval_every}", f"train.ckpt_every={args.steps}",
-             "train.sample_at_end=false", f"train.seed={seed}", f"data.seed={args.data_seed}"]
-    dsv = [f"dsv.stage1_steps={args.stage1}", f"dsv.profile_every={args.profile_every}", f"dsv.window={args.window}",
-           f"dsv.recall_target={args.recall_target}", f"dsv.predictor_lr={args.predictor_lr or args.lr}"]
+    train = [
+        f"train.steps={args.steps}",
+        f"train.eval_every={args.eval_every}",
+        f"train.eval_batches={args.eval_batches}",
+        f"train.warmup_steps={max(1, args.steps // 20)}",
+        f"train.lr={args.lr}",
+        f"train.log_every={args.eval_every}",
+        f"train.ckpt_every={args.steps}",
+        "train.sample_at_end=false",
+        f"train.seed={seed}",
+        f"data.seed={args.data_seed}",
+    ]
+    dsv = [
+        f"dsv.stage1_steps={args.stage1}",
+        f"dsv.profile_every={args.profile_every}",
+        f"dsv.window={args.window}",
+        f"dsv.recall_target={args.recall_target}",
+        f"dsv.predictor_lr={args.predictor_lr or args.lr}",
+    ]
     if args.threshold is not None:
         dsv.append(f"dsv.threshold={args.threshold}")
     return setup + train + dsv + list(args.set) + RUNS[name][2]
@@ -104,28 +122,46 @@ def dsv_summary(cfg, controller: dict, steps: list[dict]) -> dict:
         sparse = bool(last.get(f"dsv/sparse/block{i}", 0))
         used = [r[f"dsv/recall/block{i}"] for r in stage2 if f"dsv/recall/block{i}" in r]
         curve = entry["recall_curve"][i]
-        blocks.append({
-            "block": i, "sparse_at_end": sparse, "rung": entry["rungs"][i],
-            "head_keep": last.get(f"dsv/head_keep/block{i}"),
-            # the last step that trained the predictor (stage 2 skips its loss on most steps)
-            "predictor_loss": next((r[f"dsv/predictor_loss/block{i}"] for r in reversed(steps)
-                                    if f"dsv/predictor_loss/block{i}" in r), None),
-            "theta_sparsity_ema": float(np.mean(entry["sparsity"][i])),
-            # recall of the selection the block used in stage 2 (sparse blocks), or of the would-be selection
-            # at the threshold's rung (dense blocks), at the last profile and averaged over stage 2
-            "recall_last": last.get(f"dsv/recall/block{i}"),
-            "recall_stage2_mean": float(np.mean(used)) if used else None,
-            "recall_curve_ema": None if curve is None else np.mean(curve, axis=0).tolist(),
-            "attention_work": float(last[f"dsv/head_keep/block{i}"]) if sparse else 1.0,
-        })
-    return {"switch_step": controller["switch_step"], "controller": controller, "recall_fractions": RECALL_FRACTIONS,
-            "blocks": blocks, "sparse_blocks_last": last.get("dsv/sparse_blocks"),
-            "attention_work_kept": float(np.mean([b["attention_work"] for b in blocks])),
-            "profiles": [{"step": r["step"], "stage": r.get("dsv/stage"), "sparse_blocks": r.get("dsv/sparse_blocks"),
-                          "predictor_loss": r.get("dsv/predictor_loss"), "theta_sparsity": r["dsv/sparsity"],
-                          "recall": {i: r.get(f"dsv/recall/block{i}") for i in range(depth)},
-                          "head_keep": {i: r.get(f"dsv/head_keep/block{i}") for i in range(depth)}}
-                         for r in profiled]}
+        blocks.append(
+            {
+                "block": i,
+                "sparse_at_end": sparse,
+                "rung": entry["rungs"][i],
+                "head_keep": last.get(f"dsv/head_keep/block{i}"),
+                # the last step that trained the predictor (stage 2 skips its loss on most steps)
+                "predictor_loss": next(
+                    (r[f"dsv/predictor_loss/block{i}"] for r in reversed(steps) if f"dsv/predictor_loss/block{i}" in r),
+                    None,
+                ),
+                "theta_sparsity_ema": float(np.mean(entry["sparsity"][i])),
+                # recall of the selection the block used in stage 2 (sparse blocks), or of the would-be selection
+                # at the threshold's rung (dense blocks), at the last profile and averaged over stage 2
+                "recall_last": last.get(f"dsv/recall/block{i}"),
+                "recall_stage2_mean": float(np.mean(used)) if used else None,
+                "recall_curve_ema": None if curve is None else np.mean(curve, axis=0).tolist(),
+                "attention_work": float(last[f"dsv/head_keep/block{i}"]) if sparse else 1.0,
+            }
+        )
+    return {
+        "switch_step": controller["switch_step"],
+        "controller": controller,
+        "recall_fractions": RECALL_FRACTIONS,
+        "blocks": blocks,
+        "sparse_blocks_last": last.get("dsv/sparse_blocks"),
+        "attention_work_kept": float(np.mean([b["attention_work"] for b in blocks])),
+        "profiles": [
+            {
+                "step": r["step"],
+                "stage": r.get("dsv/stage"),
+                "sparse_blocks": r.get("dsv/sparse_blocks"),
+                "predictor_loss": r.get("dsv/predictor_loss"),
+                "theta_sparsity": r["dsv/sparsity"],
+                "recall": {i: r.get(f"dsv/recall/block{i}") for i in range(depth)},
+                "head_keep": {i: r.get(f"dsv/head_keep/block{i}") for i in range(depth)},
+            }
+            for r in profiled
+        ],
+    }
 
 
 def run(name: str, args, root: str, out_dir: str) -> dict:
@@ -147,20 +183,27 @@ def run(name: str, args, root: str, out_dir: str) -> dict:
     controller = trainer.policy.state_dict()
     # the semantic score of clips generated from held-out captions (DSV with its stage-2 plans; the EMA of the
     # weights where the run keeps one, as `dsv-jax eval`); they are the GIF
-    semantic = semantic_eval(cfg, trainer.graphdef, trainer.inference_params, controller, clips=args.clips,
-                             steps=args.sample_steps)
+    semantic = semantic_eval(
+        cfg, trainer.graphdef, trainer.inference_params, controller, clips=args.clips, steps=args.sample_steps
+    )
     gif = save_video(decode_latents(semantic.pop("frames")), os.path.join(out_dir, f"{args.name}_{name}.gif"))
     trainer.close()
     recs = read_metrics(workdir)
     steps = [r for r in recs if "loss" in r]
     evals = {str(r["step"]): r["eval_loss"] for r in recs if "eval_loss" in r}  # str keys, as in the JSON
-    result = {"attention": attention, "seed": seed, "config_overrides": overrides(args, name), "wall_s": wall,
-              "eval_loss": evals,
-              "final_eval_loss": evals[max(evals, key=int)],
-              "train_loss_last": float(np.mean([r["loss"] for r in steps[-max(1, len(steps) // 10):]])),
-              "median_step_s": float(np.median([r["step_time"] for r in steps[len(steps) // 2:]])),
-              "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps[len(steps) // 2:]])),
-              "semantic": semantic, "gif": gif}
+    result = {
+        "attention": attention,
+        "seed": seed,
+        "config_overrides": overrides(args, name),
+        "wall_s": wall,
+        "eval_loss": evals,
+        "final_eval_loss": evals[max(evals, key=int)],
+        "train_loss_last": float(np.mean([r["loss"] for r in steps[-max(1, len(steps) // 10) :]])),
+        "median_step_s": float(np.median([r["step_time"] for r in steps[len(steps) // 2 :]])),
+        "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps[len(steps) // 2 :]])),
+        "semantic": semantic,
+        "gif": gif,
+    }
     if attention == "dsv":
         result.update(dsv_summary(cfg, controller, steps))
     return result
@@ -171,8 +214,13 @@ def compare(results: dict) -> tuple[list[dict], dict]:
     full = results.get("full")
     rows = []
     for name, r in results.items():
-        row = {"run": name, "final_eval": r["final_eval_loss"], "train_loss": r["train_loss_last"],
-               "step_ms": 1e3 * r["median_step_s"], "wall_s": r["wall_s"]}
+        row = {
+            "run": name,
+            "final_eval": r["final_eval_loss"],
+            "train_loss": r["train_loss_last"],
+            "step_ms": 1e3 * r["median_step_s"],
+            "wall_s": r["wall_s"],
+        }
         if "semantic" in r:  # runs of older results files have none
             row["semantic"] = r["semantic"]["score"]["accuracy"]
         if full:
@@ -187,12 +235,16 @@ def compare(results: dict) -> tuple[list[dict], dict]:
         if d["attention"] != "dsv" or not full:
             continue
         sparse = [b for b in d["blocks"] if b["sparse_at_end"]]
-        g = goals[name] = {"eval_ratio": d["final_eval_loss"] / full["final_eval_loss"],
-                           "sparse_blocks": len(sparse), "attention_work_kept": d["attention_work_kept"],
-                           "recall_sparse_blocks_last": [b["recall_last"] for b in sparse]}
+        g = goals[name] = {
+            "eval_ratio": d["final_eval_loss"] / full["final_eval_loss"],
+            "sparse_blocks": len(sparse),
+            "attention_work_kept": d["attention_work_kept"],
+            "recall_sparse_blocks_last": [b["recall_last"] for b in sparse],
+        }
         g["within_2pct"] = bool(g["eval_ratio"] <= 1.02)
-        g["recall_ge_0.95"] = bool(sparse) and all(b["recall_last"] is not None and b["recall_last"] >= 0.95
-                                                   for b in sparse)
+        g["recall_ge_0.95"] = bool(sparse) and all(
+            b["recall_last"] is not None and b["recall_last"] >= 0.95 for b in sparse
+        )
     if "window" in results and full:
         goals["window_eval_ratio"] = results["window"]["final_eval_loss"] / full["final_eval_loss"]
     if full and "semantic" in full:
@@ -204,12 +256,17 @@ def compare(results: dict) -> tuple[list[dict], dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny CPU run")
-    p.add_argument("--setup", default="shapes", choices=["shapes", "photos"],
-                   help="shapes: issue 4's runs (moving shapes, hidden 256 x 4 blocks); photos: the sparsity study's "
-                        "(data.source=photos, the 109M model of experiments/sparsity_emergence.py)")
+    p.add_argument(
+        "--setup",
+        default="shapes",
+        choices=["shapes", "photos"],
+        help="shapes: issue 4's runs (moving shapes, hidden 256 x 4 blocks); photos: the sparsity study's "
+        "(data.source=photos, the 109M model of experiments/sparsity_emergence.py)",
+    )
     p.add_argument("--tokens", type=int, help="tokens per sample (default 16384; quick 256)")
-    p.add_argument("--clips", type=int, help="videos generated from held-out captions for the semantic score "
-                                              "(default 8; quick 2)")
+    p.add_argument(
+        "--clips", type=int, help="videos generated from held-out captions for the semantic score (default 8; quick 2)"
+    )
     p.add_argument("--steps", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-batches", type=int)
@@ -224,8 +281,13 @@ def main(argv=None) -> int:
     p.add_argument("--sample-steps", type=int)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {list(RUNS)}")
     p.add_argument("--keep", action="store_true", help="keep the other runs of the existing results file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every run (e.g. dsv.kv_block=16); repeatable")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (e.g. dsv.kv_block=16); repeatable",
+    )
     p.add_argument("--name", default="quality_parity", help="results file name (--quick appends _quick)")
     p.add_argument("--workdir", help="keep the run directories here (default: a temporary directory)")
     args = p.parse_args(argv)
@@ -257,14 +319,18 @@ def main(argv=None) -> int:
                 v.setdefault("config_overrides", saved.get("config_overrides", {}).get(k))
             print(f"kept from {previous}: {sorted(results)}")
     root = args.workdir or tempfile.mkdtemp(prefix="quality_parity_")
-    out_dir = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="quality_parity_gifs_") if quick else os.path.join(
-        RESULTS_DIR, "samples"))
+    out_dir = os.environ.get("OUT") or (
+        tempfile.mkdtemp(prefix="quality_parity_gifs_") if quick else os.path.join(RESULTS_DIR, "samples")
+    )
     os.makedirs(out_dir, exist_ok=True)
 
     def save():
         rows, goals = compare(results)
-        return write_results(name, {"device": device_info(), "args": vars(args), "runs": results,
-                                    "goals": goals}), rows, goals
+        return (
+            write_results(name, {"device": device_info(), "args": vars(args), "runs": results, "goals": goals}),
+            rows,
+            goals,
+        )
 
     try:
         for n in names:
@@ -280,10 +346,23 @@ def main(argv=None) -> int:
     print_table(rows, ["run", "final_eval", "eval/full", "semantic", "train_loss", "step_ms", "wall_s"])
     for n, d in results.items():
         if d["attention"] == "dsv":
-            print(f"{n}: stage 2 from step {d['switch_step']}, sparse blocks at the end: {d['sparse_blocks_last']}, "
-                  f"attention work kept {d['attention_work_kept']:.3f}")
-            print_table(d["blocks"], ["block", "sparse_at_end", "rung", "head_keep", "recall_last",
-                                      "recall_stage2_mean", "theta_sparsity_ema", "predictor_loss"])
+            print(
+                f"{n}: stage 2 from step {d['switch_step']}, sparse blocks at the end: {d['sparse_blocks_last']}, "
+                f"attention work kept {d['attention_work_kept']:.3f}"
+            )
+            print_table(
+                d["blocks"],
+                [
+                    "block",
+                    "sparse_at_end",
+                    "rung",
+                    "head_keep",
+                    "recall_last",
+                    "recall_stage2_mean",
+                    "theta_sparsity_ema",
+                    "predictor_loss",
+                ],
+            )
     print("goals:", goals)
     print("wrote", path)
     return 0

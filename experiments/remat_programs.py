@@ -67,8 +67,14 @@ def attention_calls(text: str) -> list[dict]:
         m = COMPILED_CALL.search(line)
         if m and ("mosaic" in m.group(2) or "cudnn" in m.group(2)):
             op = re.search(r'op_name="([^"]*)"', line)
-            out.append({"target": m.group(2), "results": re.sub(r"\{[^}]*\}", "", m.group(1)),
-                        "computation": computation, "op_name": op.group(1) if op else None})
+            out.append(
+                {
+                    "target": m.group(2),
+                    "results": re.sub(r"\{[^}]*\}", "", m.group(1)),
+                    "computation": computation,
+                    "op_name": op.group(1) if op else None,
+                }
+            )
     return out
 
 
@@ -88,13 +94,21 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU")
     p.add_argument("--preset", default=None, help="default: 2.7b on a GPU, tiny with --quick")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config overrides, after the defaults (model.depth=2 on a GPU)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides, after the defaults (model.depth=2 on a GPU)",
+    )
     p.add_argument("--shape", type=int, nargs=3, default=None, help="latent T H W (default 16 64 64 on a GPU)")
     p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--variants", default="full,full/keep,dsv,dsv/keep,dsv/keep/no_dsf",
-                   help="comma-separated ATTENTION[/keep][/no_dsf]: full or dsv; keep: model.remat_keep_attention; "
-                        "no_dsf: compiled with XLA's dynamic-slice fusion off")
+    p.add_argument(
+        "--variants",
+        default="full,full/keep,dsv,dsv/keep,dsv/keep/no_dsf",
+        help="comma-separated ATTENTION[/keep][/no_dsf]: full or dsv; keep: model.remat_keep_attention; "
+        "no_dsf: compiled with XLA's dynamic-slice fusion off",
+    )
     p.add_argument("--name", default="remat_programs")
     args = p.parse_args()
     preset = args.preset or ("tiny" if args.quick else "2.7b")
@@ -104,8 +118,14 @@ def main():
     for name in args.variants.split(","):
         attention, *options = name.split("/")
         keep = "keep" in options
-        cfg = get_config(preset, sets + ["attention=dsv" if attention == "dsv" else "attention=auto",
-                                         f"model.remat_keep_attention={str(keep).lower()}"])
+        cfg = get_config(
+            preset,
+            sets
+            + [
+                "attention=dsv" if attention == "dsv" else "attention=auto",
+                f"model.remat_keep_attention={str(keep).lower()}",
+            ],
+        )
         bench = TrainStepBench(cfg)
         batch = bench.batch(shape)
         plans, inputs = dsv_setup(cfg, shape, args.sparsity) if attention == "dsv" else ("auto", None)
@@ -116,9 +136,13 @@ def main():
         exe = lowered.compile(compiler_options)
         text = exe.as_text()
         calls = attention_calls(text)
-        variants[name] = {"lowered": lowered_calls(lowered.as_text()), "compiled": compiled_calls(text),
-                          "attention_calls": calls, "sparse_forwards": sparse_forwards(calls),
-                          "compile_s": round(time.perf_counter() - t0, 1)}
+        variants[name] = {
+            "lowered": lowered_calls(lowered.as_text()),
+            "compiled": compiled_calls(text),
+            "attention_calls": calls,
+            "sparse_forwards": sparse_forwards(calls),
+            "compile_s": round(time.perf_counter() - t0, 1),
+        }
         print(f"== {name}: {variants[name]['sparse_forwards']} sparse forwards ({variants[name]['compile_s']} s)")
         for where in ("lowered", "compiled"):
             for k, n in sorted(variants[name][where].items()):
@@ -126,11 +150,19 @@ def main():
                     print(f"   {where:9s} {n:3d}  {k}")
         for call in variants[name]["attention_calls"]:
             print(f"   {call['target']} {call['results']} in {call['computation']}: {call['op_name']}")
-    payload = {"device": harness.device_info(), "preset": preset, "overrides": sets, "latent_shape": list(shape),
-               "sparsity": args.sparsity,
-               "jax_flags": {k: v for k, v in jax.config.values.items()
-                             if any(s in k for s in ("remat", "lineariz", "custom_vjp", "scan3"))},
-               "variants": variants}
+    payload = {
+        "device": harness.device_info(),
+        "preset": preset,
+        "overrides": sets,
+        "latent_shape": list(shape),
+        "sparsity": args.sparsity,
+        "jax_flags": {
+            k: v
+            for k, v in jax.config.values.items()
+            if any(s in k for s in ("remat", "lineariz", "custom_vjp", "scan3"))
+        },
+        "variants": variants,
+    }
     harness.write_results(args.name, payload)
 
 

@@ -55,13 +55,25 @@ def analysis_plans(cfg, shape, controller, kv_block: int = 0):
 
     d = cfg.dsv
     if cfg.attention != "dsv":
-        plan = AttentionPlan(mode="dense", backend=d.dense_backend, profile=True, analysis=True, theta=d.theta,
-                             percentile=d.percentile, query_stride=d.query_stride, max_queries=d.max_queries,
-                             kv_block=kv_block)
+        plan = AttentionPlan(
+            mode="dense",
+            backend=d.dense_backend,
+            profile=True,
+            analysis=True,
+            theta=d.theta,
+            percentile=d.percentile,
+            query_stride=d.query_stride,
+            max_queries=d.max_queries,
+            kv_block=kv_block,
+        )
         return [plan] * cfg.model.depth, None
     ctl = DSVController(cfg, controller)
-    plans = [dataclasses.replace(p, profile=True, analysis=True, keep=p.keep or ctl.prospective,
-                                 kv_block=kv_block or p.kv_block) for p in ctl.plans(shape, train=False)]
+    plans = [
+        dataclasses.replace(
+            p, profile=True, analysis=True, keep=p.keep or ctl.prospective, kv_block=kv_block or p.kv_block
+        )
+        for p in ctl.plans(shape, train=False)
+    ]
     return plans, {"keep": jnp.asarray(ctl.keep(shape), jnp.float32)}
 
 
@@ -104,8 +116,18 @@ def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, se
 
     per_t = {}
     for t in t_values:
-        runs = [jax.device_get(stats(params, {k: jnp.asarray(v) for k, v in feed.batch_at(i, shape).items()},
-                                     jnp.float32(t), jax.random.key(seed + i), inputs)) for i in range(batches)]
+        runs = [
+            jax.device_get(
+                stats(
+                    params,
+                    {k: jnp.asarray(v) for k, v in feed.batch_at(i, shape).items()},
+                    jnp.float32(t),
+                    jax.random.key(seed + i),
+                    inputs,
+                )
+            )
+            for i in range(batches)
+        ]
         per_t[t] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     layout = token_layout(grid_shape(shape, cfg.model.patch), cfg.model.tile)
     positions = layout.valid_positions[sample_positions(layout.n_real, cfg.dsv.query_stride, cfg.dsv.max_queries)]
@@ -166,8 +188,12 @@ def plot(per_t, uniform, out_dir: str, title: str, prefix: str) -> list[str]:
     r = per_t[t]
     depth = r["oracle_curve"].shape[0]
     fig, axes = plt.subplots(1, depth, figsize=(3.2 * depth, 3.2), squeeze=False, sharey=True)
-    curves = {"best tokens": r["oracle_curve"][:, :, 0], "best blocks": r["oracle_curve"][:, :, 1],
-              "rule on true q, k": r["exact_proxy_curve"], "predictor": r["recall_curve"]}
+    curves = {
+        "best tokens": r["oracle_curve"][:, :, 0],
+        "best blocks": r["oracle_curve"][:, :, 1],
+        "rule on true q, k": r["exact_proxy_curve"],
+        "predictor": r["recall_curve"],
+    }
     for i, ax in enumerate(axes[0]):
         for label, c in curves.items():
             if np.isfinite(c[i]).all():
@@ -188,9 +214,19 @@ def quick_workdir() -> str:
     from dsv_jax.train.trainer import train
 
     workdir = tempfile.mkdtemp(prefix="sparsity_analysis_")
-    cfg = get_config("tiny", study_overrides("shapes", 256, quick=True) + [
-        "train.steps=4", "train.sample_at_end=false", "train.eval_batches=1", "attention=dsv", "dsv.stage1_steps=2",
-        "dsv.threshold=0.2", "dsv.profile_every=2"])
+    cfg = get_config(
+        "tiny",
+        study_overrides("shapes", 256, quick=True)
+        + [
+            "train.steps=4",
+            "train.sample_at_end=false",
+            "train.eval_batches=1",
+            "attention=dsv",
+            "dsv.stage1_steps=2",
+            "dsv.threshold=0.2",
+            "dsv.profile_every=2",
+        ],
+    )
     train(cfg, workdir, progress=False)
     return workdir
 
@@ -215,8 +251,9 @@ def main(argv=None) -> int:
 
     shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else default_shape(cfg)
     t_values = [float(v) for v in args.t.split(",")]
-    per_t, uniform, layout = analyse(cfg, graphdef, params, controller, shape, t_values, args.batches, args.seed,
-                                     args.kv_block)
+    per_t, uniform, layout = analyse(
+        cfg, graphdef, params, controller, shape, t_values, args.batches, args.seed, args.kv_block
+    )
 
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS, TOP_FRACTIONS, keep_for_recall
 
@@ -224,33 +261,71 @@ def main(argv=None) -> int:
     for t in t_values:
         r = per_t[t]
         for i in range(cfg.model.depth):
-            row = {"t": t, "block": i, "sparsity": float(r["sparsity"][i].mean()),
-                   "sparsity_mean": float(r["sparsity_mean"][i].mean()),
-                   "top10%_mass": float(r["top_mass"][i, :, TOP_FRACTIONS.index(0.1)].mean())}
+            row = {
+                "t": t,
+                "block": i,
+                "sparsity": float(r["sparsity"][i].mean()),
+                "sparsity_mean": float(r["sparsity_mean"][i].mean()),
+                "top10%_mass": float(r["top_mass"][i, :, TOP_FRACTIONS.index(0.1)].mean()),
+            }
             row.update({f"dist_{a}": float(r["critical_distance"][i, :, j].mean()) for j, a in enumerate(AXES)})
             if np.isfinite(r["recall"][i]).all():
                 row["recall"] = float(r["recall"][i].mean())
             # keep ratios that reach 95% recall: the best token / block selections, the selection rule on
             # the true q, k, and (DSV) on the predictor's projections (mean over heads)
-            curves = {"keep95_tokens": r["oracle_curve"][i, :, 0], "keep95_blocks": r["oracle_curve"][i, :, 1],
-                      "keep95_exact": r["exact_proxy_curve"][i], "keep95_predictor": r["recall_curve"][i]}
+            curves = {
+                "keep95_tokens": r["oracle_curve"][i, :, 0],
+                "keep95_blocks": r["oracle_curve"][i, :, 1],
+                "keep95_exact": r["exact_proxy_curve"][i],
+                "keep95_predictor": r["recall_curve"][i],
+            }
             row.update({k: float(keep_for_recall(c, 0.95).mean()) for k, c in curves.items() if np.isfinite(c).all()})
             rows.append(row)
-    print(f"{workdir} (step {step}, attention={cfg.attention}), shape {shape}: {layout.n_real} tokens; "
-          f"uniform-attention distance t/h/w = {np.round(uniform, 2).tolist()}")
-    print_table(rows, ["t", "block", "sparsity", "sparsity_mean", "top10%_mass", "dist_t", "dist_h", "dist_w",
-                       "recall", "keep95_tokens", "keep95_blocks", "keep95_exact", "keep95_predictor"])
-    out_dir = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="sparsity_plots_") if args.quick else os.path.join(
-        RESULTS_DIR, "sparsity_analysis"))
+    print(
+        f"{workdir} (step {step}, attention={cfg.attention}), shape {shape}: {layout.n_real} tokens; "
+        f"uniform-attention distance t/h/w = {np.round(uniform, 2).tolist()}"
+    )
+    print_table(
+        rows,
+        [
+            "t",
+            "block",
+            "sparsity",
+            "sparsity_mean",
+            "top10%_mass",
+            "dist_t",
+            "dist_h",
+            "dist_w",
+            "recall",
+            "keep95_tokens",
+            "keep95_blocks",
+            "keep95_exact",
+            "keep95_predictor",
+        ],
+    )
+    out_dir = os.environ.get("OUT") or (
+        tempfile.mkdtemp(prefix="sparsity_plots_") if args.quick else os.path.join(RESULTS_DIR, "sparsity_analysis")
+    )
     os.makedirs(out_dir, exist_ok=True)
     run_name = os.path.basename(os.path.abspath(workdir))
     prefix = ("quick" if args.quick else run_name) + (f"_kv{args.kv_block}" if args.kv_block else "")
     paths = plot(per_t, uniform, out_dir, f"{run_name} step {step}, {shape}", f"sparsity_{prefix}")
-    payload = {"workdir": workdir, "step": step, "attention": cfg.attention, "shape": shape, "tokens": layout.n_real,
-               "theta": cfg.dsv.theta, "percentile": cfg.dsv.percentile, "top_fractions": TOP_FRACTIONS,
-               "recall_fractions": RECALL_FRACTIONS, "kv_block": args.kv_block or "the run's",
-               "uniform_distance": uniform.tolist(), "rows": rows, "plots": paths,
-               "per_t": {str(t): {k: np.asarray(v).tolist() for k, v in r.items()} for t, r in per_t.items()}}
+    payload = {
+        "workdir": workdir,
+        "step": step,
+        "attention": cfg.attention,
+        "shape": shape,
+        "tokens": layout.n_real,
+        "theta": cfg.dsv.theta,
+        "percentile": cfg.dsv.percentile,
+        "top_fractions": TOP_FRACTIONS,
+        "recall_fractions": RECALL_FRACTIONS,
+        "kv_block": args.kv_block or "the run's",
+        "uniform_distance": uniform.tolist(),
+        "rows": rows,
+        "plots": paths,
+        "per_t": {str(t): {k: np.asarray(v).tolist() for k, v in r.items()} for t, r in per_t.items()},
+    }
     print("wrote", write_results(f"sparsity_analysis_{prefix}", payload), *paths)
     return 0
 

@@ -108,11 +108,22 @@ def config_for(args, tokens: int):
     overrides = study_overrides("photos", tokens, quick=args.quick, tokens_per_batch=args.tokens_per_batch) + [
         # train.steps one past the last round: the trainer's own held-out evaluation (when it reaches train.steps)
         # would compile another program per S, and the study measures what it needs itself
-        f"train.steps={args.steps + 1}", f"train.lr={args.lr}", f"train.warmup_steps={max(1, args.steps // 20)}",
-        f"train.log_every={max(1, min(10, args.every))}", f"train.ckpt_every={args.every}", "train.keep_checkpoints=2",
-        "train.sample_at_end=false", f"train.eval_batches={args.batches}", f"data.seed={args.data_seed}",
-        "attention=dsv", "dsv.switch_loss=0", "dsv.stage1_steps=0", f"dsv.profile_every={args.profile_every}",
-        f"dsv.recall_target={args.recall_target}", f"dsv.predictor_lr={args.predictor_lr or args.lr}"]
+        f"train.steps={args.steps + 1}",
+        f"train.lr={args.lr}",
+        f"train.warmup_steps={max(1, args.steps // 20)}",
+        f"train.log_every={max(1, min(10, args.every))}",
+        f"train.ckpt_every={args.every}",
+        "train.keep_checkpoints=2",
+        "train.sample_at_end=false",
+        f"train.eval_batches={args.batches}",
+        f"data.seed={args.data_seed}",
+        "attention=dsv",
+        "dsv.switch_loss=0",
+        "dsv.stage1_steps=0",
+        f"dsv.profile_every={args.profile_every}",
+        f"dsv.recall_target={args.recall_target}",
+        f"dsv.predictor_lr={args.predictor_lr or args.lr}",
+    ]
     return get_config("tiny", overrides + list(args.set)), overrides + list(args.set)
 
 
@@ -123,24 +134,37 @@ def measure(trainer, shape, args) -> dict:
 
     cfg = trainer.cfg
     state = trainer.policy.state_dict()
-    per_t, _, layout = analyse(cfg, trainer.graphdef, trainer.state.params, state, shape, args.t, args.batches,
-                               seed=0)
+    per_t, _, layout = analyse(cfg, trainer.graphdef, trainer.state.params, state, shape, args.t, args.batches, seed=0)
     top10 = TOP_FRACTIONS.index(0.1)
     out = {"t": {}}
     for t, r in per_t.items():
-        curves = {"tokens": r["oracle_curve"][:, :, 0], "blocks": r["oracle_curve"][:, :, 1],
-                  "rule": r["exact_proxy_curve"], "predictor": r["recall_curve"]}
-        keep = {f"{theta}": {k: np.round(keep_for_recall(c, theta), 4).tolist() for k, c in curves.items()
-                             if np.isfinite(c).all()} for theta in THETAS}
-        out["t"][str(t)] = {"keep": keep, "predictor_recall": np.round(r["recall"], 4).tolist(),
-                            "sparsity": np.round(r["sparsity"], 4).tolist(),
-                            "top10_mass": np.round(r["top_mass"][..., top10], 4).tolist()}
+        curves = {
+            "tokens": r["oracle_curve"][:, :, 0],
+            "blocks": r["oracle_curve"][:, :, 1],
+            "rule": r["exact_proxy_curve"],
+            "predictor": r["recall_curve"],
+        }
+        keep = {
+            f"{theta}": {
+                k: np.round(keep_for_recall(c, theta), 4).tolist() for k, c in curves.items() if np.isfinite(c).all()
+            }
+            for theta in THETAS
+        }
+        out["t"][str(t)] = {
+            "keep": keep,
+            "predictor_recall": np.round(r["recall"], 4).tolist(),
+            "sparsity": np.round(r["sparsity"], 4).tolist(),
+            "top10_mass": np.round(r["top_mass"][..., top10], 4).tolist(),
+        }
     ctl = trainer.policy  # the DSV controller (attention=dsv, one device)
     head_keep = ctl.keep(shape)
     rungs = [ctl.decide(head_keep[i], 0.0) for i in range(cfg.model.depth)]
-    out["controller"] = {"head_keep": np.round(head_keep, 4).tolist(), "rungs": rungs,
-                         "sparse_blocks": int(sum(r > 0 for r in rungs)),
-                         "profiles": state["shapes"].get("x".join(map(str, shape)), {}).get("profiles", 0)}
+    out["controller"] = {
+        "head_keep": np.round(head_keep, 4).tolist(),
+        "rungs": rungs,
+        "sparse_blocks": int(sum(r > 0 for r in rungs)),
+        "profiles": state["shapes"].get("x".join(map(str, shape)), {}).get("profiles", 0),
+    }
     out["tokens"] = int(layout.n_real)
     return out
 
@@ -189,8 +213,9 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str, base: str = "spar
     if plt is None:
         return []
     paths = []
-    fig, axes = plt.subplots(len(THETAS), len(KINDS), figsize=(3.4 * len(KINDS), 3.0 * len(THETAS)), sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(THETAS), len(KINDS), figsize=(3.4 * len(KINDS), 3.0 * len(THETAS)), sharey=True, squeeze=False
+    )
     for row, theta in enumerate(map(str, THETAS)):
         for col, kind in enumerate(KINDS):
             ax = axes[row][col]
@@ -201,8 +226,13 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str, base: str = "spar
                 if not pts:
                     continue
                 x = [p[0] for p in pts]
-                ax.plot(x, [p[1][0] for p in pts], marker="o", color=f"C{j}", label=f"S = {int(s) // 1024}k"
-                        if int(s) >= 1024 else f"S = {s}")
+                ax.plot(
+                    x,
+                    [p[1][0] for p in pts],
+                    marker="o",
+                    color=f"C{j}",
+                    label=f"S = {int(s) // 1024}k" if int(s) >= 1024 else f"S = {s}",
+                )
                 ax.plot(x, [p[1][1] for p in pts], ls="--", color=f"C{j}", alpha=0.6)
             ax.set_title(f"{kind}, {float(theta):.0%} of the mass", fontsize=9)
             ax.set_xlabel("training step")
@@ -259,8 +289,11 @@ def main(argv=None) -> int:
     p.add_argument("--reserve-s", type=float, default=30.0, help="seconds kept for the last save, JSON and plots")
     p.add_argument("--workdir", help="checkpoints and records (default runs/sparsity_emergence; quick: a temp dir)")
     p.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON and plots go")
-    p.add_argument("--name", default="sparsity_emergence",
-                   help="results name: <name>.json, <name>_steps.png, <name>_tokens.png (--quick appends _quick)")
+    p.add_argument(
+        "--name",
+        default="sparsity_emergence",
+        help="results name: <name>.json, <name>_steps.png, <name>_tokens.png (--quick appends _quick)",
+    )
     args = p.parse_args(argv)
     quick = args.quick
     tokens = [int(v) for v in (args.tokens or ("256,512" if quick else "16384,32768")).split(",")]
@@ -278,8 +311,9 @@ def main(argv=None) -> int:
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     budget = StopAtBudget(args.budget_s, args.reserve_s)
-    workdir = args.workdir or (tempfile.mkdtemp(prefix="sparsity_emergence_") if quick else
-                               os.path.join("runs", "sparsity_emergence"))
+    workdir = args.workdir or (
+        tempfile.mkdtemp(prefix="sparsity_emergence_") if quick else os.path.join("runs", "sparsity_emergence")
+    )
     os.makedirs(workdir, exist_ok=True)
     suffix = "_quick" if quick else ""
     name = args.name + suffix
@@ -307,9 +341,19 @@ def main(argv=None) -> int:
         with open(records_path, "w") as f:
             json.dump(runs, f)
         summary = summarise(runs)
-        path = write_results(name, {"device": device_info(), "args": vars(args), "parameters": params,
-                                    "wall_s": budget.elapsed(), "budget_expired": budget.expired,
-                                    "summary": summary, "runs": runs}, args.results_dir)
+        path = write_results(
+            name,
+            {
+                "device": device_info(),
+                "args": vars(args),
+                "parameters": params,
+                "wall_s": budget.elapsed(),
+                "budget_expired": budget.expired,
+                "summary": summary,
+                "runs": runs,
+            },
+            args.results_dir,
+        )
         return path, summary
 
     targets = sorted(set(list(range(0, args.steps + 1, args.every)) + [args.steps]))
@@ -323,8 +367,11 @@ def main(argv=None) -> int:
                     need = (target - step) * tm["step_s"] + tm["overhead_s"] if tm["step_s"] else 0.0
                     if not budget.allows(need):
                         halted = True
-                        print(f"budget: S={s} stays at step {step} ({budget.elapsed():.0f} s used, the next "
-                              f"{target - step} steps need ~{need:.0f} s)", flush=True)
+                        print(
+                            f"budget: S={s} stays at step {step} ({budget.elapsed():.0f} s used, the next "
+                            f"{target - step} steps need ~{need:.0f} s)",
+                            flush=True,
+                        )
                     else:
                         t0 = time.perf_counter()
                         logged = trainer.run(stop_at=target)
@@ -332,15 +379,20 @@ def main(argv=None) -> int:
                         halted = int(trainer.state.step) < target  # the budget's SIGTERM stopped it
                         if done:
                             median = lambda key: float(np.median([r[key] for r in logged if key in r]))
-                            losses = [r["loss"] for r in logged if "loss" in r][-max(1, done // 4):]
+                            losses = [r["loss"] for r in logged if "loss" in r][-max(1, done // 4) :]
                             # steps at their measured rate; the rest (compiles, the checkpoint) the least seen
                             tm["step_s"] = median("step_time")
                             rest = max(0.0, wall - done * tm["step_s"])
                             tm["overhead_s"] = rest if tm["overhead_s"] is None else min(tm["overhead_s"], rest)
-                            run.setdefault("train", []).append({
-                                "step": int(trainer.state.step), "loss": float(np.mean(losses)),
-                                "median_step_s": tm["step_s"], "tokens_per_s": median("tokens_per_s"),
-                                "chunk_wall_s": wall})
+                            run.setdefault("train", []).append(
+                                {
+                                    "step": int(trainer.state.step),
+                                    "loss": float(np.mean(losses)),
+                                    "median_step_s": tm["step_s"],
+                                    "tokens_per_s": median("tokens_per_s"),
+                                    "chunk_wall_s": wall,
+                                }
+                            )
                     step = int(trainer.state.step)
                 if str(step) in run["records"] or step != target:
                     continue
@@ -351,11 +403,14 @@ def main(argv=None) -> int:
                 run["records"][str(step)] = measure(trainer, tuple(run["shape"]), args)
                 tm["measure_s"] = time.perf_counter() - t0
                 h = headline(run["records"][str(step)])
-                print(f"S={s} step {step}: keep@95% tokens {h['0.95']['tokens'][0]:.3f} blocks "
-                      f"{h['0.95']['blocks'][0]:.3f} rule {h['0.95']['rule'][0]:.3f} predictor "
-                      f"{h['0.95'].get('predictor', (float('nan'),))[0]:.3f}; controller: "
-                      f"{run['records'][str(step)]['controller']['sparse_blocks']} sparse blocks "
-                      f"({budget.elapsed():.0f} s)", flush=True)
+                print(
+                    f"S={s} step {step}: keep@95% tokens {h['0.95']['tokens'][0]:.3f} blocks "
+                    f"{h['0.95']['blocks'][0]:.3f} rule {h['0.95']['rule'][0]:.3f} predictor "
+                    f"{h['0.95'].get('predictor', (float('nan'),))[0]:.3f}; controller: "
+                    f"{run['records'][str(step)]['controller']['sparse_blocks']} sparse blocks "
+                    f"({budget.elapsed():.0f} s)",
+                    flush=True,
+                )
                 save()
     finally:
         for trainer in trainers.values():
@@ -368,13 +423,20 @@ def main(argv=None) -> int:
             continue
         last = max(run["records"], key=int)
         h = headline(run["records"][last])
-        rows.append({"S": s, "step": int(last), **{f"{k}@95": h["0.95"][k][0] for k in KINDS if k in h["0.95"]},
-                     **{f"{k}@90": h["0.9"][k][0] for k in KINDS if k in h["0.9"]},
-                     "sparse_blocks": run["records"][last]["controller"]["sparse_blocks"],
-                     "train_loss": run["train"][-1]["loss"] if run.get("train") else ""})
+        rows.append(
+            {
+                "S": s,
+                "step": int(last),
+                **{f"{k}@95": h["0.95"][k][0] for k in KINDS if k in h["0.95"]},
+                **{f"{k}@90": h["0.9"][k][0] for k in KINDS if k in h["0.9"]},
+                "sparse_blocks": run["records"][last]["controller"]["sparse_blocks"],
+                "train_loss": run["train"][-1]["loss"] if run.get("train") else "",
+            }
+        )
     if rows:
-        print_table(rows, ["S", "step"] + [f"{k}@{p}" for p in (90, 95) for k in KINDS] + ["sparse_blocks",
-                                                                                          "train_loss"])
+        print_table(
+            rows, ["S", "step"] + [f"{k}@{p}" for p in (90, 95) for k in KINDS] + ["sparse_blocks", "train_loss"]
+        )
     if summary:
         for theta in map(str, THETAS):
             fits = {k: (f"{v['b']:.3f}" if v else "-") for k, v in summary["fit"][theta].items()}

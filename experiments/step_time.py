@@ -43,9 +43,20 @@ def stage2(cfg, shape, sparsity: float):
     depth, heads = cfg.model.depth, cfg.model.heads
     ctl = DSVController(cfg)
     key = "x".join(map(str, shape))
-    ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {key: {
-        "sparsity": np.full((depth, heads), sparsity).tolist(), "rungs": [ctl.rung_for(1 - sparsity)] * depth,
-        "profiles": 1}}})
+    ctl.load_state_dict(
+        {
+            "stage": 2,
+            "switch_step": 0,
+            "loss_ema": 0.0,
+            "shapes": {
+                key: {
+                    "sparsity": np.full((depth, heads), sparsity).tolist(),
+                    "rungs": [ctl.rung_for(1 - sparsity)] * depth,
+                    "profiles": 1,
+                }
+            },
+        }
+    )
     return ctl.plans(shape), ctl.inputs(shape)
 
 
@@ -67,8 +78,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", help="JSON lines file to append the result to")
     p.add_argument("--batch", type=int, default=1, help="samples a step")
     p.add_argument("--dtype", default="bfloat16", help="model.dtype")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides after attention=dsv and the dtype (attention=auto for --attention full)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides after attention=dsv and the dtype (attention=auto for --attention full)",
+    )
     args = p.parse_intermixed_args(argv)
     shape = tuple(int(v) for v in args.latents.split(","))
     cfg = get_config(args.preset, ["attention=dsv", f"model.dtype={args.dtype}", *args.overrides])
@@ -80,9 +95,11 @@ def main(argv=None) -> None:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     spec = batch_spec(cfg, mesh, args.batch, shape)
     k1, k2 = jax.random.split(jax.random.key(0))
-    batch = {"latents": jax.random.normal(k1, spec["latents"].shape, jnp.float32),
-             "text_ids": jax.random.randint(k2, spec["text_ids"].shape, 1, 200),
-             "text_mask": jnp.ones(spec["text_mask"].shape, bool)}
+    batch = {
+        "latents": jax.random.normal(k1, spec["latents"].shape, jnp.float32),
+        "text_ids": jax.random.randint(k2, spec["text_ids"].shape, 1, 200),
+        "text_mask": jnp.ones(spec["text_mask"].shape, bool),
+    }
     batch = {k: jax.device_put(v, spec[k].sharding) for k, v in batch.items()}
     if args.attention == "full":
         plans, inputs = "auto", None
@@ -104,12 +121,26 @@ def main(argv=None) -> None:
         if i:
             times.append(time.perf_counter() - t0)
     tokens = args.batch * int(np.prod([s // p for s, p in zip(shape, cfg.model.patch)]))
-    result = {"preset": args.preset, "latents": list(shape), "batch": args.batch, "tokens": tokens,
-              "attention": args.attention, "dtype": args.dtype, "overrides": args.overrides,
-              "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "cost": cost(step), "label": args.label,
-              "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-              "compile_s": compile_s, "step_s": statistics.median(times), "step_times_s": times,
-              "tokens_per_s": tokens / statistics.median(times), "loss": loss, "finite": bool(np.isfinite(loss))}
+    result = {
+        "preset": args.preset,
+        "latents": list(shape),
+        "batch": args.batch,
+        "tokens": tokens,
+        "attention": args.attention,
+        "dtype": args.dtype,
+        "overrides": args.overrides,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        "cost": cost(step),
+        "label": args.label,
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "compile_s": compile_s,
+        "step_s": statistics.median(times),
+        "step_times_s": times,
+        "tokens_per_s": tokens / statistics.median(times),
+        "loss": loss,
+        "finite": bool(np.isfinite(loss)),
+    }
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:

@@ -72,6 +72,7 @@ QUICK_RUNS = (Run("quick", 20, (10, 20)),)
 
 # -- scoring ------------------------------------------------------------------------------------------------
 
+
 def readme_answers(clips_by_seed, prompts) -> dict[str, list[dict]]:
     """{prompt: one dict per seed: what the clip showed for each question, and "all": every answer right}
     for clips_by_seed [seeds][prompts] of frames [T, H, W, 3] in [-1, 1]."""
@@ -81,8 +82,9 @@ def readme_answers(clips_by_seed, prompts) -> dict[str, list[dict]]:
     for clips in clips_by_seed:
         for prompt, frames in zip(prompts, clips):
             answers = score_clip(frames, prompt)
-            out[prompt].append({**{k: a.said for k, a in answers.items()},
-                                "all": all(a.right for a in answers.values())})
+            out[prompt].append(
+                {**{k: a.said for k, a in answers.items()}, "all": all(a.right for a in answers.values())}
+            )
     return out
 
 
@@ -105,19 +107,41 @@ def score_checkpoint(workdir: str, step: int, *, clips: int, seeds: int, frames_
     shape = tuple(default_shape(cfg))
     policy = make_policy(cfg, controller)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    videos = [decode_latents(generate(cfg, graphdef, params, DEFAULT_PROMPTS, shape, steps=30,
-                                      guidance=cfg.train.guidance, seed=seed, attention=attention,
-                                      attention_inputs=inputs), cfg.data.codec)
-              for seed in range(seeds)]
+    videos = [
+        decode_latents(
+            generate(
+                cfg,
+                graphdef,
+                params,
+                DEFAULT_PROMPTS,
+                shape,
+                steps=30,
+                guidance=cfg.train.guidance,
+                seed=seed,
+                attention=attention,
+                attention_inputs=inputs,
+            ),
+            cfg.data.codec,
+        )
+        for seed in range(seeds)
+    ]
     answers = readme_answers([encode_frames(v) for v in videos], DEFAULT_PROMPTS)
     if frames_png:
         save_frames(videos[0], frames_png)
-    return {"step": step, "held_out": {"accuracy": held_out["accuracy"], "stderr": held_out["stderr"],
-                                       **{k: q["accuracy"] for k, q in held_out["questions"].items()},
-                                       "clips": clips},
-            "readme_all_right": {p: sum(a["all"] for a in v) for p, v in answers.items()},
-            "readme_prompts_shown": prompts_shown(answers), "readme": answers, "seeds": seeds,
-            "score_s": time.perf_counter() - start}
+    return {
+        "step": step,
+        "held_out": {
+            "accuracy": held_out["accuracy"],
+            "stderr": held_out["stderr"],
+            **{k: q["accuracy"] for k, q in held_out["questions"].items()},
+            "clips": clips,
+        },
+        "readme_all_right": {p: sum(a["all"] for a in v) for p, v in answers.items()},
+        "readme_prompts_shown": prompts_shown(answers),
+        "readme": answers,
+        "seeds": seeds,
+        "score_s": time.perf_counter() - start,
+    }
 
 
 def save_frames(videos: np.ndarray, path: str, scale: int = 3) -> str:
@@ -126,8 +150,9 @@ def save_frames(videos: np.ndarray, path: str, scale: int = 3) -> str:
 
     t = videos.shape[1]
     picks = sorted({0, t // 3, (2 * t) // 3, t - 1})
-    rows = [np.concatenate([np.pad(v[i], ((1, 1), (1, 1), (0, 0)), constant_values=96) for i in picks], 1)
-            for v in videos]
+    rows = [
+        np.concatenate([np.pad(v[i], ((1, 1), (1, 1), (0, 0)), constant_values=96) for i in picks], 1) for v in videos
+    ]
     img = np.concatenate(rows, 0)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     Image.fromarray(img).resize((img.shape[1] * scale, img.shape[0] * scale), Image.NEAREST).save(path)
@@ -147,15 +172,32 @@ def train_command(run: Run, workdir: str, config: str, overrides: list[str]) -> 
     if not run.score or max(run.score) > run.steps or min(run.score) < 1:
         raise ValueError(f"run {run.name}: score steps {run.score} must lie in 1..{run.steps}")
     every = math.gcd(*run.score)
-    return [sys.executable, "-m", "dsv_jax", "train", "--config", config, "--workdir", workdir, "--no-progress",
-            f"train.steps={run.steps}", f"train.ckpt_every={every}", f"train.keep_checkpoints={run.steps // every + 1}",
-            "train.sample_at_end=false", *run.overrides, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "dsv_jax",
+        "train",
+        "--config",
+        config,
+        "--workdir",
+        workdir,
+        "--no-progress",
+        f"train.steps={run.steps}",
+        f"train.ckpt_every={every}",
+        f"train.keep_checkpoints={run.steps // every + 1}",
+        "train.sample_at_end=false",
+        *run.overrides,
+        *overrides,
+    ]
 
 
 def train_all(runs, root: str, config: str, overrides: list[str], parallel: int) -> dict:
     """Train `runs`, `parallel` at once: {name: {"exit", "train_wall_s", "concurrent_runs", ...}}."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.1"))
+    env = dict(
+        os.environ,
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.1"),
+    )
     out, pending = {}, list(runs)
     while pending:
         batch, pending = pending[:parallel], pending[parallel:]
@@ -165,16 +207,21 @@ def train_all(runs, root: str, config: str, overrides: list[str], parallel: int)
                 workdir = os.path.join(root, run.name)
                 shutil.rmtree(workdir, ignore_errors=True)  # never resume an older run of the same name
                 log = open(os.path.join(root, f"{run.name}.log"), "w")
-                proc = subprocess.Popen(train_command(run, workdir, config, overrides), stdout=log,
-                                        stderr=subprocess.STDOUT, env=env)
+                proc = subprocess.Popen(
+                    train_command(run, workdir, config, overrides), stdout=log, stderr=subprocess.STDOUT, env=env
+                )
                 live[run.name] = (run, log, proc, time.perf_counter())
             while live:
                 for name, (run, log, proc, start) in list(live.items()):
                     if proc.poll() is not None:
                         log.close()
-                        out[name] = {"steps": run.steps, "overrides": [*run.overrides, *overrides],
-                                     "train_wall_s": time.perf_counter() - start, "concurrent_runs": len(batch),
-                                     "exit": proc.returncode}
+                        out[name] = {
+                            "steps": run.steps,
+                            "overrides": [*run.overrides, *overrides],
+                            "train_wall_s": time.perf_counter() - start,
+                            "concurrent_runs": len(batch),
+                            "exit": proc.returncode,
+                        }
                         del live[name]
                 time.sleep(0.5)
         finally:
@@ -186,8 +233,10 @@ def train_all(runs, root: str, config: str, overrides: list[str], parallel: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", help=f"comma-separated names among {','.join(r.name for r in RUNS)} "
-                                  f"(default: {','.join(DEFAULT_RUNS)})")
+    p.add_argument(
+        "--runs",
+        help=f"comma-separated names among {','.join(r.name for r in RUNS)} (default: {','.join(DEFAULT_RUNS)})",
+    )
     p.add_argument("--config", default="tiny-motion")
     p.add_argument("--clips", type=int, default=48)
     p.add_argument("--seeds", type=int, default=4)
@@ -221,19 +270,35 @@ def main() -> None:
             entry["checkpoints"] = []
             for step in run.score:
                 try:
-                    entry["checkpoints"].append(score_checkpoint(
-                        os.path.join(root, run.name), step, clips=args.clips, seeds=args.seeds,
-                        frames_png=png if step == run.score[-1] else None))
+                    entry["checkpoints"].append(
+                        score_checkpoint(
+                            os.path.join(root, run.name),
+                            step,
+                            clips=args.clips,
+                            seeds=args.seeds,
+                            frames_png=png if step == run.score[-1] else None,
+                        )
+                    )
                 except Exception as e:  # one unreadable checkpoint does not lose the study
                     entry["checkpoints"].append({"step": step, "error": harness.error_text(e)})
             harness.write_results(args.name, payload)  # after every run: an interrupted study keeps what it scored
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
-    rows = [{"run": name, "step": c["step"], "held_out": c["held_out"]["accuracy"], "shape": c["held_out"]["shape"],
-             "motion": c["held_out"].get("motion", float("nan")), "prompts_shown": c["readme_prompts_shown"],
-             "all_right_by_prompt": "/".join(str(v) for v in c["readme_all_right"].values())}
-            for name, r in results.items() for c in r.get("checkpoints", []) if "error" not in c]
+    rows = [
+        {
+            "run": name,
+            "step": c["step"],
+            "held_out": c["held_out"]["accuracy"],
+            "shape": c["held_out"]["shape"],
+            "motion": c["held_out"].get("motion", float("nan")),
+            "prompts_shown": c["readme_prompts_shown"],
+            "all_right_by_prompt": "/".join(str(v) for v in c["readme_all_right"].values()),
+        }
+        for name, r in results.items()
+        for c in r.get("checkpoints", [])
+        if "error" not in c
+    ]
     harness.print_table(rows, ["run", "step", "held_out", "shape", "motion", "prompts_shown", "all_right_by_prompt"])
     path = harness.write_results(args.name, payload)
     print(f"wrote {path}")

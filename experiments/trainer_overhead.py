@@ -43,9 +43,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     steps = args.steps or (30 if args.quick else 150)
     tokens = 256 if args.quick else 16384
-    cfg = get_config("tiny", study_overrides("shapes", tokens, quick=args.quick) + [
-        f"train.steps={steps}", "train.log_every=10", "train.eval_every=0", f"train.ckpt_every={10 * steps}",
-        "train.sample_at_end=false", "train.warmup_steps=5"])
+    cfg = get_config(
+        "tiny",
+        study_overrides("shapes", tokens, quick=args.quick)
+        + [
+            f"train.steps={steps}",
+            "train.log_every=10",
+            "train.eval_every=0",
+            f"train.ckpt_every={10 * steps}",
+            "train.sample_at_end=false",
+            "train.warmup_steps=5",
+        ],
+    )
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(cfg, workdir, progress=False)
         records = [r for r in trainer.run() if "loss" in r]
@@ -62,15 +71,30 @@ def main(argv=None) -> int:
         trainer.state = state
         trainer.close()
     logged = [r["step_time"] for r in records if r["step"] > 10 and r["step"] % 10 == 0]  # one per log window
-    out = {"model": "shapes study (hidden 256 x 4 blocks)", "tokens_per_sample": tokens, "batch": records[-1]["batch"],
-           "steps": steps, "trainer_step_s": statistics.median(logged), "trainer_step_s_windows": logged,
-           "blocked_step_s": blocked.median_s, "pipelined_step_s": pipelined}
+    out = {
+        "model": "shapes study (hidden 256 x 4 blocks)",
+        "tokens_per_sample": tokens,
+        "batch": records[-1]["batch"],
+        "steps": steps,
+        "trainer_step_s": statistics.median(logged),
+        "trainer_step_s_windows": logged,
+        "blocked_step_s": blocked.median_s,
+        "pipelined_step_s": pipelined,
+    }
     out["trainer_over_pipelined"] = out["trainer_step_s"] / pipelined
     out["blocked_over_pipelined"] = blocked.median_s / pipelined
     path = harness.write_results("trainer_overhead" + ("_quick" if args.quick else ""), out)
-    harness.print_table([{"trainer_ms": 1e3 * out["trainer_step_s"], "blocked_ms": 1e3 * blocked.median_s,
-                          "pipelined_ms": 1e3 * pipelined, "trainer/pipelined": out["trainer_over_pipelined"]}],
-                        ["trainer_ms", "blocked_ms", "pipelined_ms", "trainer/pipelined"])
+    harness.print_table(
+        [
+            {
+                "trainer_ms": 1e3 * out["trainer_step_s"],
+                "blocked_ms": 1e3 * blocked.median_s,
+                "pipelined_ms": 1e3 * pipelined,
+                "trainer/pipelined": out["trainer_over_pipelined"],
+            }
+        ],
+        ["trainer_ms", "blocked_ms", "pipelined_ms", "trainer/pipelined"],
+    )
     print("wrote", path)
     return 0
 

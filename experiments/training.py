@@ -93,15 +93,26 @@ class TrainStepBench:
         plans) with DSV's runtime `inputs`; `cfg`: a variant of the config with the same state (e.g. another
         AdaLN impl). `.compile()` it, possibly on another thread."""
         graphdef = self.graphdef if cfg is None else abstract_model(cfg)[0]
-        return lower_train_step(cfg or self.cfg, graphdef, attention, self.abstract_state, self.state_sharding,
-                                batch, inputs)
+        return lower_train_step(
+            cfg or self.cfg, graphdef, attention, self.abstract_state, self.state_sharding, batch, inputs
+        )
 
     def new_state(self):
         return create_state(self.cfg, self.state_sharding)
 
 
-def time_train_step(cfg, shape, steps: int, *, attention="auto", inputs=None, mesh=None, warmup: int = 1,
-                    lr: float = 1e-4, on_event: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+def time_train_step(
+    cfg,
+    shape,
+    steps: int,
+    *,
+    attention="auto",
+    inputs=None,
+    mesh=None,
+    warmup: int = 1,
+    lr: float = 1e-4,
+    on_event: Callable[[str, float], None] | None = None,
+) -> dict[str, Any]:
     """cfg's train step on one random sample of latent `shape`: compiled, then `warmup` and `steps` timed
     steps on a fresh state. on_event(what, seconds) after the compile, the warm-up and each step. Returns
     compile_s, warmup_s, step_times_s, step_s (median), tokens, tokens_per_s, loss, finite, compiles_timed
@@ -118,14 +129,22 @@ def time_train_step(cfg, shape, steps: int, *, attention="auto", inputs=None, me
     say("warm-up", sum(warm.times_s))
     state, timed = run_steps(exe, state, args, steps, on_step=lambda i, s: say(f"step {i + 1}/{steps}", s))
     mem = exe.memory_analysis()
-    out.update(warmup_s=sum(warm.times_s), step_times_s=timed.times_s, step_s=timed.median_s,
-               tokens_per_s=out["tokens"] / timed.median_s, loss=timed.losses[-1], finite=warm.finite and timed.finite,
-               compiles_timed=timed.compiles, temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else None,
-               metrics=timed.metrics)
+    out.update(
+        warmup_s=sum(warm.times_s),
+        step_times_s=timed.times_s,
+        step_s=timed.median_s,
+        tokens_per_s=out["tokens"] / timed.median_s,
+        loss=timed.losses[-1],
+        finite=warm.finite and timed.finite,
+        compiles_timed=timed.compiles,
+        temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else None,
+        metrics=timed.metrics,
+    )
     return out
 
 
 # -- DSV in stage 2 -------------------------------------------------------------------------------------
+
 
 def stage2_controller(cfg, shape, keep_heads) -> DSVController:
     """A DSV controller in stage 2 whose blocks all keep `keep_heads` (one ratio, or one per head) on latent
@@ -133,9 +152,20 @@ def stage2_controller(cfg, shape, keep_heads) -> DSVController:
     depth, heads = cfg.model.depth, cfg.model.heads
     keep = np.broadcast_to(np.asarray(keep_heads, np.float64), (heads,))
     ctl = DSVController(cfg)
-    ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {shape_key(shape): {
-        "sparsity": np.tile(1.0 - keep, (depth, 1)).tolist(), "rungs": [ctl.rung_for(float(keep.max()))] * depth,
-        "profiles": 1}}})
+    ctl.load_state_dict(
+        {
+            "stage": 2,
+            "switch_step": 0,
+            "loss_ema": 0.0,
+            "shapes": {
+                shape_key(shape): {
+                    "sparsity": np.tile(1.0 - keep, (depth, 1)).tolist(),
+                    "rungs": [ctl.rung_for(float(keep.max()))] * depth,
+                    "profiles": 1,
+                }
+            },
+        }
+    )
     return ctl
 
 
@@ -144,8 +174,7 @@ def stage2_controller(cfg, shape, keep_heads) -> DSVController:
 # bucket of the embedded data at a given number of tokens per sample, patch 1x2x2, from the tiny preset.
 
 # latent (T, H, W) of the bucket with this many tokens per sample at patch 1x2x2 (the first two: --quick)
-STUDY_SHAPES = {256: (4, 16, 16), 512: (4, 16, 32), 16384: (16, 64, 64), 32768: (16, 64, 128),
-                65536: (16, 128, 128)}
+STUDY_SHAPES = {256: (4, 16, 16), 512: (4, 16, 32), 16384: (16, 64, 64), 32768: (16, 64, 128), 65536: (16, 128, 128)}
 STUDY_MODELS = {
     # issue 4's quality-parity model: 4 blocks of 4 heads x 64 (hidden 256)
     "shapes": ["model.hidden=256", "model.heads=4", "model.depth=4", "model.text_dim=64"],
@@ -153,8 +182,14 @@ STUDY_MODELS = {
     "photos": ["model.hidden=768", "model.heads=12", "model.depth=8", "model.text_dim=256", "text.max_len=20"],
 }
 # the tiny model of --quick runs (scripts add their shapes and sizes)
-QUICK_MODEL = ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16", "text.hash_buckets=8",
-               "model.remat=false"]
+QUICK_MODEL = [
+    "model.hidden=32",
+    "model.heads=2",
+    "model.depth=2",
+    "model.text_dim=16",
+    "text.hash_buckets=8",
+    "model.remat=false",
+]
 
 
 def study_overrides(setup: str, tokens: int, *, quick: bool, tokens_per_batch: int | None = None) -> list[str]:
@@ -170,5 +205,10 @@ def study_overrides(setup: str, tokens: int, *, quick: bool, tokens_per_batch: i
     else:
         model = STUDY_MODELS[setup] + ["model.tile=[4,4,4]"]  # 64-token 3D tiles: the kernels' KV block
     source = "photos" if setup == "photos" else "synthetic"
-    return model + ["model.patch=[1,2,2]", f"data.source={source}", f"data.buckets=[[{t},{h},{w}]]",
-                    "data.bucket_weights=[1]", f"data.tokens_per_batch={tokens_per_batch or 2 * tokens}"]
+    return model + [
+        "model.patch=[1,2,2]",
+        f"data.source={source}",
+        f"data.buckets=[[{t},{h},{w}]]",
+        "data.bucket_weights=[1]",
+        f"data.tokens_per_batch={tokens_per_batch or 2 * tokens}",
+    ]

@@ -173,8 +173,10 @@ def _store_tile(ref, b, row, row_ok, cols: _Columns, tile):
 
 def _load_vector(ref, b, cols: _Columns):
     """ref[b, :] ([B, C]) as chunks [1, width], to broadcast over a row tile."""
-    return [plgpu.load(ref.at[b, cols.index(k)], mask=cols.index(k) < cols.size, other=0.0)[None, :]
-            for k in range(cols.count)]
+    return [
+        plgpu.load(ref.at[b, cols.index(k)], mask=cols.index(k) < cols.size, other=0.0)[None, :]
+        for k in range(cols.count)
+    ]
 
 
 def _store_vector(ref, b, s, cols: _Columns, tile):
@@ -225,8 +227,9 @@ def _adaln_fwd_kernel(x_ref, scale_ref, shift_ref, y_ref, mean_ref, rstd_ref, *,
     plgpu.store(rstd_ref.at[b, row], rstd, mask=row_ok)
 
 
-def _gated_fwd_kernel(r_ref, br_ref, gate_ref, scale_ref, shift_ref, h_ref, y_ref, mean_ref, rstd_ref, *,
-                      cols, rows, eps):
+def _gated_fwd_kernel(
+    r_ref, br_ref, gate_ref, scale_ref, shift_ref, h_ref, y_ref, mean_ref, rstd_ref, *, cols, rows, eps
+):
     b = pl.program_id(1)
     row, row_ok = _rows(pl.program_id(0) * rows, rows, r_ref.shape[1])
     r, br = _f32(_load_tile(r_ref, b, row, row_ok, cols)), _f32(_load_tile(br_ref, b, row, row_ok, cols))
@@ -263,18 +266,24 @@ def _walk(chunk_rows: int, rows: int, n: int, load, body, init):
 
 
 def _load_row_stats(mean_ref, rstd_ref, b, row, row_ok):
-    return (plgpu.load(mean_ref.at[b, row], mask=row_ok, other=0.0)[:, None],
-            plgpu.load(rstd_ref.at[b, row], mask=row_ok, other=0.0)[:, None])
+    return (
+        plgpu.load(mean_ref.at[b, row], mask=row_ok, other=0.0)[:, None],
+        plgpu.load(rstd_ref.at[b, row], mask=row_ok, other=0.0)[:, None],
+    )
 
 
-def _adaln_bwd_kernel(x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dscale_ref, dshift_ref, *,
-                      cols, rows, chunk_rows):
+def _adaln_bwd_kernel(
+    x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dscale_ref, dshift_ref, *, cols, rows, chunk_rows
+):
     b, s = pl.program_id(1), pl.program_id(0)
     scale1 = [1.0 + sc for sc in _f32(_load_vector(scale_ref, b, cols))]
 
     def load(row, row_ok):
-        return (_load_tile(x_ref, b, row, row_ok, cols), _load_tile(dy_ref, b, row, row_ok, cols),
-                _load_row_stats(mean_ref, rstd_ref, b, row, row_ok))
+        return (
+            _load_tile(x_ref, b, row, row_ok, cols),
+            _load_tile(dy_ref, b, row, row_ok, cols),
+            _load_row_stats(mean_ref, rstd_ref, b, row, row_ok),
+        )
 
     def body(row, row_ok, tiles, acc):
         (x, dy, (mean, rstd)), (acc_scale, acc_shift) = tiles, acc
@@ -290,15 +299,34 @@ def _adaln_bwd_kernel(x_ref, scale_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dsca
     _store_vector(dshift_ref, b, s, cols, acc_shift)
 
 
-def _gated_bwd_kernel(h_ref, br_ref, gate_ref, scale_ref, mean_ref, rstd_ref, dh_ref, dy_ref,
-                      dr_ref, dbr_ref, dgate_ref, dscale_ref, dshift_ref, *, cols, rows, chunk_rows):
+def _gated_bwd_kernel(
+    h_ref,
+    br_ref,
+    gate_ref,
+    scale_ref,
+    mean_ref,
+    rstd_ref,
+    dh_ref,
+    dy_ref,
+    dr_ref,
+    dbr_ref,
+    dgate_ref,
+    dscale_ref,
+    dshift_ref,
+    *,
+    cols,
+    rows,
+    chunk_rows,
+):
     b, s = pl.program_id(1), pl.program_id(0)
     scale1 = [1.0 + sc for sc in _f32(_load_vector(scale_ref, b, cols))]
     gate = _f32(_load_vector(gate_ref, b, cols))
 
     def load(row, row_ok):
-        return (*(_load_tile(ref, b, row, row_ok, cols) for ref in (h_ref, br_ref, dh_ref, dy_ref)),
-                _load_row_stats(mean_ref, rstd_ref, b, row, row_ok))
+        return (
+            *(_load_tile(ref, b, row, row_ok, cols) for ref in (h_ref, br_ref, dh_ref, dy_ref)),
+            _load_row_stats(mean_ref, rstd_ref, b, row, row_ok),
+        )
 
     def body(row, row_ok, tiles, acc):
         (h, br, dh, dy, (mean, rstd)), (acc_gate, acc_scale, acc_shift) = tiles, acc
@@ -309,9 +337,11 @@ def _gated_bwd_kernel(h_ref, br_ref, gate_ref, scale_ref, mean_ref, rstd_ref, dh
         dh = [a + c for a, c in zip(_f32(dh), dln)]
         _store_tile(dr_ref, b, row, row_ok, cols, dh)
         _store_tile(dbr_ref, b, row, row_ok, cols, [d * g for d, g in zip(dh, gate)])
-        return ([a + d * bc for a, d, bc in zip(acc_gate, dh, _f32(br))],
-                [a + d * xc for a, d, xc in zip(acc_scale, dy, hhat)],
-                [a + d for a, d in zip(acc_shift, dy)])
+        return (
+            [a + d * bc for a, d, bc in zip(acc_gate, dh, _f32(br))],
+            [a + d * xc for a, d, xc in zip(acc_scale, dy, hhat)],
+            [a + d for a, d in zip(acc_shift, dy)],
+        )
 
     zeros = [jnp.zeros((rows, cols.width), jnp.float32) for _ in range(cols.count)]
     acc_gate, acc_scale, acc_shift = _walk(chunk_rows, rows, h_ref.shape[1], load, body, (zeros, zeros, zeros))
@@ -327,8 +357,14 @@ def _gated_bwd_kernel(h_ref, br_ref, gate_ref, scale_ref, mean_ref, rstd_ref, dh
 def _call(kernel, grid, out_shape, warps, interpret, name):
     # num_stages=1: no software pipelining by Triton (it is meant for loads feeding dots and would stage
     # tiles through shared memory); the backward's walk does its own one-step look-ahead in registers.
-    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-                          compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        interpret=interpret,
+        name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+    )
 
 
 def _row_stats_shape(b, n):
@@ -352,12 +388,14 @@ def _adaln_fwd_call(x, scale, shift, eps, bs: BlockSizes, interpret):
 def _adaln_bwd_call(x, scale, mean, rstd, dy, bs: BlockSizes, interpret):
     b, n, c = x.shape
     chunk_rows, chunks = _chunking(n, b, bs)
-    kernel = functools.partial(_adaln_bwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.bwd_rows,
-                               chunk_rows=chunk_rows)
+    kernel = functools.partial(
+        _adaln_bwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.bwd_rows, chunk_rows=chunk_rows
+    )
     partial = jax.ShapeDtypeStruct((b, chunks, c), jnp.float32)
     out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype), partial, partial)
     dx, dscale, dshift = _call(kernel, (chunks, b), out_shape, bs.bwd_warps, interpret, "adaln_bwd")(
-        x, scale, mean, rstd, dy)
+        x, scale, mean, rstd, dy
+    )
     return dx, jnp.sum(dscale, axis=1), jnp.sum(dshift, axis=1)
 
 
@@ -367,19 +405,27 @@ def _gated_fwd_call(residual, branch, gate, scale, shift, eps, bs: BlockSizes, i
     h = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
     out_shape = (h, h, _row_stats_shape(b, n), _row_stats_shape(b, n))
     return _call(kernel, (pl.cdiv(n, bs.rows), b), out_shape, bs.warps, interpret, "gated_adaln_fwd")(
-        residual, branch, gate, scale, shift)
+        residual, branch, gate, scale, shift
+    )
 
 
 def _gated_bwd_call(h, branch, gate, scale, mean, rstd, dh, dy, bs: BlockSizes, interpret):
     b, n, c = h.shape
     chunk_rows, chunks = _chunking(n, b, bs)
-    kernel = functools.partial(_gated_bwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.bwd_rows,
-                               chunk_rows=chunk_rows)
+    kernel = functools.partial(
+        _gated_bwd_kernel, cols=_Columns.of(c, bs.min_chunk), rows=bs.bwd_rows, chunk_rows=chunk_rows
+    )
     partial = jax.ShapeDtypeStruct((b, chunks, c), jnp.float32)
-    out_shape = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(branch.shape, branch.dtype),
-                 partial, partial, partial)
+    out_shape = (
+        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.ShapeDtypeStruct(branch.shape, branch.dtype),
+        partial,
+        partial,
+        partial,
+    )
     dr, dbr, dgate, dscale, dshift = _call(kernel, (chunks, b), out_shape, bs.bwd_warps, interpret, "gated_adaln_bwd")(
-        h, branch, gate, scale, mean, rstd, dh, dy)
+        h, branch, gate, scale, mean, rstd, dh, dy
+    )
     return dr, dbr, jnp.sum(dgate, axis=1), jnp.sum(dscale, axis=1), jnp.sum(dshift, axis=1)
 
 
@@ -396,8 +442,10 @@ _SPECS = {"bnc": lambda b, n: P(b, n, None), "bn": lambda b, n: P(b, n), "bc": l
 def _row_axes(sharding):
     """Mesh axes of the B and N dimensions of a [B, N, C] operand's sharding."""
     if not isinstance(sharding, NamedSharding):
-        raise NotImplementedError(f"the fused AdaLN shards with NamedSharding (a mesh); got {sharding}. "
-                                  "Use impl='xla' (model.adaln_impl=xla) for this sharding.")
+        raise NotImplementedError(
+            f"the fused AdaLN shards with NamedSharding (a mesh); got {sharding}. "
+            "Use impl='xla' (model.adaln_impl=xla) for this sharding."
+        )
     spec = (*sharding.spec, None, None)
     return spec[0], spec[1]
 
@@ -429,16 +477,18 @@ def _partitioned_over_rows(call, operands: tuple[str, ...], results: tuple[str, 
         return mesh, per_shard, result_shardings, arg_shardings
 
     rule = ", ".join(" ".join(k) for k in operands) + " -> " + ", ".join(" ".join(k) for k in results)
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                     need_replication_factors=("c",))
+    op.def_partition(
+        partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule, need_replication_factors=("c",)
+    )
     return op
 
 
 _adaln_fwd = _partitioned_over_rows(_adaln_fwd_call, ("bnc", "bc", "bc"), ("bnc", "bn", "bn"))
 _adaln_bwd = _partitioned_over_rows(_adaln_bwd_call, ("bnc", "bc", "bn", "bn", "bnc"), ("bnc", "bc", "bc"))
 _gated_fwd = _partitioned_over_rows(_gated_fwd_call, ("bnc", "bnc", "bc", "bc", "bc"), ("bnc", "bnc", "bn", "bn"))
-_gated_bwd = _partitioned_over_rows(_gated_bwd_call, ("bnc", "bnc", "bc", "bc", "bn", "bn", "bnc", "bnc"),
-                                    ("bnc", "bnc", "bc", "bc", "bc"))
+_gated_bwd = _partitioned_over_rows(
+    _gated_bwd_call, ("bnc", "bnc", "bc", "bc", "bn", "bn", "bnc", "bnc"), ("bnc", "bnc", "bc", "bc", "bc")
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -486,16 +536,26 @@ def _gated_pallas_bwd(eps, bs, interpret, res, cotangents):
 _gated_pallas.defvjp(_gated_pallas_fwd, _gated_pallas_bwd)
 
 
-def adaln_modulate_pallas(x, scale, shift, *, eps=1e-6, block_sizes: BlockSizes | None = None,
-                          interpret: bool | None = None):
+def adaln_modulate_pallas(
+    x, scale, shift, *, eps=1e-6, block_sizes: BlockSizes | None = None, interpret: bool | None = None
+):
     """The Pallas kernel, whatever the backend (interpret mode unless on a GPU); `block_sizes` for tuning."""
     check_adaln_inputs(x, scale, shift)
     bs = block_sizes or BlockSizes.default(x.shape[-1])
     return _adaln_pallas(x, scale, shift, float(eps), bs, _interpret(interpret))
 
 
-def gated_residual_adaln_pallas(residual, branch, gate, scale, shift, *, eps=1e-6,
-                                block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def gated_residual_adaln_pallas(
+    residual,
+    branch,
+    gate,
+    scale,
+    shift,
+    *,
+    eps=1e-6,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+):
     check_gated_inputs(residual, branch, gate, scale, shift)
     bs = block_sizes or BlockSizes.default(residual.shape[-1])
     return _gated_pallas(residual, branch, gate, scale, shift, float(eps), bs, _interpret(interpret))
@@ -531,8 +591,9 @@ def check_gated_inputs(residual, branch, gate, scale, shift):
     fn = "gated_residual_adaln"
     check_adaln_inputs(residual, scale, shift, fn, "residual")
     if branch.shape != residual.shape:
-        raise ValueError(f"{fn}: branch must have the shape of residual {tuple(residual.shape)}, "
-                         f"got {tuple(branch.shape)}")
+        raise ValueError(
+            f"{fn}: branch must have the shape of residual {tuple(residual.shape)}, got {tuple(branch.shape)}"
+        )
     b, _, c = residual.shape
     if tuple(gate.shape) != (b, c):
         raise _shape_error(fn, f"gate ([B, C] for residual {tuple(residual.shape)})", (b, c), gate.shape)

@@ -30,10 +30,13 @@ def check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_vali
         raise ValueError(f"top_k={top_k} must be in 1..{s // kv_block} (the number of KV blocks)")
     if block_reduce not in ("mean", "max"):
         raise ValueError(f"block_reduce={block_reduce!r} is not 'mean' or 'max'")
-    if kv_valid is not None and (kv_valid.shape != (b, s // kv_block)
-                                 or not jnp.issubdtype(kv_valid.dtype, jnp.integer)):
-        raise ValueError(f"kv_valid must be integers [B, S // kv_block] = [{b}, {s // kv_block}]; "
-                         f"got {kv_valid.dtype} {kv_valid.shape}")
+    if kv_valid is not None and (
+        kv_valid.shape != (b, s // kv_block) or not jnp.issubdtype(kv_valid.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"kv_valid must be integers [B, S // kv_block] = [{b}, {s // kv_block}]; "
+            f"got {kv_valid.dtype} {kv_valid.shape}"
+        )
 
 
 def row_flags(kv_valid, kv_block: int):
@@ -91,8 +94,9 @@ def block_scores(q_lr, k_lr, *, q_tile=64, kv_block=64, block_reduce="mean", til
     return reduce_block(scores, block_reduce, n_valid)
 
 
-def lowrank_topk_reference(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mean", kv_valid=None,
-                           impl="auto"):
+def lowrank_topk_reference(
+    q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mean", kv_valid=None, impl="auto"
+):
     del impl
     check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_valid)
     scores = block_scores(q_lr, k_lr, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce, kv_valid=kv_valid)
@@ -113,10 +117,20 @@ def lowrank_topk(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mea
     if missing and on_gpu:
         log_fallback("lowrank_topk", "XLA reference", missing)
     if impl == "xla" or (impl == "auto" and not on_gpu) or missing:
-        return lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
-                                      kv_valid=kv_valid)
+        return lowrank_topk_reference(
+            q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce, kv_valid=kv_valid
+        )
     from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
     from pallas_kernels.tuning import for_device
 
-    return lowrank_topk_pallas(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
-                               tuning=for_device()[1], interpret=not on_gpu, kv_valid=kv_valid)
+    return lowrank_topk_pallas(
+        q_lr,
+        k_lr,
+        top_k,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        block_reduce=block_reduce,
+        tuning=for_device()[1],
+        interpret=not on_gpu,
+        kv_valid=kv_valid,
+    )

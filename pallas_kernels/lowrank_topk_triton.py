@@ -61,8 +61,9 @@ def sortable_key(score):
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _select_kernel(proxy_ref, table_ref, *refs, top_k: int, num_keys: int, reduce: str, tuning: TopkTuning,
-                   masked: bool, seeded: bool):
+def _select_kernel(
+    proxy_ref, table_ref, *refs, top_k: int, num_keys: int, reduce: str, tuning: TopkTuning, masked: bool, seeded: bool
+):
     refs = list(refs)
     seeds_ref = refs.pop(0) if seeded else None
     valid_ref = refs.pop(0) if masked else None
@@ -122,10 +123,12 @@ def _select_kernel(proxy_ref, table_ref, *refs, top_k: int, num_keys: int, reduc
 
         counts = lax.fori_loop(0, n_steps, body, jnp.zeros((tp, n_thresholds), jnp.int32))
         enough = counts >= top_k  # count(t) falls as t rises: the bracket is the last True, first False
-        new = (jnp.max(jnp.where(enough, thresholds, lo[:, None]), axis=1),
-               jnp.min(jnp.where(enough, counts, c_lo[:, None]), axis=1),
-               jnp.min(jnp.where(enough, hi[:, None], thresholds), axis=1),
-               jnp.max(jnp.where(enough, c_hi[:, None], counts), axis=1))
+        new = (
+            jnp.max(jnp.where(enough, thresholds, lo[:, None]), axis=1),
+            jnp.min(jnp.where(enough, counts, c_lo[:, None]), axis=1),
+            jnp.min(jnp.where(enough, hi[:, None], thresholds), axis=1),
+            jnp.max(jnp.where(enough, c_hi[:, None], counts), axis=1),
+        )
         lo, c_lo, hi, c_hi = (jnp.where(done, old, upd) for old, upd in zip(state[:4], new, strict=True))
         return lo, c_lo, hi, c_hi, done | (c_lo == top_k) | (hi - lo == 1)
 
@@ -138,8 +141,13 @@ def _select_kernel(proxy_ref, table_ref, *refs, top_k: int, num_keys: int, reduc
         return p + 1, count_pass(p, state)
 
     # count(INT_MIN) counts the padding too; no finite score's key reaches INT_MAX, so count(INT_MAX) = 0.
-    start = (jnp.full((tp,), INT_MIN, jnp.int32), jnp.full((tp,), padded_keys, jnp.int32),
-             jnp.full((tp,), INT_MAX, jnp.int32), jnp.zeros((tp,), jnp.int32), jnp.full((tp,), padded_keys == top_k))
+    start = (
+        jnp.full((tp,), INT_MIN, jnp.int32),
+        jnp.full((tp,), padded_keys, jnp.int32),
+        jnp.full((tp,), INT_MAX, jnp.int32),
+        jnp.zeros((tp,), jnp.int32),
+        jnp.full((tp,), padded_keys == top_k),
+    )
     _, (prefix, c_lo, _, c_hi, _) = lax.while_loop(not_finished, one_pass, (jnp.int32(0), start))
 
     # Exactly top_k keys >= prefix (lo): take them all. Otherwise hi = lo + 1, so prefix is the k-th key
@@ -186,8 +194,9 @@ def first_thresholds(proxy, keys, top_k: int, sample: int, n: int):
     return jnp.take(ordered, at, axis=-1)
 
 
-def lowrank_topk_pallas(q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tuning: TopkTuning, interpret,
-                        kv_valid=None):
+def lowrank_topk_pallas(
+    q_lr, k_lr, top_k, *, q_tile, kv_block, block_reduce, tuning: TopkTuning, interpret, kv_valid=None
+):
     """Inputs as the public lowrank_topk (already checked); returns int32 [B, H, S // q_tile, top_k].
     Partitionable over B and H like the attention kernels (each device selects for its own heads)."""
     static = (top_k, q_tile, kv_block, block_reduce, tuning, interpret)
@@ -225,8 +234,10 @@ def _select(q_lr, k_lr, static, kv_valid=None):
     table = jnp.pad(table, ((0, 0), (0, 0), (0, 0), (0, keys_p - num_keys), (0, rp - r)))
     rows = table.shape[2]
 
-    in_specs = [pl.BlockSpec((None, None, tp, rp), lambda i, bi, hi: (bi, hi, i, 0)),
-                pl.BlockSpec((None, None, rows, keys_p, rp), lambda i, bi, hi: (bi, hi, 0, 0, 0))]
+    in_specs = [
+        pl.BlockSpec((None, None, tp, rp), lambda i, bi, hi: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, rows, keys_p, rp), lambda i, bi, hi: (bi, hi, 0, 0, 0)),
+    ]
     args = [proxy, table]
     seeded = rows == 1 and tuning.sample > 0 and num_keys >= SEED_MIN_RATIO * tuning.sample
     if seeded:
@@ -236,8 +247,9 @@ def _select(q_lr, k_lr, static, kv_valid=None):
     if masked:
         in_specs.append(pl.BlockSpec((None, keys_p), lambda i, bi, hi: (bi, 0)))
         args.append(jnp.pad(kv_valid, ((0, 0), (0, keys_p - num_keys))))
-    kernel = functools.partial(_select_kernel, top_k=top_k, num_keys=num_keys, reduce=block_reduce, tuning=tuning,
-                               masked=masked, seeded=seeded)
+    kernel = functools.partial(
+        _select_kernel, top_k=top_k, num_keys=num_keys, reduce=block_reduce, tuning=tuning, masked=masked, seeded=seeded
+    )
     out = pl.pallas_call(
         kernel,
         grid=(tiles_p // tp, b, h),
@@ -259,4 +271,5 @@ def _select_masked(q_lr, k_lr, kv_valid, static):
 
 
 _select_masked_sharded = partitioned_over_batch_and_heads(
-    _select_masked, ("bshr", "bshr", "bn"), ("bhtk",))  # kv_valid [B, S // kv_block]: batch-sharded
+    _select_masked, ("bshr", "bshr", "bn"), ("bhtk",)
+)  # kv_valid [B, S // kv_block]: batch-sharded

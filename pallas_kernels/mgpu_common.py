@@ -92,8 +92,10 @@ class Ops:
         if self.interpret:
             return ref[...]
         load = self.plgpu.load
-        if "idx" in inspect.signature(load).parameters and inspect.signature(load).parameters["idx"].default is \
-                inspect.Parameter.empty:
+        if (
+            "idx" in inspect.signature(load).parameters
+            and inspect.signature(load).parameters["idx"].default is inspect.Parameter.empty
+        ):
             return load(ref, (), layout=layout)
         return load(ref, layout=layout)
 
@@ -126,8 +128,10 @@ class Ops:
             if after is not None:
                 after()
 
-        init = tuple(plgpu.ACC.init(self.full(acc, 0.0, self.wgmma_layout) if isinstance(acc, tuple) else acc)
-                     for acc, *_ in products)
+        init = tuple(
+            plgpu.ACC.init(self.full(acc, 0.0, self.wgmma_layout) if isinstance(acc, tuple) else acc)
+            for acc, *_ in products
+        )
         return list(pl.run_state(issue)(init))
 
 
@@ -354,13 +358,16 @@ class KVWalk:
     def copier(self, plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi):
         """A producer Group's copies: step `step` of list `list_id` into its ring stage, one TMA copy per
         slice. block_of(list_id, entry): the KV block id; slices[list_id]: the list's slice count (>= 1)."""
+
         def copies(list_id, step, slot, barrier):
             for i in range(self.sub):
                 sl = step if self.sub == 1 else jnp.minimum(step * self.sub + i, slices[list_id] - 1)
                 entry, offset = self.split(sl)
                 rows = pl.ds(block_of(list_id, entry) * self.kv_block + offset, ROWS)
-                plgpu.copy_gmem_to_smem(src_ref.at[bi, rows, hi],
-                                        dst_smem.at[list_id * stages + slot, pl.ds(i * ROWS, ROWS)], barrier)
+                plgpu.copy_gmem_to_smem(
+                    src_ref.at[bi, rows, hi], dst_smem.at[list_id * stages + slot, pl.ds(i * ROWS, ROWS)], barrier
+                )
+
         return copies
 
 
@@ -429,8 +436,10 @@ class AttentionConfig:
 
     def __post_init__(self):
         if self.fwd_stages < 1 or self.dq_stages < 2 or self.dkdv_stages < 2:
-            raise ValueError(f"fwd_stages={self.fwd_stages} must be >= 1, dq_stages={self.dq_stages} and "
-                             f"dkdv_stages={self.dkdv_stages} >= 2")
+            raise ValueError(
+                f"fwd_stages={self.fwd_stages} must be >= 1, dq_stages={self.dq_stages} and "
+                f"dkdv_stages={self.dkdv_stages} >= 2"
+            )
         for name in ("fwd_step_rows", "dq_step_rows"):
             if getattr(self, name) not in (ROWS, 2 * ROWS):
                 raise ValueError(f"{name}={getattr(self, name)} must be {ROWS} or {2 * ROWS}")
@@ -438,8 +447,9 @@ class AttentionConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: one CTA per work item)")
         if self.producer_registers % 8 or not 24 <= self.producer_registers <= LAUNCH_REGISTERS:
-            raise ValueError(f"producer_registers={self.producer_registers} must be a multiple of 8 in "
-                             f"24..{LAUNCH_REGISTERS}")
+            raise ValueError(
+                f"producer_registers={self.producer_registers} must be a multiple of 8 in 24..{LAUNCH_REGISTERS}"
+            )
 
     @property
     def consumer_registers(self) -> int:

@@ -41,6 +41,7 @@ def partitioned_over_batch_and_heads(call, operands: tuple[str, ...], results: t
     rule = ", ".join(" ".join(lay) for lay in operands) + " -> " + ", ".join(" ".join(lay) for lay in results)
     dims = "".join(operands + results)
     whole = tuple(sorted(set(dims) - {"b", "h"}, key=dims.index))  # Shardy wants them in factor order
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                     need_replication_factors=whole)
+    op.def_partition(
+        partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule, need_replication_factors=whole
+    )
     return op

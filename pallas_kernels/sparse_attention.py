@@ -90,14 +90,15 @@ def masked_softmax_attend(logits, values):
     return o, lse
 
 
-def sparse_attention_reference(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
-                               return_lse=False, impl="auto"):
+def sparse_attention_reference(
+    q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None, return_lse=False, impl="auto"
+):
     """Plain JAX, one query tile at a time (lax.map), so memory is O(S * K * kv_block), never [S, S]."""
     del impl
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
     b, s, h, d = q.shape
     n_sel = kv_index.shape[-1]
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    scale = d**-0.5 if sm_scale is None else sm_scale
     k_blocks = k.reshape(b, s // kv_block, kv_block, h, d).transpose(0, 3, 1, 2, 4)  # [B, H, nb, kvb, D]
     v_blocks = v.reshape(b, s // kv_block, kv_block, h, d).transpose(0, 3, 1, 2, 4)
     q_tiles = q.reshape(b, s // q_tile, q_tile, h, d).transpose(1, 0, 3, 2, 4)  # [T, B, H, qt, D]
@@ -138,16 +139,27 @@ def _share_weight(lse_part, lse):
     return jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, lse_part - lse)))
 
 
-def sparse_attention_reference_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64,
-                                        sm_scale=None, kv_valid=None):
+def sparse_attention_reference_backward(
+    q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None
+):
     """sparse_attention_backward in plain JAX. With w = exp(lse_b - lse) for this call's (o_b, lse_b) and the
     merged lse held constant, o_b * w = p v and w = rowsum(p); so the VJP of (q, k, v) -> (o_b * w, w) with
     cotangents (do, -delta) is sum_ij p_ij (do_i.v_j - delta_i) differentiated: exactly the gradients."""
     merged = jax.lax.stop_gradient(lse.astype(jnp.float32))
 
     def share(q, k, v):
-        o_b, lse_b = sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                                sm_scale=sm_scale, kv_valid=kv_valid, return_lse=True)
+        o_b, lse_b = sparse_attention_reference(
+            q,
+            k,
+            v,
+            kv_index,
+            kv_count,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            sm_scale=sm_scale,
+            kv_valid=kv_valid,
+            return_lse=True,
+        )
         w = _share_weight(lse_b, merged)
         return o_b.astype(jnp.float32) * jnp.swapaxes(w, 1, 2)[..., None], w
 
@@ -199,8 +211,9 @@ def _chosen_path(q, k, v, *, q_tile, kv_block, impl, caller):
     return path
 
 
-def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None,
-                     return_lse=False, impl="auto"):
+def sparse_attention(
+    q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None, return_lse=False, impl="auto"
+):
     """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto": the
     fastest path this device and geometry have (`kernel_path`: Mosaic GPU on sm90, the Triton lowering
     on other GPUs, else the reference, with the reason logged once). The Pallas paths assume the live
@@ -210,22 +223,51 @@ def sparse_attention(q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
     path = _chosen_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention")
     if path == "xla":
-        return sparse_attention_reference(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                          sm_scale=sm_scale, kv_valid=kv_valid, return_lse=return_lse)
+        return sparse_attention_reference(
+            q,
+            k,
+            v,
+            kv_index,
+            kv_count,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            sm_scale=sm_scale,
+            kv_valid=kv_valid,
+            return_lse=return_lse,
+        )
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if path == "mgpu":
         from pallas_kernels import sparse_attention_mgpu
 
-        return sparse_attention_mgpu.sparse_attention_mgpu(q, k, v, kv_index, kv_count, q_tile=q_tile,
-                                                           kv_block=kv_block, sm_scale=scale, kv_valid=kv_valid,
-                                                           return_lse=return_lse)
+        return sparse_attention_mgpu.sparse_attention_mgpu(
+            q,
+            k,
+            v,
+            kv_index,
+            kv_count,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            sm_scale=scale,
+            kv_valid=kv_valid,
+            return_lse=return_lse,
+        )
     from pallas_kernels import sparse_attention_triton as triton_path
     from pallas_kernels.tuning import for_device
 
-    return triton_path.sparse_attention_pallas(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                               sm_scale=scale, tuning=for_device()[0],
-                                               interpret=jax.default_backend() != "gpu", kv_valid=kv_valid,
-                                               return_lse=return_lse)
+    return triton_path.sparse_attention_pallas(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=scale,
+        tuning=for_device()[0],
+        interpret=jax.default_backend() != "gpu",
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+    )
 
 
 def _check_statistics(q, o, lse, do, dlse):
@@ -233,12 +275,28 @@ def _check_statistics(q, o, lse, do, dlse):
     if o.shape != q.shape or do.shape != q.shape:
         raise ValueError(f"o and do must be [B, S, H, D] = {q.shape}; got {o.shape}, {do.shape}")
     if lse.shape != (b, h, s) or (dlse is not None and dlse.shape != (b, h, s)):
-        raise ValueError(f"lse and dlse must be [B, H, S] = {(b, h, s)}; got {lse.shape}, "
-                         f"{None if dlse is None else dlse.shape}")
+        raise ValueError(
+            f"lse and dlse must be [B, H, S] = {(b, h, s)}; got {lse.shape}, {None if dlse is None else dlse.shape}"
+        )
 
 
-def sparse_attention_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64,
-                              sm_scale=None, kv_valid=None, impl="auto"):
+def sparse_attention_backward(
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    o,
+    lse,
+    do,
+    dlse=None,
+    *,
+    q_tile=64,
+    kv_block=64,
+    sm_scale=None,
+    kv_valid=None,
+    impl="auto",
+):
     """(dq, dk, dv) in the dtypes of q, k, v: the gradients of this call's share of an attention whose merged
     output o [B, S, H, D] and log-sum-exp lse [B, H, S] (fp32, natural log, -inf: no key) are given, for
     cotangents do and dlse (None: 0). See the module. Same paths as sparse_attention (impl)."""
@@ -246,18 +304,57 @@ def sparse_attention_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None
     _check_statistics(q, o, lse, do, dlse)
     path = _chosen_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention_backward")
     if path == "xla":
-        return sparse_attention_reference_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse, q_tile=q_tile,
-                                                   kv_block=kv_block, sm_scale=sm_scale, kv_valid=kv_valid)
+        return sparse_attention_reference_backward(
+            q,
+            k,
+            v,
+            kv_index,
+            kv_count,
+            o,
+            lse,
+            do,
+            dlse,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            sm_scale=sm_scale,
+            kv_valid=kv_valid,
+        )
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if path == "mgpu":
         from pallas_kernels import sparse_attention_mgpu
 
         return sparse_attention_mgpu.sparse_attention_mgpu_backward(
-            q, k, v, kv_index, kv_count, o, lse, do, dlse, q_tile=q_tile, kv_block=kv_block, sm_scale=scale,
-            kv_valid=kv_valid)
+            q,
+            k,
+            v,
+            kv_index,
+            kv_count,
+            o,
+            lse,
+            do,
+            dlse,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            sm_scale=scale,
+            kv_valid=kv_valid,
+        )
     from pallas_kernels import sparse_attention_triton as triton_path
     from pallas_kernels.tuning import for_device
 
     return triton_path.sparse_attention_pallas_backward(
-        q, k, v, kv_index, kv_count, o, lse, do, dlse, q_tile=q_tile, kv_block=kv_block, sm_scale=scale,
-        tuning=for_device()[0], interpret=jax.default_backend() != "gpu", kv_valid=kv_valid)
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        o,
+        lse,
+        do,
+        dlse,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=scale,
+        tuning=for_device()[0],
+        interpret=jax.default_backend() != "gpu",
+        kv_valid=kv_valid,
+    )

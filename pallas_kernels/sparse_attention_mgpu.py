@@ -31,9 +31,21 @@ from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_i
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
 H100_SMS = 132  # SXM H100 and H200
-TUNABLE = frozenset({"fwd_stages", "dq_stages", "dkdv_stages", "fwd_step_rows", "dq_step_rows", "producer_registers",
-                     "dkdv_longest_first", "fwd_programs", "dq_programs", "dkdv_programs",
-                     "heads_fastest"})
+TUNABLE = frozenset(
+    {
+        "fwd_stages",
+        "dq_stages",
+        "dkdv_stages",
+        "fwd_step_rows",
+        "dq_step_rows",
+        "producer_registers",
+        "dkdv_longest_first",
+        "fwd_programs",
+        "dq_programs",
+        "dkdv_programs",
+        "heads_fastest",
+    }
+)
 KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
@@ -75,8 +87,9 @@ def multiprocessors(device=None) -> int:
     return count if isinstance(count, int) and count > 0 else H100_SMS
 
 
-def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False,
-                   tuning=None) -> AttentionConfig:
+def default_config(
+    q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False, tuning=None
+) -> AttentionConfig:
     """The launch config of one call: `tuning`'s fields over the defaults, with the forward's ring as
     deep as fits in SMEM (3 stages at most) unless tuning sets it (1 KiB left for barriers and alignment).
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
@@ -91,8 +104,15 @@ def default_config(q_tile, kv_block, head_dim, sm_scale, *, masked=False, interp
     defaults = {"fwd_stages": 3, "fwd_programs": multiprocessors()}
     if q_tile == 2 * ROWS:
         defaults.update(fwd_step_rows=2 * ROWS, dq_step_rows=2 * ROWS)
-    cfg = AttentionConfig(q_tile=q_tile, kv_block=kv_block, head_dim=head_dim, sm_scale=float(sm_scale),
-                          masked=masked, interpret=interpret, **{**defaults, **tuning})
+    cfg = AttentionConfig(
+        q_tile=q_tile,
+        kv_block=kv_block,
+        head_dim=head_dim,
+        sm_scale=float(sm_scale),
+        masked=masked,
+        interpret=interpret,
+        **{**defaults, **tuning},
+    )
     while "fwd_stages" not in tuning and cfg.fwd_stages > 2 and cfg.smem_bytes("fwd") + 1024 > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, fwd_stages=cfg.fwd_stages - 1)
     return cfg
@@ -103,11 +123,13 @@ def check_smem(cfg: AttentionConfig, itemsize: int = 2):
     for kernel, name in KERNELS.items():
         need = cfg.smem_bytes(kernel, itemsize) + 1024
         if need > SMEM_LIMIT:
-            raise ValueError(f"sparse_attention_mgpu: the {name} kernel would need {need // 1024} KiB of SMEM with "
-                             f"fwd_stages={cfg.fwd_stages}, dq_stages={cfg.dq_stages}, dkdv_stages={cfg.dkdv_stages}, "
-                             f"fwd_step_rows={cfg.fwd_step_rows}, dq_step_rows={cfg.dq_step_rows} "
-                             f"(q_tile={cfg.q_tile}, kv_block={cfg.kv_block}, head dim {cfg.head_dim}); "
-                             f"a CTA may have {SMEM_LIMIT // 1024} KiB")
+            raise ValueError(
+                f"sparse_attention_mgpu: the {name} kernel would need {need // 1024} KiB of SMEM with "
+                f"fwd_stages={cfg.fwd_stages}, dq_stages={cfg.dq_stages}, dkdv_stages={cfg.dkdv_stages}, "
+                f"fwd_step_rows={cfg.fwd_step_rows}, dq_step_rows={cfg.dq_step_rows} "
+                f"(q_tile={cfg.q_tile}, kv_block={cfg.kv_block}, head dim {cfg.head_dim}); "
+                f"a CTA may have {SMEM_LIMIT // 1024} KiB"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -127,8 +149,9 @@ def dkdv_schedule(index, count, cfg: AttentionConfig, seq_len: int):
     """The dK/dV kernel's work: (tiles [B, H, N] of the transposed index, starts [B, H, R + 1] of each row
     block's range in it, blocks [B, H, R]: the order in which the kernel's programs take the row blocks,
     longest list first with cfg.dkdv_longest_first, else ascending)."""
-    order, starts, _, pairs_per_tile = dkdv_worklist(index, count, kv_block=cfg.kv_block, rows=cfg.dkdv_rows,
-                                                     seq_len=seq_len)
+    order, starts, _, pairs_per_tile = dkdv_worklist(
+        index, count, kv_block=cfg.kv_block, rows=cfg.dkdv_rows, seq_len=seq_len
+    )
     if cfg.dkdv_longest_first:
         blocks = longest_first(starts)
     else:
@@ -158,11 +181,14 @@ def _sharded(masked: bool, interpret: bool):
     if interpret:  # the GPU interpreter's callbacks cannot sit inside custom_partitioning (nor need to)
         return _forward, _backward
     extra = ("bhtk", "bn") if masked else ()
-    fwd = partitioned_over_batch_and_heads(_forward, ("bshd", "bshd", "bshd", "bhtk", "bht") + extra[:1],
-                                           ("bshd", "bhs"))
+    fwd = partitioned_over_batch_and_heads(
+        _forward, ("bshd", "bshd", "bshd", "bhtk", "bht") + extra[:1], ("bshd", "bhs")
+    )
     bwd = partitioned_over_batch_and_heads(
-        _backward, ("bshd", "bshd", "bshd", "bhtk", "bht") + extra + ("bshd", "bhs", "bshd", "bhs"),
-        ("bshd", "bshd", "bshd"))
+        _backward,
+        ("bshd", "bshd", "bshd", "bhtk", "bht") + extra + ("bshd", "bhs", "bshd", "bhs"),
+        ("bshd", "bshd", "bshd"),
+    )
     return fwd, bwd
 
 
@@ -202,8 +228,10 @@ def _check_kv_valid(kv_valid, b, s, kv_block):
     if kv_valid is None:
         return
     if kv_valid.shape != (b, s // kv_block) or not jnp.issubdtype(kv_valid.dtype, jnp.integer):
-        raise ValueError(f"kv_valid must be integer [B, S // kv_block] = [{b}, {s // kv_block}]; got "
-                         f"{kv_valid.dtype} {kv_valid.shape}")
+        raise ValueError(
+            f"kv_valid must be integer [B, S // kv_block] = [{b}, {s // kv_block}]; got "
+            f"{kv_valid.dtype} {kv_valid.shape}"
+        )
 
 
 def prepare_masks(index, kv_valid, kv_block: int, seq_len: int):
@@ -226,7 +254,7 @@ def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scal
         raise ValueError(f"sparse_attention_mgpu: unsupported {reason}")
     b, s, _, d = q.shape
     _check_kv_valid(kv_valid, b, s, kv_block)
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    scale = d**-0.5 if sm_scale is None else sm_scale
     cfg = default_config(q_tile, kv_block, d, scale, masked=kv_valid is not None, interpret=interpret, tuning=tuning)
     check_smem(cfg, jnp.dtype(q.dtype).itemsize)
     index, count = sanitize_index(kv_index, kv_count, s // kv_block)
@@ -234,27 +262,78 @@ def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scal
     return cfg, index, count, valid
 
 
-def sparse_attention_mgpu(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale=None, kv_valid=None,
-                          return_lse=False, tuning=None, interpret=False):
+def sparse_attention_mgpu(
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    *,
+    q_tile,
+    kv_block,
+    sm_scale=None,
+    kv_valid=None,
+    return_lse=False,
+    tuning=None,
+    interpret=False,
+):
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
     dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
     fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "fwd_step_rows": 128, "dq_step_rows": 128,
     "producer_registers": 40, "dkdv_longest_first": False, "fwd_programs": 132, "dq_programs": 0,
     "dkdv_programs": 0, "heads_fastest": True}). interpret=True simulates the kernels on a CPU (jax's GPU
     interpreter: slow, for tests; its products are plain dots)."""
-    cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
-                                        sm_scale=sm_scale, tuning=tuning, interpret=interpret)
+    cfg, index, count, valid = _prepare(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        kv_valid,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
     o, lse = _attend(q, k, v, index, count, valid, cfg)
     return (o, lse) if return_lse else o
 
 
-def sparse_attention_mgpu_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile, kv_block,
-                                   sm_scale=None, kv_valid=None, tuning=None, interpret=False):
+def sparse_attention_mgpu_backward(
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    o,
+    lse,
+    do,
+    dlse=None,
+    *,
+    q_tile,
+    kv_block,
+    sm_scale=None,
+    kv_valid=None,
+    tuning=None,
+    interpret=False,
+):
     """(dq, dk, dv) in q's dtype of this call's share of an attention whose merged output o [B, S, H, D] and
     log-sum-exp lse [B, H, S] (natural log, -inf: no key) are given, for cotangents do and dlse (None: 0):
     pallas_kernels.sparse_attention.sparse_attention_backward on the Mosaic GPU kernels."""
-    cfg, index, count, valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile, kv_block=kv_block,
-                                        sm_scale=sm_scale, tuning=tuning, interpret=interpret)
+    cfg, index, count, valid = _prepare(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        kv_valid,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
     dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     lse2 = lse.astype(jnp.float32) / LN2  # -inf stays -inf: the backward's own "no key" value
     return _grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg)

@@ -46,8 +46,10 @@ _PAIR = CONSUMERS * ROWS
 
 def _barriers(plgpu, lists, stages, ready_arrivals):
     ring = lists * stages
-    return (plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=ring),
-            plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring))
+    return (
+        plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=ring),
+        plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
+    )
 
 
 def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
@@ -107,8 +109,12 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                     acc, n_valid = carry
                     slot = slot_of(step)
                     plgpu.barrier_wait(v_ready.at[slot])
-                    logits, dp = ops.mma([((ROWS, cfg.dq_step_rows), my_q, k_smem.at[slot], True),
-                                          ((ROWS, cfg.dq_step_rows), my_do, v_smem.at[slot], True)])
+                    logits, dp = ops.mma(
+                        [
+                            ((ROWS, cfg.dq_step_rows), my_q, k_smem.at[slot], True),
+                            ((ROWS, cfg.dq_step_rows), my_do, v_smem.at[slot], True),
+                        ]
+                    )
                     plgpu.barrier_arrive(v_free.at[slot])
                     p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
                     if mask:
@@ -127,8 +133,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                     plgpu.barrier_arrive(k_free.at[slot])
                     return acc, n_valid
 
-                (acc,) = walk.loop(n_slices, masked, step_fn, (ops.full((ROWS, d), 0.0, ops.wgmma_layout),),
-                                   valid_keys)
+                (acc,) = walk.loop(n_slices, masked, step_fn, (ops.full((ROWS, d), 0.0, ops.wgmma_layout),), valid_keys)
                 my_q[...] = (acc * cfg.sm_scale).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, hi])
@@ -140,8 +145,10 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         @pl.when(wg == CONSUMERS)
         def _produce():
             ops.set_registers(cfg.producer_registers, "decrease")
-            groups = lambda copier: [Group(copier(k_ref, k_smem), k_ready, k_free),
-                                     Group(copier(v_ref, v_smem), v_ready, v_free)]
+            groups = lambda copier: [
+                Group(copier(k_ref, k_smem), k_ready, k_free),
+                Group(copier(v_ref, v_smem), v_ready, v_free),
+            ]
 
             def stream(i, item, done):
                 hi, _, bi = item
@@ -163,18 +170,31 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
         wide = lambda n, rows=ROWS: swizzled(plgpu, (n, rows, d), dtype)
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
-            (wide(CONSUMERS), wide(CONSUMERS), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
-             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), wide(ring, cfg.dq_step_rows), wide(ring, cfg.dq_step_rows)),
-            (plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS), *_barriers(plgpu, lists, stages, sub),
-             *_barriers(plgpu, lists, stages, sub)),
+            (
+                wide(CONSUMERS),
+                wide(CONSUMERS),
+                plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+                plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+                wide(ring, cfg.dq_step_rows),
+                wide(ring, cfg.dq_step_rows),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=4, num_barriers=CONSUMERS),
+                *_barriers(plgpu, lists, stages, sub),
+                *_barriers(plgpu, lists, stages, sub),
+            ),
             collective_axes="wg",
         )
 
     call = kernel_call(
-        plgpu, dsv_sparse_dq, result_type(q.shape, dtype, q),
+        plgpu,
+        dsv_sparse_dq,
+        result_type(q.shape, dtype, q),
         **work.launch(),
-        num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params(plgpu),
+        interpret=cfg.interpret_params(),
     )
     args = (q, k, v, do, lse2, delta, index, count) + ((valid,) if masked else ())
     return call(*args)
@@ -205,8 +225,20 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
     work = cfg.work("dkdv", h, s // _PAIR, b)
 
     def body(refs, scratch):
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, blocks_ref, valid_ref, dk_ref,
-         dv_ref) = refs
+        (
+            q_ref,
+            k_ref,
+            v_ref,
+            do_ref,
+            lse_ref,
+            delta_ref,
+            tiles_ref,
+            starts_ref,
+            blocks_ref,
+            valid_ref,
+            dk_ref,
+            dv_ref,
+        ) = refs
         (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring), barriers = scratch
         kv_ready, a_ready, a_free, b_ready, b_free = barriers
         wg = lax.axis_index("wg")
@@ -244,14 +276,19 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                     slot = base + lax.rem(done + step, stages)
                     plgpu.barrier_wait(a_ready.at[slot])
                     plgpu.barrier_wait(b_ready.at[slot])
-                    logits_t, dp_t = ops.mma([((ROWS, ROWS), my_k, q_ring.at[slot], True),
-                                              ((ROWS, ROWS), my_v, do_ring.at[slot], True)])
+                    logits_t, dp_t = ops.mma(
+                        [((ROWS, ROWS), my_k, q_ring.at[slot], True), ((ROWS, ROWS), my_v, do_ring.at[slot], True)]
+                    )
                     lse = ops.load(lse_ring.at[slot], ops.col_layout())
                     p_t = jnp.exp2(logits_t * qk_scale - lax.broadcast_in_dim(lse, logits_t.shape, [1]))
                     delta = ops.load(delta_ring.at[slot], ops.col_layout())
                     ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-                    dv_acc, dk_acc = ops.mma([(dv_acc, p_t.astype(dtype), do_ring.at[slot], False),
-                                              (dk_acc, ds_t.astype(dtype), q_ring.at[slot], False)])
+                    dv_acc, dk_acc = ops.mma(
+                        [
+                            (dv_acc, p_t.astype(dtype), do_ring.at[slot], False),
+                            (dk_acc, ds_t.astype(dtype), q_ring.at[slot], False),
+                        ]
+                    )
                     plgpu.barrier_arrive(b_free.at[slot])
                     plgpu.barrier_arrive(a_free.at[slot])
                     return dk_acc, dv_acc
@@ -292,8 +329,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                 def copy_b(list_id, step, slot, barrier):
                     src = source(list_id, step)
                     plgpu.copy_gmem_to_smem(do_ref.at[bi, src, hi], do_ring.at[list_id * stages + slot], barrier)
-                    plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot],
-                                            barrier)
+                    plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot], barrier)
 
                 return [Group(copy_a, a_ready, a_free), Group(copy_b, b_ready, b_free)]
 
@@ -314,19 +350,31 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
         wide = lambda n: swizzled(plgpu, (n, ROWS, d), dtype)
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
-            (wide(CONSUMERS), wide(CONSUMERS), wide(ring), wide(ring), plgpu.SMEM((ring, ROWS), jnp.float32),
-             plgpu.SMEM((ring, ROWS), jnp.float32)),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS), *_barriers(plgpu, lists, stages, 2),
-             *_barriers(plgpu, lists, stages, 2)),
+            (
+                wide(CONSUMERS),
+                wide(CONSUMERS),
+                wide(ring),
+                wide(ring),
+                plgpu.SMEM((ring, ROWS), jnp.float32),
+                plgpu.SMEM((ring, ROWS), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+                *_barriers(plgpu, lists, stages, 2),
+                *_barriers(plgpu, lists, stages, 2),
+            ),
             collective_axes="wg",
         )
 
     call = kernel_call(
-        plgpu, dsv_sparse_dkdv, [result_type(k.shape, dtype, q), result_type(v.shape, dtype, q)],
+        plgpu,
+        dsv_sparse_dkdv,
+        [result_type(k.shape, dtype, q), result_type(v.shape, dtype, q)],
         **work.launch(),
-        num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params(plgpu),
+        interpret=cfg.interpret_params(),
     )
     args = (q, k, v, do, lse2, delta, tiles, starts, blocks) + ((rows_valid,) if masked else ())
     return call(*args)
-

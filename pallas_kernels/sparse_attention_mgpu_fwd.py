@@ -97,8 +97,10 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                 def step_fn(step, carry, mask):
                     acc, m_i, l_i, n_valid = carry
                     slot = slot_of(step)
-                    (logits,) = ops.mma([((ROWS, cfg.fwd_step_rows), my_q, k_smem.at[slot], True)],
-                                        after=lambda: schedule_round(plgpu, sched))
+                    (logits,) = ops.mma(
+                        [((ROWS, cfg.fwd_step_rows), my_q, k_smem.at[slot], True)],
+                        after=lambda: schedule_round(plgpu, sched),
+                    )
                     plgpu.barrier_arrive(k_free.at[slot])
                     if mask:
                         logits = jnp.where(slice_limit(ops, logits.shape, n_valid), logits, -jnp.inf)
@@ -127,8 +129,11 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i, n_valid
 
-                init = (ops.full((ROWS, d), 0.0, ops.wgmma_layout), ops.full((ROWS,), -jnp.inf, ops.row_layout()),
-                        ops.full((ROWS,), 0.0, ops.row_layout()))
+                init = (
+                    ops.full((ROWS, d), 0.0, ops.wgmma_layout),
+                    ops.full((ROWS,), -jnp.inf, ops.row_layout()),
+                    ops.full((ROWS,), 0.0, ops.row_layout()),
+                )
                 acc, m_i, l_i = walk.loop(n_slices, masked, step_fn, init, valid_keys)
                 if lists == 2:  # keep the schedule barrier's rounds matched while the other list runs on
 
@@ -154,8 +159,10 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
         @pl.when(wg == CONSUMERS)
         def _produce():
             ops.set_registers(cfg.producer_registers, "decrease")
-            groups = lambda copier: [Group(copier(k_ref, k_smem), k_ready, k_free),
-                                     Group(copier(v_ref, v_smem), v_ready, v_free)]
+            groups = lambda copier: [
+                Group(copier(k_ref, k_smem), k_ready, k_free),
+                Group(copier(v_ref, v_smem), v_ready, v_free),
+            ]
 
             def stream(i, item, done):
                 hi, _, bi = item
@@ -178,22 +185,32 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
         ring = lists * stages
         pl.run_scoped(
             lambda *scratch: body(q_ref, k_ref, v_ref, index_ref, count_ref, valid_ref, o_ref, lse_ref, scratch),
-            (swizzled(plgpu, (CONSUMERS, ROWS, d), dtype), swizzled(plgpu, (ring, cfg.fwd_step_rows, d), dtype),
-             swizzled(plgpu, (ring, cfg.fwd_step_rows, d), dtype), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
-            (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_arrivals=sub, num_barriers=ring),
-             plgpu.Barrier(num_arrivals=sub, num_barriers=ring),
-             plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
-             plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
-             plgpu.Barrier(num_arrivals=CONSUMERS)),
+            (
+                swizzled(plgpu, (CONSUMERS, ROWS, d), dtype),
+                swizzled(plgpu, (ring, cfg.fwd_step_rows, d), dtype),
+                swizzled(plgpu, (ring, cfg.fwd_step_rows, d), dtype),
+                plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_barriers=CONSUMERS),
+                plgpu.Barrier(num_arrivals=sub, num_barriers=ring),
+                plgpu.Barrier(num_arrivals=sub, num_barriers=ring),
+                plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
+                plgpu.Barrier(num_arrivals=CONSUMERS // lists, num_barriers=ring),
+                plgpu.Barrier(num_arrivals=CONSUMERS),
+            ),
             collective_axes="wg",
         )
 
     call = kernel_call(
-        plgpu, dsv_sparse_fwd, [result_type(q.shape, dtype, q), result_type((b, h, s), jnp.float32, q)],
+        plgpu,
+        dsv_sparse_fwd,
+        [result_type(q.shape, dtype, q), result_type((b, h, s), jnp.float32, q)],
         **work.launch(),
-        num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=compiler_params(plgpu), interpret=cfg.interpret_params(),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params(plgpu),
+        interpret=cfg.interpret_params(),
     )
     args = (q, k, v, index, count) + ((valid,) if masked else ())
     return call(*args)
-

@@ -159,8 +159,7 @@ def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, *refs, launch: LaunchCo
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_next, l_next
 
-    init = (jnp.zeros((qt, dp), jnp.float32), jnp.full((qt,), M_FLOOR, jnp.float32),
-            jnp.zeros((qt,), jnp.float32))
+    init = (jnp.zeros((qt, dp), jnp.float32), jnp.full((qt,), M_FLOOR, jnp.float32), jnp.zeros((qt,), jnp.float32))
     acc, m, l = lax.fori_loop(0, _num_steps(count, launch), body, init)
     empty = l == 0.0  # no valid key (all masked, or kv_count == 0): o = 0, lse = +inf (backward's p = 0)
     l = jnp.where(empty, 1.0, l)
@@ -168,8 +167,9 @@ def _fwd_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, *refs, launch: LaunchCo
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l))
 
 
-def _dq_kernel(count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, launch: LaunchConfig,
-               masked: bool):
+def _dq_kernel(
+    count_ref, idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, launch: LaunchConfig, masked: bool
+):
     valid_ref, (dq_ref,) = _split_valid(refs, masked)
     count = count_ref[pl.program_id(0)]
     q, do = q_ref[...], do_ref[...]
@@ -256,8 +256,12 @@ def _forward(q, k, v, index, count, launch: LaunchConfig, key_valid=None):
     b, s, h, dp = q.shape
     tiles, n_sel = index.shape[2], index.shape[3]
     count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(launch, s, dp, n_sel, tiles)
-    in_specs, args = _with_valid([count_s, index_s, tile_s, whole_s, whole_s], [count, index, q, k, v], key_valid,
-                                 pl.BlockSpec((None, s), lambda t, b, h: (b, 0)))
+    in_specs, args = _with_valid(
+        [count_s, index_s, tile_s, whole_s, whole_s],
+        [count, index, q, k, v],
+        key_valid,
+        pl.BlockSpec((None, s), lambda t, b, h: (b, 0)),
+    )
     return pl.pallas_call(
         functools.partial(_fwd_kernel, launch=launch, masked=key_valid is not None),
         grid=(tiles, b, h),
@@ -280,9 +284,12 @@ def _backward_from_delta(q, k, v, index, count, lse, do, delta, launch: LaunchCo
     tiles, n_sel = index.shape[2], index.shape[3]
     masked = key_valid is not None
     count_s, index_s, tile_s, whole_s, stat_s = _tile_specs(launch, s, dp, n_sel, tiles)
-    in_specs, args = _with_valid([count_s, index_s, tile_s, whole_s, whole_s, tile_s, stat_s, stat_s],
-                                 [count, index, q, k, v, do, lse, delta], key_valid,
-                                 pl.BlockSpec((None, s), lambda t, b, h: (b, 0)))
+    in_specs, args = _with_valid(
+        [count_s, index_s, tile_s, whole_s, whole_s, tile_s, stat_s, stat_s],
+        [count, index, q, k, v, do, lse, delta],
+        key_valid,
+        pl.BlockSpec((None, s), lambda t, b, h: (b, 0)),
+    )
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, launch=launch, masked=masked),
         grid=(tiles, b, h),
@@ -307,8 +314,12 @@ def _backward_from_delta(q, k, v, index, count, lse, do, delta, launch: LaunchCo
     if masks is not None:
         in_specs.append(pl.BlockSpec((None, None, n_pairs, masks.shape[-1]), lambda j, b, h: (b, h, 0, 0)))
         args.append(masks)
-    in_specs, args = _with_valid(in_specs + [whole, own, own, whole, stat, stat], args + [q, k, v, do, lse, delta],
-                                 key_valid, pl.BlockSpec((None, rows), lambda j, b, h: (b, j)))
+    in_specs, args = _with_valid(
+        in_specs + [whole, own, own, whole, stat, stat],
+        args + [q, k, v, do, lse, delta],
+        key_valid,
+        pl.BlockSpec((None, rows), lambda j, b, h: (b, j)),
+    )
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, launch=launch, pairs_per_tile=pairs_per_tile, masked=masked),
         grid=(row_blocks, b, h),
@@ -329,7 +340,8 @@ _QKV, _SEL, _ROWS, _KEYS = ("bshd",) * 3, ("bhtk", "bht"), "bhs", "bs"  # key_va
 
 _forward_sharded = partitioned_over_batch_and_heads(_forward, _QKV + _SEL, ("bshd", _ROWS))
 _backward_sharded = partitioned_over_batch_and_heads(
-    _backward, _QKV + _SEL + ("bshd", _ROWS, "bshd"), ("bshd",) * 3)  # (o, lse, do): the Mosaic GPU path's
+    _backward, _QKV + _SEL + ("bshd", _ROWS, "bshd"), ("bshd",) * 3
+)  # (o, lse, do): the Mosaic GPU path's
 
 
 def _forward_masked(q, k, v, index, count, key_valid, launch: LaunchConfig):
@@ -342,9 +354,11 @@ def _backward_masked(q, k, v, index, count, lse, do, delta, key_valid, launch: L
 
 _forward_masked_sharded = partitioned_over_batch_and_heads(_forward_masked, _QKV + _SEL + (_KEYS,), ("bshd", _ROWS))
 _backward_delta_sharded = partitioned_over_batch_and_heads(
-    _backward_from_delta, _QKV + _SEL + (_ROWS, "bshd", _ROWS), ("bshd",) * 3)
+    _backward_from_delta, _QKV + _SEL + (_ROWS, "bshd", _ROWS), ("bshd",) * 3
+)
 _backward_delta_masked_sharded = partitioned_over_batch_and_heads(
-    _backward_masked, _QKV + _SEL + (_ROWS, "bshd", _ROWS, _KEYS), ("bshd",) * 3)
+    _backward_masked, _QKV + _SEL + (_ROWS, "bshd", _ROWS, _KEYS), ("bshd",) * 3
+)
 
 
 def _run_forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
@@ -426,8 +440,15 @@ def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scal
         raise ValueError(reason)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"the Pallas kernels need one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
-    launch = LaunchConfig(q_tile=q_tile, kv_block=kv_block, seq_len=q.shape[1], head_dim=q.shape[-1],
-                          sm_scale=float(sm_scale), tuning=tuning, interpret=interpret)
+    launch = LaunchConfig(
+        q_tile=q_tile,
+        kv_block=kv_block,
+        seq_len=q.shape[1],
+        head_dim=q.shape[-1],
+        sm_scale=float(sm_scale),
+        tuning=tuning,
+        interpret=interpret,
+    )
     index, count = prepare_index(kv_index, kv_count, launch, q.shape[1])
     key_valid = None if kv_valid is None else key_row_flags(kv_valid, kv_block)
     return launch, index, count, key_valid
@@ -442,13 +463,24 @@ def _pad_head(*xs):
     return tuple(jnp.pad(x, pad) for x in xs)
 
 
-def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, tuning, interpret,
-                            kv_valid=None, return_lse=False):
+def sparse_attention_pallas(
+    q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, tuning, interpret, kv_valid=None, return_lse=False
+):
     """Inputs as the public sparse_attention (already checked); returns o [B, S, H, D] in q.dtype, or
     (o, lse [B, H, S] fp32 natural log) with return_lse."""
-    launch, index, count, key_valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile,
-                                               kv_block=kv_block, sm_scale=sm_scale, tuning=tuning,
-                                               interpret=interpret)
+    launch, index, count, key_valid = _prepare(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        kv_valid,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
     d = q.shape[-1]
     out = _attend(*_pad_head(q, k, v), index, count, key_valid, launch, bool(return_lse))
     o, lse = out if return_lse else (out, None)
@@ -456,13 +488,24 @@ def sparse_attention_pallas(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm
     return (o, lse) if return_lse else o
 
 
-def sparse_attention_pallas_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile, kv_block,
-                                     sm_scale, tuning, interpret, kv_valid=None):
+def sparse_attention_pallas_backward(
+    q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile, kv_block, sm_scale, tuning, interpret, kv_valid=None
+):
     """Inputs as the public sparse_attention_backward (already checked): (dq, dk, dv) in the dtypes of
     q, k, v of this call's share of the attention whose merged statistics are o, lse (natural log)."""
-    launch, index, count, key_valid = _prepare(q, k, v, kv_index, kv_count, kv_valid, q_tile=q_tile,
-                                               kv_block=kv_block, sm_scale=sm_scale, tuning=tuning,
-                                               interpret=interpret)
+    launch, index, count, key_valid = _prepare(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        kv_valid,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
     d = q.shape[-1]
     q, k, v, o, do = _pad_head(q, k, v, o, do.astype(q.dtype))
     grads = _grads(q, k, v, index, count, key_valid, o, kernel_lse(lse), do, dlse, launch)

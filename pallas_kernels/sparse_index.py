@@ -117,8 +117,11 @@ def _order_by_counting(pair_block, row_blocks):
     present = table > 0
     place = jnp.cumsum(present, axis=-1, dtype=jnp.int32) - 1
     place = jnp.where(present, place, n)  # out of range: dropped
-    order = jnp.zeros((b, h, n), jnp.int32).at[bi[..., 0], hi[..., 0], place].set(table - 1, mode="drop",
-                                                                                    unique_indices=True)
+    order = (
+        jnp.zeros((b, h, n), jnp.int32)
+        .at[bi[..., 0], hi[..., 0], place]
+        .set(table - 1, mode="drop", unique_indices=True)
+    )
     counts = jnp.sum(present.reshape(b, h, row_blocks, tiles), axis=-1, dtype=jnp.int32)
     starts = jnp.concatenate([jnp.zeros((b, h, 1), jnp.int32), jnp.cumsum(counts, axis=-1, dtype=jnp.int32)], -1)
     return order, starts

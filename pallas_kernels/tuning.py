@@ -74,10 +74,14 @@ class TopkTuning:
 # Selection: 4 warps, though the [tiles, keys, 2**radix_bits] comparison block of a counting pass is then 128
 # elements per thread: 8 warps measured 1.5-1.8x slower at token level and with 64-token blocks, 32k-128k keys
 # (experiments/results/bench_topk.json).
-_HOPPER = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
-           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=4))
-_AMPERE = (SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=2),
-           TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=8))
+_HOPPER = (
+    SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
+    TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=4),
+)
+_AMPERE = (
+    SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=2),
+    TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=8),
+)
 _DEFAULT = (SparseAttentionTuning(), TopkTuning())
 
 

@@ -26,8 +26,10 @@ if "xla_force_host_platform_device_count" not in flags:
         fast.append("--xla_cpu_use_fusion_emitters=false")
     os.environ["XLA_FLAGS"] = " ".join([flags, "--xla_force_host_platform_device_count=8", *fast]).strip()
 # the same for a test's subprocess that sets its own XLA_FLAGS
-FAST_COMPILE = " ".join(["--xla_backend_optimization_level=0"] + [
-    f for f in os.environ["XLA_FLAGS"].split() if f.startswith("--xla_cpu_use_fusion_emitters")])
+FAST_COMPILE = " ".join(
+    ["--xla_backend_optimization_level=0"]
+    + [f for f in os.environ["XLA_FLAGS"].split() if f.startswith("--xla_cpu_use_fusion_emitters")]
+)
 
 import pytest  # noqa: E402
 
@@ -35,10 +37,20 @@ from dsv_jax.config import get_config  # noqa: E402
 
 # A model small enough to compile in seconds; two buckets so bucket scheduling is exercised.
 SMALL = [
-    "model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16", "model.patch=[1,4,4]",
-    "data.buckets=[[1,16,16],[4,16,16]]", "data.bucket_weights=[0.5,0.5]", "data.tokens_per_batch=64",
-    "text.max_len=8", "text.hash_buckets=8", "train.log_every=1", "train.eval_batches=1",
-    "train.sample_at_end=false", "train.warmup_steps=2",
+    "model.hidden=32",
+    "model.heads=2",
+    "model.depth=2",
+    "model.text_dim=16",
+    "model.patch=[1,4,4]",
+    "data.buckets=[[1,16,16],[4,16,16]]",
+    "data.bucket_weights=[0.5,0.5]",
+    "data.tokens_per_batch=64",
+    "text.max_len=8",
+    "text.hash_buckets=8",
+    "train.log_every=1",
+    "train.eval_batches=1",
+    "train.sample_at_end=false",
+    "train.warmup_steps=2",
 ]
 
 

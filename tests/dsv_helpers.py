@@ -29,9 +29,20 @@ def block_scores(q_lr, k_lr, q_tile, kv_block, reduce):
 
 
 def dsv_model(arch, seed=0, **model_kw):
-    cfg = get_config("tiny", ["model.hidden=32", "model.heads=2", "model.depth=2", "model.text_dim=16",
-                              "attention=dsv", f"model.arch={arch}", "dsv.rank=4"])
+    cfg = get_config(
+        "tiny",
+        [
+            "model.hidden=32",
+            "model.heads=2",
+            "model.depth=2",
+            "model.text_dim=16",
+            "attention=dsv",
+            f"model.arch={arch}",
+            "dsv.rank=4",
+        ],
+    )
     import dataclasses
+
     model = VideoDiT(dataclasses.replace(cfg.model, **model_kw), rngs=nnx.Rngs(seed), predictor_rank=4)
     graphdef, state = nnx.split(model)
     leaves, tree = jax.tree.flatten(state)
@@ -48,8 +59,9 @@ def model_inputs(shape, b=2):
     return x, t, text, mask
 
 
-
 def count_primitive(jaxpr, name: str) -> int:
     """Occurrences of a primitive in a jaxpr and every jaxpr nested in its equations (scan, remat, pjit...)."""
-    return sum((eqn.primitive.name == name) + sum(count_primitive(sub, name) for _, sub in _subjaxprs(eqn))
-               for eqn in jaxpr.eqns)
+    return sum(
+        (eqn.primitive.name == name) + sum(count_primitive(sub, name) for _, sub in _subjaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )

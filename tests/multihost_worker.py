@@ -20,9 +20,21 @@ from dsv_jax.data.pipeline import GrainFeed  # noqa: E402
 from dsv_jax.train.trainer import Trainer  # noqa: E402
 from tests.conftest import SMALL  # noqa: E402
 
-CFG = get_config("tiny", SMALL + [f"data.path={dataset}", "model.in_channels=12", "data.workers=0",
-                                  "data.batching=dual", "data.m_mem=160", "data.m_comp=700", "data.cost_p=1.5",
-                                  "train.steps=100", "train.ckpt_every=1000"])
+CFG = get_config(
+    "tiny",
+    SMALL
+    + [
+        f"data.path={dataset}",
+        "model.in_channels=12",
+        "data.workers=0",
+        "data.batching=dual",
+        "data.m_mem=160",
+        "data.m_comp=700",
+        "data.cost_p=1.5",
+        "train.steps=100",
+        "train.ckpt_every=1000",
+    ],
+)
 
 
 class Recorder:
@@ -50,8 +62,13 @@ class Recorder:
 def phase(stop_at):
     trainer = Trainer(CFG, workdir, progress=False)
     start = int(trainer.state.step)
-    feed = GrainFeed(trainer.cfg, batch_multiple=8, process_index=jax.process_index(),
-                     process_count=jax.process_count(), with_ids=True)
+    feed = GrainFeed(
+        trainer.cfg,
+        batch_multiple=8,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        with_ids=True,
+    )
     feed.set_state(trainer.feed.get_state())  # fresh, or as restored from the checkpoint
     trainer.feed = Recorder(feed)
     records = [r for r in trainer.run(stop_at=stop_at) if "loss" in r]
@@ -62,12 +79,22 @@ def phase(stop_at):
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 start1, rec1, ids1 = phase(2)
 start2, rec2, ids2 = phase(4)
-reference = GrainFeed(resolve_data_config(CFG), batch_multiple=8, process_index=jax.process_index(), process_count=2,
-                      with_ids=True)
+reference = GrainFeed(
+    resolve_data_config(CFG), batch_multiple=8, process_index=jax.process_index(), process_count=2, with_ids=True
+)
 ref_ids = [next(reference)["record_id"].tolist() for _ in range(4)]
 with open(out, "w") as f:
-    json.dump({"starts": [start1, start2], "steps": [r["step"] for r in rec1 + rec2],
-               "buckets": [r["bucket"] for r in rec1 + rec2], "batch": [r["batch"] for r in rec1 + rec2],
-               "losses": [r["loss"] for r in rec1 + rec2], "ids": ids1 + ids2, "ref_ids": ref_ids,
-               "ref_state": reference.get_state()}, f)
+    json.dump(
+        {
+            "starts": [start1, start2],
+            "steps": [r["step"] for r in rec1 + rec2],
+            "buckets": [r["bucket"] for r in rec1 + rec2],
+            "batch": [r["batch"] for r in rec1 + rec2],
+            "losses": [r["loss"] for r in rec1 + rec2],
+            "ids": ids1 + ids2,
+            "ref_ids": ref_ids,
+            "ref_state": reference.get_state(),
+        },
+        f,
+    )
 jax.distributed.shutdown()

@@ -36,8 +36,9 @@ def make_inputs(seed, b, n, c, dtype):
     x = (3.0 * jax.random.normal(ks[0], (b, n, c)) + 4.0 * jax.random.normal(ks[1], (b, n, 1))).astype(dtype)
     vec = lambda k: 0.7 * jax.random.normal(k, (b, c), jnp.float32)
     big = lambda k: jax.random.normal(k, (b, n, c), dtype)
-    return dict(x=x, scale=vec(ks[2]), shift=vec(ks[3]), gate=vec(ks[4]), branch=big(ks[5]),
-                dy=big(ks[6]), dh=big(ks[7]))
+    return dict(
+        x=x, scale=vec(ks[2]), shift=vec(ks[3]), gate=vec(ks[4]), branch=big(ks[5]), dy=big(ks[6]), dh=big(ks[7])
+    )
 
 
 def adaln_vjp(fn, v):
@@ -83,8 +84,12 @@ def test_gated_residual_adaln_forward_and_gradients(b, n, c, dtype):
     fused = jax.jit(lambda v: gated_vjp(lambda *a: gated_residual_adaln(*a, impl="pallas"), v))
     (h, y), grads = fused(v)
     (h_ref, y_ref), grads_ref = gated_vjp(gated_residual_adaln_reference, v)
-    check_close([h, y, *grads], [h_ref, y_ref, *grads_ref], dtype,
-                ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"])
+    check_close(
+        [h, y, *grads],
+        [h_ref, y_ref, *grads_ref],
+        dtype,
+        ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"],
+    )
 
 
 def test_walk_over_several_tiles_and_ragged_chunks():
@@ -98,8 +103,12 @@ def test_walk_over_several_tiles_and_ragged_chunks():
     check_close([y, *grads], [y_ref, *grads_ref], jnp.float32, ["y", "dx", "dscale", "dshift"])
     out, grads = jax.jit(lambda v: gated_vjp(lambda *a: gated_residual_adaln_pallas(*a, block_sizes=small), v))(v)
     out_ref, grads_ref = gated_vjp(gated_residual_adaln_reference, v)
-    check_close([*out, *grads], [*out_ref, *grads_ref], jnp.float32,
-                ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"])
+    check_close(
+        [*out, *grads],
+        [*out_ref, *grads_ref],
+        jnp.float32,
+        ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"],
+    )
 
 
 def test_mixed_dtypes_keep_each_input_dtype():
@@ -109,8 +118,12 @@ def test_mixed_dtypes_keep_each_input_dtype():
     out, grads = jax.jit(lambda v: gated_vjp(lambda *a: gated_residual_adaln(*a, impl="pallas"), v))(v)
     out_ref, grads_ref = gated_vjp(gated_residual_adaln_reference, v)
     assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32, jnp.float32]
-    check_close([*out, *grads], [*out_ref, *grads_ref], jnp.bfloat16,
-                ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"])
+    check_close(
+        [*out, *grads],
+        [*out_ref, *grads_ref],
+        jnp.bfloat16,
+        ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"],
+    )
 
 
 def test_sharded_over_batch_and_sequence():
@@ -121,11 +134,16 @@ def test_sharded_over_batch_and_sequence():
     v = make_inputs(11, 4, 26, 48, jnp.float32)  # 13 rows of each sample per device
     v = {k: jax.device_put(a, rows if a.ndim == 3 else vecs) for k, a in v.items()}
     for run, ref, names in [
-        (lambda v: adaln_vjp(lambda *a: adaln_modulate(*a, impl="pallas"), v),
-         lambda v: adaln_vjp(adaln_modulate_reference, v), ["y", "dx", "dscale", "dshift"]),
-        (lambda v: gated_vjp(lambda *a: gated_residual_adaln(*a, impl="pallas"), v),
-         lambda v: gated_vjp(gated_residual_adaln_reference, v),
-         ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"]),
+        (
+            lambda v: adaln_vjp(lambda *a: adaln_modulate(*a, impl="pallas"), v),
+            lambda v: adaln_vjp(adaln_modulate_reference, v),
+            ["y", "dx", "dscale", "dshift"],
+        ),
+        (
+            lambda v: gated_vjp(lambda *a: gated_residual_adaln(*a, impl="pallas"), v),
+            lambda v: gated_vjp(gated_residual_adaln_reference, v),
+            ["h", "y", "dresidual", "dbranch", "dgate", "dscale", "dshift"],
+        ),
     ]:
         compiled = jax.jit(run).lower(v).compile()
         assert "all-gather" not in compiled.as_text()
@@ -169,8 +187,10 @@ def jaxlib_version():
     return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
 
 
-@pytest.mark.skipif(jaxlib_version() > (0, 10, 2),  # later jaxlibs compile PTX while lowering: GPU only
-                    reason="Triton lowering on the CPU is checked with jaxlib <= 0.10.2")
+@pytest.mark.skipif(
+    jaxlib_version() > (0, 10, 2),  # later jaxlibs compile PTX while lowering: GPU only
+    reason="Triton lowering on the CPU is checked with jaxlib <= 0.10.2",
+)
 @pytest.mark.parametrize("c", [1152, 2048, 3072, 5120, 6144])
 def test_triton_lowering_at_model_widths(c):
     """Lowers forward and backward of both kernels for a CUDA target (no GPU needed): catches

@@ -23,8 +23,11 @@ def naive(q, k, v, kv_lens=None, scale=None):
 
 def qkv(b=2, sq=37, skv=29, h=3, d=16, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (b, sq, h, d)), jax.random.normal(ks[1], (b, skv, h, d)),
-            jax.random.normal(ks[2], (b, skv, h, d)))
+    return (
+        jax.random.normal(ks[0], (b, sq, h, d)),
+        jax.random.normal(ks[1], (b, skv, h, d)),
+        jax.random.normal(ks[2], (b, skv, h, d)),
+    )
 
 
 def test_xla_backend_matches_naive_with_lengths():
@@ -93,8 +96,9 @@ def grads_through_both(fn, q, k, v, seed=9):
 def test_xla_backend_returns_lse_and_its_gradient():
     q, k, v = qkv()
     lens = jnp.array([29, 11], jnp.int32)
-    o, lse, grads = grads_through_both(lambda q, k, v: attention(q, k, v, backend="xla", kv_lens=lens, sm_scale=0.3,
-                                                                 return_lse=True), q, k, v)
+    o, lse, grads = grads_through_both(
+        lambda q, k, v: attention(q, k, v, backend="xla", kv_lens=lens, sm_scale=0.3, return_lse=True), q, k, v
+    )
     ro, rl, rgrads = grads_through_both(lambda q, k, v: naive_with_lse(q, k, v, lens, 0.3), q, k, v)
     assert lse.shape == (2, 3, 37) and lse.dtype == jnp.float32
     np.testing.assert_allclose(o, ro, atol=1e-5)

@@ -12,12 +12,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(tmp_path, *args, devices=2, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+    )
     env.pop("OUT", None)  # no copy into the device tool's output folder
-    r = subprocess.run([sys.executable, "-m", "experiments.bench_multigpu", "--quick",
-                        "--results-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=ROOT, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_multigpu", "--quick", "--results-dir", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     files = list(tmp_path.glob("bench_multigpu*.json"))
     assert len(files) == 1, files

@@ -24,8 +24,8 @@ def test_dual_constraint_matches_its_definition_on_random_inputs():
         # the largest B >= 1 within both budgets, or 1 when even one sample exceeds them
         assert b >= 1
         if b > 1:
-            assert b * s <= m_mem and b * s ** p <= m_comp * (1 + 1e-12)
-        assert (b + 1) * s > m_mem or (b + 1) * s ** p > m_comp
+            assert b * s <= m_mem and b * s**p <= m_comp * (1 + 1e-12)
+        assert (b + 1) * s > m_mem or (b + 1) * s**p > m_comp
 
 
 def test_dual_constraint_regimes():
@@ -35,10 +35,16 @@ def test_dual_constraint_regimes():
     assert dual_constraint_batch_size(10_000, 1e6, 1e3, 1.5) == 1  # never zero
 
 
-@pytest.mark.parametrize("args, needle", [
-    ((0, 10, 10, 1.5), "seq_len=0"), ((-3, 10, 10, 1.5), "seq_len=-3"),
-    ((5, 0, 10, 1.5), "m_mem=0"), ((5, 10, -1, 1.5), "m_comp=-1"), ((5, 10, 10, 0), "p=0"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ((0, 10, 10, 1.5), "seq_len=0"),
+        ((-3, 10, 10, 1.5), "seq_len=-3"),
+        ((5, 0, 10, 1.5), "m_mem=0"),
+        ((5, 10, -1, 1.5), "m_comp=-1"),
+        ((5, 10, 10, 0), "p=0"),
+    ],
+)
 def test_dual_constraint_rejects_bad_input(args, needle):
     with pytest.raises(ValueError, match=needle):
         dual_constraint_batch_size(*args)
@@ -57,12 +63,12 @@ def test_rule_rounds_to_the_data_parallel_size_and_caps():
 
 def test_dual_gives_long_sequences_fewer_samples_than_equal_tokens():
     eq = BatchRule("equal_tokens", max_batch=10_000, tokens_per_batch=65536)
-    dual = BatchRule("dual", max_batch=10_000, m_mem=65536, m_comp=65536 * 1024 ** 0.4, p=1.4)
+    dual = BatchRule("dual", max_batch=10_000, m_mem=65536, m_comp=65536 * 1024**0.4, p=1.4)
     lens = [256, 1024, 4096, 16384]
     assert [dual(s) for s in lens][:2] == [eq(s) for s in lens][:2]  # memory-bound: the same
     assert all(dual(s) < eq(s) for s in lens[2:])  # compute-bound: fewer
-    work = [dual(s) * s ** 1.4 for s in lens]
-    assert max(work) / min(work) < (eq(16384) * 16384 ** 1.4) / (eq(256) * 256 ** 1.4)
+    work = [dual(s) * s**1.4 for s in lens]
+    assert max(work) / min(work) < (eq(16384) * 16384**1.4) / (eq(256) * 256**1.4)
 
 
 def test_batch_rule_reads_the_cost_model(tmp_path):
@@ -85,8 +91,9 @@ def test_batch_rule_reads_the_cost_model(tmp_path):
 
 
 def test_synthetic_feed_uses_the_dual_rule():
-    cfg = small_config("data.batching=dual", "data.m_mem=512", "data.m_comp=600", "data.cost_p=1.5",
-                       "data.max_batch=64")
+    cfg = small_config(
+        "data.batching=dual", "data.m_mem=512", "data.m_comp=600", "data.cost_p=1.5", "data.max_batch=64"
+    )
     feed = SyntheticFeed(cfg, batch_multiple=2)
     for shape in feed.shapes:  # (1,16,16): S=16, (4,16,16): S=64 with patch (1,4,4)
         s = int(np.prod(shape)) // 16
@@ -101,12 +108,12 @@ def test_fit_recovers_parameters_from_noisy_steps():
     a, b, p = 0.0123, 2.7e-9, 1.41
     B = rng.integers(1, 33, 40)
     S = rng.choice([257, 1031, 4099, 16411, 32771], 40)
-    t = (a + b * B * S ** p) * (1 + 0.01 * rng.standard_normal(40))
+    t = (a + b * B * S**p) * (1 + 0.01 * rng.standard_normal(40))
     model = fit_cost_model(B, S, t)
     assert abs(model.p - p) < 0.03
     assert model.r2 > 0.99 and model.max_rel_error < 0.05
     pred = model.predict(B, S)
-    np.testing.assert_allclose(pred, a + b * B * S ** p, rtol=0.06)
+    np.testing.assert_allclose(pred, a + b * B * S**p, rtol=0.06)
     # the budget for a target step time inverts the model
     m_comp = model.compute_budget_for(0.5)
     assert model.predict(1, m_comp ** (1 / model.p)) == pytest.approx(0.5, rel=1e-9)
@@ -124,13 +131,21 @@ def test_fit_rejects_unidentifiable_or_bad_data():
 
 
 def test_cost_model_json_roundtrip(tmp_path):
-    m = CostModel(a=0.5, b=3e-7, p=1.33, r2=0.998, max_rel_error=0.02, m_mem=123.0, m_comp=4.5e6,
-                  info={"points": [{"batch": np.int64(2), "time_s": np.float32(0.25)}]})
+    m = CostModel(
+        a=0.5,
+        b=3e-7,
+        p=1.33,
+        r2=0.998,
+        max_rel_error=0.02,
+        m_mem=123.0,
+        m_comp=4.5e6,
+        info={"points": [{"batch": np.int64(2), "time_s": np.float32(0.25)}]},
+    )
     path = m.save(str(tmp_path / "sub" / "cost.json"))
     back = CostModel.load(path)
     assert (back.a, back.b, back.p, back.m_mem, back.m_comp) == (0.5, 3e-7, 1.33, 123.0, 4.5e6)
     assert back.info["points"][0] == {"batch": 2, "time_s": 0.25}
-    assert back.predict(4, 100) == pytest.approx(0.5 + 3e-7 * 4 * 100 ** 1.33)
+    assert back.predict(4, 100) == pytest.approx(0.5 + 3e-7 * 4 * 100**1.33)
     (tmp_path / "bad.json").write_text(json.dumps({"a": 1, "b": 2}))
     with pytest.raises(ValueError, match=r"lacks field\(s\) \['p'\]"):
         CostModel.load(str(tmp_path / "bad.json"))
@@ -163,8 +178,14 @@ def test_everything_but_the_dataset_path_works_without_grain():
         "except ImportError as e:\n"
         "    print('needs grain:', e)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
-                       env=dict(os.environ, PYTHONPATH=root))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "needs grain: data.path needs grain and array_record" in r.stdout
     assert r.stdout.splitlines()[0].startswith("(")

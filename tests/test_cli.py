@@ -13,8 +13,9 @@ from tests.conftest import SMALL
 
 
 def run_cli(*args, timeout=600, **kw):
-    return subprocess.run([sys.executable, "-m", "dsv_jax", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv_jax", *args], capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def metrics(workdir):
@@ -28,24 +29,50 @@ def metrics(workdir):
 def run_cli_free_space(free_bytes, *args, timeout=600):
     """The CLI with the file system reporting `free_bytes` free (shutil.disk_usage patched): a full disk
     without filling one."""
-    code = ("import shutil, sys; real = shutil.disk_usage; "
-            f"shutil.disk_usage = lambda p: real(p)._replace(free={int(free_bytes)}); "
-            "from dsv_jax.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = (
+        "import shutil, sys; real = shutil.disk_usage; "
+        f"shutil.disk_usage = lambda p: real(p)._replace(free={int(free_bytes)}); "
+        "from dsv_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_train_then_sample_gif(tmp_path):
     wd = str(tmp_path / "run")
     # options and key=value overrides in any order
-    r = run_cli("train", SMALL[0], "--config", "tiny", *SMALL[1:4], "--workdir", wd, *SMALL[4:], "--steps", "3",
-                "train.sample_at_end=true", "--no-progress", "train.sample_steps=2")
+    r = run_cli(
+        "train",
+        SMALL[0],
+        "--config",
+        "tiny",
+        *SMALL[1:4],
+        "--workdir",
+        wd,
+        *SMALL[4:],
+        "--steps",
+        "3",
+        "train.sample_at_end=true",
+        "--no-progress",
+        "train.sample_steps=2",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trained to step 3" in r.stdout
     assert os.path.exists(os.path.join(wd, "samples", "step_000003.gif"))
     out = str(tmp_path / "clip.gif")
     before = set(os.listdir(tmp_path))
-    r = run_cli("sample", "--workdir", wd, "--out", out, "--prompt", "a red circle moving left",
-                "--prompt", "a blue square", "--steps", "2")
+    r = run_cli(
+        "sample",
+        "--workdir",
+        wd,
+        "--out",
+        out,
+        "--prompt",
+        "a red circle moving left",
+        "--prompt",
+        "a blue square",
+        "--steps",
+        "2",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert set(os.listdir(tmp_path)) - before == {"clip.gif"}  # exactly what was asked for (no clip.mp4)
     import imageio.v3 as iio
@@ -71,23 +98,37 @@ def test_train_then_sample_gif(tmp_path):
 
     # a full disk: one line naming the folder, the space needed and the space free; the traceback goes to
     # the workdir's error.log; the checkpoint of step 3 stays the newest
-    r = run_cli_free_space(2 ** 16, "train", "--config", "tiny", "--workdir", wd, "--steps", "5", "--no-progress",
-                           *SMALL)
+    r = run_cli_free_space(2**16, "train", "--config", "tiny", "--workdir", wd, "--steps", "5", "--no-progress", *SMALL)
     errors = [line for line in r.stderr.splitlines() if "dsv-jax train: error" in line]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert len(r.stderr.strip().splitlines()) <= 3, r.stderr  # the resume line, the error
-    assert len(errors) == 1 and "needs about" in errors[0] and os.path.join(wd, "checkpoints") in errors[0] \
-        and "0.1 MiB free" in errors[0], r.stderr
+    assert (
+        len(errors) == 1
+        and "needs about" in errors[0]
+        and os.path.join(wd, "checkpoints") in errors[0]
+        and "0.1 MiB free" in errors[0]
+    ), r.stderr
     assert "DiskFull" in open(os.path.join(wd, "error.log")).read()
     assert sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == [3]
 
 
 def test_sigterm_saves_and_rerun_resumes(tmp_path):
     wd = str(tmp_path / "run")
-    args = ["train", "--config", "tiny", "--workdir", wd, "--steps", "100000", "--no-progress", *SMALL,
-            "train.ckpt_every=100000"]
-    proc = subprocess.Popen([sys.executable, "-m", "dsv_jax", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [
+        "train",
+        "--config",
+        "tiny",
+        "--workdir",
+        wd,
+        "--steps",
+        "100000",
+        "--no-progress",
+        *SMALL,
+        "train.ckpt_every=100000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv_jax", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 300
     while time.time() < deadline and not any("loss" in m for m in metrics(wd)):
         time.sleep(0.5)
@@ -105,17 +146,22 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     assert steps[-2:] == [last + 1, last + 2]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train", "--config", "huge"], "unknown preset 'huge'"),
-    (["train", "--config", "tiny", "model.nope=1"], "unknown config key 'model.nope'"),
-    (["train", "--steps", "5", "train.lr=abc"], "train.lr=abc: expected a number (e.g. 0.5)"),
-    (["train", "--workdir", "{tmp}/run", "attention=bogus"], "attention='bogus' is not one of"),
-    (["sample", "--workdir", "{tmp}/typo", "--out", "{tmp}/x.gif"], "'{tmp}/typo' is neither an exported model"),
-    (["train", "--config", "{tmp}/nowhere/run.yaml"], "config file '{tmp}/nowhere/run.yaml' does not exist"),
-    (["sample", "--workdir", "{tmp}/run", "--out", "{tmp}/x.gif", "--shift", "0"],
-     "--shift 0 must be a finite number > 0"),
-    (["eval", "--workdir", "{tmp}/run", "--shift", "inf"], "--shift inf must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--config", "huge"], "unknown preset 'huge'"),
+        (["train", "--config", "tiny", "model.nope=1"], "unknown config key 'model.nope'"),
+        (["train", "--steps", "5", "train.lr=abc"], "train.lr=abc: expected a number (e.g. 0.5)"),
+        (["train", "--workdir", "{tmp}/run", "attention=bogus"], "attention='bogus' is not one of"),
+        (["sample", "--workdir", "{tmp}/typo", "--out", "{tmp}/x.gif"], "'{tmp}/typo' is neither an exported model"),
+        (["train", "--config", "{tmp}/nowhere/run.yaml"], "config file '{tmp}/nowhere/run.yaml' does not exist"),
+        (
+            ["sample", "--workdir", "{tmp}/run", "--out", "{tmp}/x.gif", "--shift", "0"],
+            "--shift 0 must be a finite number > 0",
+        ),
+        (["eval", "--workdir", "{tmp}/run", "--shift", "inf"], "--shift inf must be a finite number > 0"),
+    ],
+)
 def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):
     r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120)
     assert r.returncode == 2 and r.stderr.splitlines() == [r.stderr.strip()], r.stderr[-2000:]
@@ -124,8 +170,9 @@ def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):
 
 
 def test_broken_pipe_exits_quietly():
-    proc = subprocess.Popen([sys.executable, "-m", "dsv_jax", "presets"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv_jax", "presets"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdout.close()  # like `| head` that has read enough: every write meets a closed pipe
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and err == b"", err.decode()[-2000:]

@@ -50,12 +50,15 @@ def test_overrides_are_typed():
     assert isinstance(cfg.model.patch, tuple)
 
 
-@pytest.mark.parametrize("override, suggestion", [
-    ("model.depthh=3", "did you mean model.depth?"),
-    ("trian.lr=1", "did you mean train.lr?"),
-    ("data.lr=1", "did you mean train.lr?"),
-    ("nosuch=1", "top-level keys: attention, data, dsv"),
-])
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("model.depthh=3", "did you mean model.depth?"),
+        ("trian.lr=1", "did you mean train.lr?"),
+        ("data.lr=1", "did you mean train.lr?"),
+        ("nosuch=1", "top-level keys: attention, data, dsv"),
+    ],
+)
 def test_unknown_key_suggests_close_keys_in_one_line(override, suggestion):
     with pytest.raises(ConfigError) as e:
         get_config("tiny", [override])
@@ -64,13 +67,16 @@ def test_unknown_key_suggests_close_keys_in_one_line(override, suggestion):
     assert "\n" not in msg and len(msg) < 160 and "model.heads" not in msg  # close matches, not every key
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.lr=abc", "train.lr=abc: expected a number (e.g. 0.5)"),
-    ("model.depth=1.5", "model.depth=1.5: expected an integer (e.g. 8)"),
-    ("train.sample_at_end=maybe", "train.sample_at_end=maybe: expected true or false"),
-    ("model.patch=[1,2]", "model.patch=[1,2]: expected a list of 3 values, e.g. [8,8,8]"),
-    ("attention=bogus", "attention='bogus' is not one of ['auto', 'xla', 'cudnn', 'dsv', 'window']"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=abc", "train.lr=abc: expected a number (e.g. 0.5)"),
+        ("model.depth=1.5", "model.depth=1.5: expected an integer (e.g. 8)"),
+        ("train.sample_at_end=maybe", "train.sample_at_end=maybe: expected true or false"),
+        ("model.patch=[1,2]", "model.patch=[1,2]: expected a list of 3 values, e.g. [8,8,8]"),
+        ("attention=bogus", "attention='bogus' is not one of ['auto', 'xla', 'cudnn', 'dsv', 'window']"),
+    ],
+)
 def test_bad_value_names_the_key_and_expected_type(override, message):
     with pytest.raises(ConfigError) as e:
         get_config("tiny", [override])
@@ -84,17 +90,20 @@ def test_attention_choices_match_the_registered_backends():
     assert set(ATTENTION_BACKENDS) == {"auto", *available_backends()} == set(known_attention_backends())
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("model.depth=abc", "abc"),
-    ("model.patch=[1,2]", "3 values"),
-    ("model.arch=transformer", "model.arch"),
-    ("model.heads=5", "divisible"),
-    ("train.caption_dropout=1.5", "caption_dropout"),
-    ("train.ema_decay=1", r"train.ema_decay=1.0 must be in \[0, 1\)"),
-    ("train.ema_decay=-0.1", r"train.ema_decay=-0.1 must be in \[0, 1\)"),
-    ("train.ema_decay=nan", r"train.ema_decay=nan must be in \[0, 1\)"),
-    ("model.depth", "key=value"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.depth=abc", "abc"),
+        ("model.patch=[1,2]", "3 values"),
+        ("model.arch=transformer", "model.arch"),
+        ("model.heads=5", "divisible"),
+        ("train.caption_dropout=1.5", "caption_dropout"),
+        ("train.ema_decay=1", r"train.ema_decay=1.0 must be in \[0, 1\)"),
+        ("train.ema_decay=-0.1", r"train.ema_decay=-0.1 must be in \[0, 1\)"),
+        ("train.ema_decay=nan", r"train.ema_decay=nan must be in \[0, 1\)"),
+        ("model.depth", "key=value"),
+    ],
+)
 def test_bad_values_are_clear_errors(override, needle):
     with pytest.raises(ConfigError, match=needle):
         get_config("tiny", [override])
@@ -114,10 +123,12 @@ def test_roundtrip_and_architecture_diff():
 
 # -- config files (load_config) -----------------------------------------------------------------------
 
+
 def test_yaml_file_extends_its_named_preset_then_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("name: tiny-mmdit\nattention: window\nmodel:\n  depth: 3\n  patch: [1, 2, 2]\n"
-                    "train:\n  lr: 1e-4\n  steps: 7\n")
+    path.write_text(
+        "name: tiny-mmdit\nattention: window\nmodel:\n  depth: 3\n  patch: [1, 2, 2]\ntrain:\n  lr: 1e-4\n  steps: 7\n"
+    )
     cfg = load_config(str(path), ["model.depth=5", "train.steps=9"])
     preset = get_config("tiny-mmdit")
     assert cfg.name == "tiny-mmdit" and cfg.model.arch == "mmdit" and cfg.model.adaln == "single"  # from the preset
@@ -136,27 +147,40 @@ def test_file_without_name_extends_tiny_and_says_so(tmp_path, caplog):
 
 
 def test_a_runs_config_json_and_a_shown_preset_load_back_identically(tmp_path):
-    cfg = get_config("tiny-mmdit", ["model.depth=3", "train.lr=1e-05", "data.buckets=[[1,16,16],[4,16,24]]",
-                                    "data.bucket_weights=[1,2]", "attention=dsv", "dsv.ladder=[0.1,1.0]"])
+    cfg = get_config(
+        "tiny-mmdit",
+        [
+            "model.depth=3",
+            "train.lr=1e-05",
+            "data.buckets=[[1,16,16],[4,16,24]]",
+            "data.bucket_weights=[1,2]",
+            "attention=dsv",
+            "dsv.ladder=[0.1,1.0]",
+        ],
+    )
     path = tmp_path / "config.json"
     path.write_text(cfg.to_json())  # what the trainer writes
     assert load_config(str(path)) == cfg
     assert load_config(str(path), ["train.steps=11"]) == dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, steps=11))
+        cfg, train=dataclasses.replace(cfg.train, steps=11)
+    )
     for name in ("tiny", "2.7b-mmdit"):
         shown = tmp_path / f"{name}.yaml"
         shown.write_text(config_yaml(get_config(name)))
         assert load_config(str(shown)) == get_config(name)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("model:\n  depthh: 3\n", r"bad\.yaml: unknown config key .model\.depthh.; did you mean model\.depth\?"),
-    ("model:\n  depth: abc\n", r"bad\.yaml: model\.depth: expected an integer"),
-    ("model:\n  heads: 5\n", r"bad\.yaml.*divisible"),
-    ("name: huge\n", r"bad\.yaml: name='huge' must name the preset"),
-    ("model: [1\n  x: : y", r"bad\.yaml' is not valid YAML.*line"),
-    ("- 1\n- 2\n", "must hold a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("model:\n  depthh: 3\n", r"bad\.yaml: unknown config key .model\.depthh.; did you mean model\.depth\?"),
+        ("model:\n  depth: abc\n", r"bad\.yaml: model\.depth: expected an integer"),
+        ("model:\n  heads: 5\n", r"bad\.yaml.*divisible"),
+        ("name: huge\n", r"bad\.yaml: name='huge' must name the preset"),
+        ("model: [1\n  x: : y", r"bad\.yaml' is not valid YAML.*line"),
+        ("- 1\n- 2\n", "must hold a mapping"),
+    ],
+)
 def test_config_file_errors_name_the_file(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -175,8 +199,7 @@ def test_readme_preset_table_is_what_the_model_code_counts():
     from dsv_jax.cli import preset_table
 
     readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    lines = [line for line in open(readme, encoding="utf-8") if line.startswith("| preset |") or
-             line.startswith("| `")]
+    lines = [line for line in open(readme, encoding="utf-8") if line.startswith("| preset |") or line.startswith("| `")]
     header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
     shown = {}
     for line in lines[1:]:

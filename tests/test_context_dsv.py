@@ -31,15 +31,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 x 16 x 32 latents, patch 1x2x2: 512 tokens = 16 tiles of 2x4x4, two per device on eight devices.
 # Decisions forced: stage 2 after two steps, every block sparse at the rung 0.25 (4 of 16 KV blocks),
 # whatever the profile measures (threshold 0, keep ratios scaled far below the rung).
-DSV = ["attention=dsv", "model.patch=[1,2,2]", "model.tile=[2,4,4]", "data.buckets=[[4,16,32]]",
-       "data.bucket_weights=[1.0]", "data.tokens_per_batch=1024", "dsv.stage1_steps=2", "dsv.profile_every=1",
-       "dsv.threshold=0.0", "dsv.ladder=[0.25,1.0]", "dsv.keep_scale=0.3", "parallel.fsdp=1"]
+DSV = [
+    "attention=dsv",
+    "model.patch=[1,2,2]",
+    "model.tile=[2,4,4]",
+    "data.buckets=[[4,16,32]]",
+    "data.bucket_weights=[1.0]",
+    "data.tokens_per_batch=1024",
+    "dsv.stage1_steps=2",
+    "dsv.profile_every=1",
+    "dsv.threshold=0.0",
+    "dsv.ladder=[0.25,1.0]",
+    "dsv.keep_scale=0.3",
+    "parallel.fsdp=1",
+]
 
 
 def cli_train(workdir, *overrides, steps=4):
-    r = subprocess.run([sys.executable, "-m", "dsv_jax", "train", "--config", "tiny", "--workdir", workdir,
-                        "--steps", str(steps), "--no-progress", *SMALL, *overrides], capture_output=True, text=True,
-                       timeout=900, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv_jax",
+            "train",
+            "--config",
+            "tiny",
+            "--workdir",
+            workdir,
+            "--steps",
+            str(steps),
+            "--no-progress",
+            *SMALL,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(x) for x in f if x.strip()], r.stderr
@@ -53,8 +82,9 @@ def test_cli_dsv_on_eight_context_devices_matches_one_device(tmp_path):
     assert [r["dsv/stage"] for r in steps8] == [1, 1, 2, 2]
     assert all(r["dsv/sparse_blocks"] == 2 for r in steps8[2:])  # stage 2: both blocks sparse
     np.testing.assert_allclose([r["loss"] for r in steps8], [r["loss"] for r in steps1], rtol=1e-4)
-    np.testing.assert_allclose([r["dsv/predictor_loss"] for r in steps8], [r["dsv/predictor_loss"] for r in steps1],
-                               rtol=1e-4)
+    np.testing.assert_allclose(
+        [r["dsv/predictor_loss"] for r in steps8], [r["dsv/predictor_loss"] for r in steps1], rtol=1e-4
+    )
     # the sparse blocks ran the planner's placement and fetched selected KV blocks
     assert "context parallel 4x16x32 block 0:" in log8
     assert all(r["cp/requested_blocks"] > 0 for r in steps8[2:] if "cp/fallback" in r)
@@ -68,8 +98,12 @@ def _stage2_state(cfg, latent):
     ctl = DSVController(cfg)
     ctl.stage, ctl.switch_step = 2, 0
     depth, heads = cfg.model.depth, cfg.model.heads
-    ctl.shapes["x".join(map(str, latent))] = {"sparsity": np.full((depth, heads), 0.5).tolist(),
-                                              "recall_curve": [None] * depth, "rungs": [0.25] * depth, "profiles": 1}
+    ctl.shapes["x".join(map(str, latent))] = {
+        "sparsity": np.full((depth, heads), 0.5).tolist(),
+        "recall_curve": [None] * depth,
+        "rungs": [0.25] * depth,
+        "profiles": 1,
+    }
     return ctl.state_dict()
 
 
@@ -84,13 +118,17 @@ def _grads(cfg, mesh, plans, inputs, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("extra, latent", [
-    (["parallel.hcp_degree=2"], (4, 16, 32)),
-    (["parallel.context_strategy=ring"], (4, 16, 32)),
-    (["attention=window", "dsv.window=0.5"], (4, 16, 32)),
-    (["model.arch=mmdit", "model.adaln=single"], (4, 16, 32)),  # sparse video part + text merged by lse
-    (["parallel.context_strategy=selective"], (3, 20, 28)),  # token grid 3 x 10 x 14: padded tiles
-], ids=["hybrid-2x4", "ring", "window", "mmdit", "padded-selective"])
+@pytest.mark.parametrize(
+    "extra, latent",
+    [
+        (["parallel.hcp_degree=2"], (4, 16, 32)),
+        (["parallel.context_strategy=ring"], (4, 16, 32)),
+        (["attention=window", "dsv.window=0.5"], (4, 16, 32)),
+        (["model.arch=mmdit", "model.adaln=single"], (4, 16, 32)),  # sparse video part + text merged by lse
+        (["parallel.context_strategy=selective"], (3, 20, 28)),  # token grid 3 x 10 x 14: padded tiles
+    ],
+    ids=["hybrid-2x4", "ring", "window", "mmdit", "padded-selective"],
+)
 def test_gradients_on_eight_context_devices_equal_one_device(extra, latent):
     """One block (compile time); the CLI test above covers the planner's own choice over two blocks."""
     shape = list(latent)
@@ -98,9 +136,11 @@ def test_gradients_on_eight_context_devices_equal_one_device(extra, latent):
     cfg8 = small_config(*over, "parallel.context=8")
     cfg1 = small_config(*over, "parallel.context=1")
     rng = np.random.default_rng(0)
-    batch = {"latents": jnp.asarray(rng.standard_normal((2, *latent, 3)), jnp.float32),
-             "text_ids": jnp.asarray(rng.integers(1, 8, (2, 8)), jnp.int32),
-             "text_mask": jnp.arange(8)[None] < jnp.array([[5], [8]])}
+    batch = {
+        "latents": jnp.asarray(rng.standard_normal((2, *latent, 3)), jnp.float32),
+        "text_ids": jnp.asarray(rng.integers(1, 8, (2, 8)), jnp.int32),
+        "text_mask": jnp.arange(8)[None] < jnp.array([[5], [8]]),
+    }
     params = init_state(cfg1).params
     state = _stage2_state(cfg1, latent) if cfg1.attention == "dsv" else None
     out = []

@@ -22,8 +22,17 @@ def test_context_attention_across_two_processes():
     port = str(free_port())
     env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)  # the worker sets its 4 devices
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.workers.context_multiprocess", str(i), port], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.workers.context_multiprocess", str(i), port],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:

@@ -30,12 +30,10 @@ PER_HEAD_K = (1, 2, 3, 5, 7, 9, 12, 15)  # heterogeneous per-head sparsity: 0.94
 ATOL = 3e-5
 
 
-
 def device_loads(loads, perm, degree: int) -> np.ndarray:
     """Load of each device under an assignment from `balance_heads` ."""
     loads, perm = np.asarray(loads, np.float64), np.asarray(perm)
     return np.concatenate([loads, [0.0]])[perm].reshape(degree, -1).sum(axis=1)
-
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +94,24 @@ def sparse_ref(inputs, selection):
 
 
 # (strategy, (HCP, SCP) degrees, SCP strategy): each factorisation 1x8, 2x4, 4x2, 8x1 appears.
-DENSE_CASES = [("ulysses", None, None), ("ring", None, None), ("allgather", None, None),
-               ("hybrid", (2, 4), "ring"), ("hybrid", (4, 2), "allgather"), ("hybrid", (8, 1), None)]
+DENSE_CASES = [
+    ("ulysses", None, None),
+    ("ring", None, None),
+    ("allgather", None, None),
+    ("hybrid", (2, 4), "ring"),
+    ("hybrid", (4, 2), "allgather"),
+    ("hybrid", (8, 1), None),
+]
 # (pure "selective" 1x8 runs in test_selective_capacity_overflow_is_counted_and_exact)
-SPARSE_CASES = [("ulysses", None, None), ("ring", None, None), ("allgather", None, None),
-                ("hybrid", (2, 4), "selective"), ("hybrid", (4, 2), "selective"), ("hybrid", (4, 2), "ring"),
-                ("hybrid-uneven", (4, 2), "allgather")]
+SPARSE_CASES = [
+    ("ulysses", None, None),
+    ("ring", None, None),
+    ("allgather", None, None),
+    ("hybrid", (2, 4), "selective"),
+    ("hybrid", (4, 2), "selective"),
+    ("hybrid", (4, 2), "ring"),
+    ("hybrid-uneven", (4, 2), "allgather"),
+]
 
 
 def _shard_map_meshes(jaxpr):
@@ -112,18 +122,38 @@ def _shard_map_meshes(jaxpr):
             yield from _shard_map_meshes(sub)
 
 
-@pytest.mark.parametrize("strategy, degrees, scp", [("ulysses", None, None), ("ring", None, None),
-                                                    ("allgather", None, None), ("hybrid", (8, 1), None),
-                                                    ("hybrid", (1, 8), "selective"), ("hybrid", (2, 4), "ring"),
-                                                    ("hybrid", (4, 2), "allgather"), ("hybrid", (2, 4), "selective")])
+@pytest.mark.parametrize(
+    "strategy, degrees, scp",
+    [
+        ("ulysses", None, None),
+        ("ring", None, None),
+        ("allgather", None, None),
+        ("hybrid", (8, 1), None),
+        ("hybrid", (1, 8), "selective"),
+        ("hybrid", (2, 4), "ring"),
+        ("hybrid", (4, 2), "allgather"),
+        ("hybrid", (2, 4), "selective"),
+    ],
+)
 def test_every_strategy_keeps_the_callers_mesh(mesh, inputs, selection, strategy, degrees, scp):
     """On the GPU, jit rejects a program whose shardings name two meshes once it holds device-bound
     custom calls (cuDNN, Pallas): every strategy, pure or a true hybrid (both degrees > 1), must run
     on the caller's mesh, with its gradients."""
     q, k, v, cot = inputs
     idx, cnt = selection
-    f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
-                                          kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB)
+    f = lambda q, k, v: context_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        strategy=strategy,
+        degrees=degrees,
+        scp=scp,
+        kv_index=idx,
+        kv_count=cnt,
+        q_tile=QT,
+        kv_block=KB,
+    )
     jaxpr = jax.make_jaxpr(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot).jaxpr
     meshes = list(_shard_map_meshes(jaxpr))
     assert meshes and all(m.shape_tuple == mesh.shape_tuple and m.axis_names == mesh.axis_names for m in meshes)
@@ -146,8 +176,9 @@ def test_cross_attention_runs_per_device_and_matches(mesh, inputs):
 @pytest.mark.parametrize("strategy, degrees, scp", DENSE_CASES)
 def test_dense_equals_single_device(mesh, inputs, dense_ref, strategy, degrees, scp):
     q, k, v, cot = inputs
-    f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
-                                          kv_lens=KV_LENS, q_chunk=16)
+    f = lambda q, k, v: context_attention(
+        q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp, kv_lens=KV_LENS, q_chunk=16
+    )
     assert_close(jax.jit(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot), dense_ref)
 
 
@@ -160,9 +191,22 @@ def test_sparse_equals_single_device(mesh, inputs, selection, sparse_ref, strate
     if scp == "selective":  # exactly the capacity this selection needs: no overflow, nothing to spare
         capacity = int(selective_capacity(idx, cnt, mesh=mesh, degrees=degrees, q_tile=QT, kv_block=KB))
         assert 0 < capacity < B * (H // degrees[0]) * (S // degrees[1] // KB)  # less than everything
-    f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy.split("-")[0], degrees=degrees,
-                                          scp=scp, kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB, hcp_slots=slots,
-                                          capacity=capacity, return_stats=True)
+    f = lambda q, k, v: context_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        strategy=strategy.split("-")[0],
+        degrees=degrees,
+        scp=scp,
+        kv_index=idx,
+        kv_count=cnt,
+        q_tile=QT,
+        kv_block=KB,
+        hcp_slots=slots,
+        capacity=capacity,
+        return_stats=True,
+    )
 
     def run(q, k, v, c):
         (out, stats), vjp = jax.vjp(f, q, k, v)
@@ -173,10 +217,12 @@ def test_sparse_equals_single_device(mesh, inputs, selection, sparse_ref, strate
     assert int(stats["fallback"]) == 0 and int(stats["overflow_blocks"]) == 0
 
 
-@pytest.mark.parametrize("strategy, degrees, scp, sparse", [("hybrid", (2, 4), "ring", False),
-                                                            ("allgather", None, None, True)])
-def test_sequence_only_sharding_on_an_explicit_mesh(inputs, selection, dense_ref, sparse_ref, strategy, degrees,
-                                                    scp, sparse):
+@pytest.mark.parametrize(
+    "strategy, degrees, scp, sparse", [("hybrid", (2, 4), "ring", False), ("allgather", None, None, True)]
+)
+def test_sequence_only_sharding_on_an_explicit_mesh(
+    inputs, selection, dense_ref, sparse_ref, strategy, degrees, scp, sparse
+):
     """q, k, v sharded over the sequence alone, P(None, 'context', None, None), on a (1, 1, 8) mesh of
     Explicit axes (`jax.make_mesh`'s default, where shard_map rejects a layout other than its own):
     context_attention reshards them and equals single-device attention, gradients included."""
@@ -187,11 +233,24 @@ def test_sequence_only_sharding_on_an_explicit_mesh(inputs, selection, dense_ref
     seq_only = NamedSharding(mesh, P(None, "context", None, None))
     q, k, v, cot = (jax.device_put(x, seq_only) for x in inputs)
     idx, cnt = selection if sparse else (None, None)
-    f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
-                                          kv_lens=None if sparse else KV_LENS, kv_index=idx, kv_count=cnt,
-                                          q_tile=QT, kv_block=KB, q_chunk=16)
-    assert_close(jax.jit(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot),
-                 sparse_ref if sparse else dense_ref)
+    f = lambda q, k, v: context_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        strategy=strategy,
+        degrees=degrees,
+        scp=scp,
+        kv_lens=None if sparse else KV_LENS,
+        kv_index=idx,
+        kv_count=cnt,
+        q_tile=QT,
+        kv_block=KB,
+        q_chunk=16,
+    )
+    assert_close(
+        jax.jit(lambda q, k, v, c: fwd_and_grads(f, q, k, v, c))(q, k, v, cot), sparse_ref if sparse else dense_ref
+    )
 
 
 def test_selection_from_low_rank_keys_matches_reference(mesh):
@@ -210,6 +269,7 @@ def test_selection_from_low_rank_keys_matches_reference(mesh):
 
 # -- HCP rebalancing --------------------------------------------------------------------------
 
+
 def test_balance_heads_lowers_straggler_and_is_a_valid_assignment():
     rng = np.random.default_rng(0)
     removed = []
@@ -217,7 +277,7 @@ def test_balance_heads_lowers_straggler_and_is_a_valid_assignment():
     for trial in range(12):
         for heads, degree in ((8, 4), (16, 4), (24, 8), (16, 2), (16, 8)):
             keep = rng.uniform(0.02, 0.2, heads)
-            keep[:heads // 4] = rng.uniform(0.5, 1.0, heads // 4)  # the dense heads side by side: skewed
+            keep[: heads // 4] = rng.uniform(0.5, 1.0, heads // 4)  # the dense heads side by side: skewed
             perm = np.asarray(balance(keep, degree))
             assert sorted(perm.tolist()) == list(range(heads))
             balanced, contiguous = device_loads(keep, perm, degree), device_loads(keep, np.arange(heads), degree)
@@ -272,13 +332,40 @@ def test_extra_head_slots_balance_what_equal_counts_cannot():
 def test_rebalanced_hcp_is_exact_and_lowers_max_device_load(mesh, inputs, selection, sparse_ref):
     q, k, v, _ = inputs
     idx, cnt = selection
-    run = jax.jit(lambda q, k, v, perm: context_attention(q, k, v, mesh=mesh, strategy="hybrid", degrees=(4, 2),
-                                                          scp="allgather", kv_index=idx, kv_count=cnt, q_tile=QT,
-                                                          kv_block=KB, head_perm=perm, return_stats=True))
+    run = jax.jit(
+        lambda q, k, v, perm: context_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy="hybrid",
+            degrees=(4, 2),
+            scp="allgather",
+            kv_index=idx,
+            kv_count=cnt,
+            q_tile=QT,
+            kv_block=KB,
+            head_perm=perm,
+            return_stats=True,
+        )
+    )
     out_in_order, st_in_order = run(q, k, v, jnp.arange(H))
-    out_auto, st_auto = jax.jit(lambda q, k, v: context_attention(
-        q, k, v, mesh=mesh, strategy="hybrid", degrees=(4, 2), scp="allgather", kv_index=idx, kv_count=cnt,
-        q_tile=QT, kv_block=KB, return_stats=True))(q, k, v)
+    out_auto, st_auto = jax.jit(
+        lambda q, k, v: context_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy="hybrid",
+            degrees=(4, 2),
+            scp="allgather",
+            kv_index=idx,
+            kv_count=cnt,
+            q_tile=QT,
+            kv_block=KB,
+            return_stats=True,
+        )
+    )(q, k, v)
     # a different permutation is another runtime input of the same compiled program
     out_rev, _ = run(q, k, v, jnp.arange(H)[::-1])
     assert run._cache_size() == 1
@@ -290,6 +377,7 @@ def test_rebalanced_hcp_is_exact_and_lowers_max_device_load(mesh, inputs, select
 
 # -- selective exchange: capacity and overflow ----------------------------------------------------
 
+
 def _expected_requests(idx, cnt, n):
     """Per device (SCP of n over the whole sequence), remote blocks needed from each peer."""
     idx, cnt = np.asarray(idx), np.asarray(cnt)
@@ -299,7 +387,7 @@ def _expected_requests(idx, cnt, n):
         for b, h in itertools.product(range(B), range(H)):
             blocks = set()
             for t in range(me * t_loc, (me + 1) * t_loc):
-                blocks |= set(idx[b, h, t, :cnt[b, h, t]].tolist())
+                blocks |= set(idx[b, h, t, : cnt[b, h, t]].tolist())
             for g in blocks:
                 if g // nb_loc != me:
                     req[me, g // nb_loc] += 1
@@ -315,8 +403,19 @@ def test_selective_capacity_overflow_is_counted_and_exact(mesh, inputs, selectio
     assert capacity is None or req.max() > capacity  # the small capacity really overflows
 
     def f(q, k, v):
-        return context_attention(q, k, v, mesh=mesh, strategy="selective", kv_index=idx, kv_count=cnt, q_tile=QT,
-                                 kv_block=KB, capacity=capacity, return_stats=True)
+        return context_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy="selective",
+            kv_index=idx,
+            kv_count=cnt,
+            q_tile=QT,
+            kv_block=KB,
+            capacity=capacity,
+            return_stats=True,
+        )
 
     (out, stats), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
     grads = vjp((cot, jax.tree.map(jnp.zeros_like, stats)))
@@ -329,35 +428,68 @@ def test_selective_capacity_overflow_is_counted_and_exact(mesh, inputs, selectio
 
 # -- communication accounting ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_byte_formulas_match_traced_collectives(sparse, selection):
     mesh = make_mesh(ParallelConfig(data=1, fsdp=2, context=4))
     q = jnp.ones((4, S, H, D), jnp.bfloat16)
     idx = jnp.zeros((4, H, S // QT, 6), jnp.int32)
     cnt = jnp.ones((4, H, S // QT), jnp.int32)
-    cases = [("ulysses", (4, 1), "allgather"), ("ring", (1, 4), "ring"), ("allgather", (1, 4), "allgather"),
-             ("hybrid", (2, 2), "ring"), ("hybrid", (2, 2), "allgather")]
+    cases = [
+        ("ulysses", (4, 1), "allgather"),
+        ("ring", (1, 4), "ring"),
+        ("allgather", (1, 4), "allgather"),
+        ("hybrid", (2, 2), "ring"),
+        ("hybrid", (2, 2), "allgather"),
+    ]
     if sparse:
         cases += [("selective", (1, 4), "selective"), ("hybrid", (2, 2), "selective"), ("hybrid", (4, 1), "slots-6")]
     for strategy, (ph, ps), scp in cases:
         kw = dict(kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB) if sparse else {}
         slots = int(scp.split("-")[1]) if scp.startswith("slots") else None
         scp = "allgather" if slots else scp
-        f = lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=(ph, ps), scp=scp,
-                                              capacity=7, hcp_slots=slots, **kw)
+        f = lambda q, k, v: context_attention(
+            q, k, v, mesh=mesh, strategy=strategy, degrees=(ph, ps), scp=scp, capacity=7, hcp_slots=slots, **kw
+        )
         fwd = collective_bytes(f, q, q, q)["total"]
-        both = collective_bytes(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2)),
-                                q, q, q)["total"]
-        want = context_bytes(hcp=ph, scp=ps, scp_strategy=scp, batch=2, seq_len=S, heads=H, head_dim=D, itemsize=2,
-                             sparse=sparse, top_k=6, q_tile=QT, kv_block=KB, capacity=7, mesh_devices=8,
-                             hcp_slots=slots)
+        both = collective_bytes(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2)), q, q, q)[
+            "total"
+        ]
+        want = context_bytes(
+            hcp=ph,
+            scp=ps,
+            scp_strategy=scp,
+            batch=2,
+            seq_len=S,
+            heads=H,
+            head_dim=D,
+            itemsize=2,
+            sparse=sparse,
+            top_k=6,
+            q_tile=QT,
+            kv_block=KB,
+            capacity=7,
+            mesh_devices=8,
+            hcp_slots=slots,
+        )
         assert fwd == pytest.approx(want["forward"]), (strategy, ph, ps, scp)
         assert both == pytest.approx(want["total"]), (strategy, ph, ps, scp)
     # selective moves (capacity / a peer's blocks) of the ring's K/V bytes
     ring = context_bytes(hcp=1, scp=4, scp_strategy="ring", batch=2, seq_len=S, heads=H, head_dim=D, itemsize=2)
     peer_blocks = 2 * H * (S // 4 // KB)
-    sel = context_bytes(hcp=1, scp=4, scp_strategy="selective", batch=2, seq_len=S, heads=H, head_dim=D, itemsize=2,
-                        sparse=True, capacity=peer_blocks // 10, kv_block=KB)
+    sel = context_bytes(
+        hcp=1,
+        scp=4,
+        scp_strategy="selective",
+        batch=2,
+        seq_len=S,
+        heads=H,
+        head_dim=D,
+        itemsize=2,
+        sparse=True,
+        capacity=peer_blocks // 10,
+        kv_block=KB,
+    )
     kv_sel = 2 * 3 * (peer_blocks // 10) * KB * D * 2
     assert kv_sel == pytest.approx(ring["scp_forward"] * (peer_blocks // 10) / peer_blocks)
     assert sel["scp_forward"] < 0.11 * ring["scp_forward"]
@@ -417,6 +549,7 @@ def test_planner_rebalancing_and_selective_on_skewed_sparse_heads():
 
 # -- errors ---------------------------------------------------------------------------------------
 
+
 def test_errors_name_the_problem(mesh, inputs, selection):
     q, k, v, _ = inputs
     with pytest.raises(ValueError, match="6 heads over an HCP degree of 8"):
@@ -444,13 +577,34 @@ def test_plan_pads_sequences_that_do_not_divide(mesh, inputs):
 
 # -- training through the CLI ---------------------------------------------------------------------
 
+
 def test_cli_trains_with_context_parallelism(tmp_path):
     wd = str(tmp_path / "run")
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-m", "dsv_jax", "train", "--config", "tiny", "--workdir", wd, "--steps", "2",
-                        "--no-progress", *SMALL, "data.buckets=[[4,16,16]]", "data.bucket_weights=[1.0]",
-                        "parallel.fsdp=2", "parallel.context=4"],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv_jax",
+            "train",
+            "--config",
+            "tiny",
+            "--workdir",
+            wd,
+            "--steps",
+            "2",
+            "--no-progress",
+            *SMALL,
+            "data.buckets=[[4,16,16]]",
+            "data.bucket_weights=[1.0]",
+            "parallel.fsdp=2",
+            "parallel.context=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(wd, "metrics.jsonl")) as f:
         recs = [json.loads(x) for x in f if x.strip()]
@@ -461,15 +615,27 @@ def test_cli_trains_with_context_parallelism(tmp_path):
     info = next(m for m in recs if "compile_seconds" in m)
     plan = info["cp/4x16x16/plan"]
     (ph, ps), strat = map(int, plan.split()[0].split("x")), plan.split()[1]
-    want = context_bytes(hcp=ph, scp=ps, scp_strategy="allgather" if strat == "ulysses" else strat, batch=1,
-                         seq_len=64, heads=2, head_dim=16, itemsize=4)
+    want = context_bytes(
+        hcp=ph,
+        scp=ps,
+        scp_strategy="allgather" if strat == "ulysses" else strat,
+        batch=1,
+        seq_len=64,
+        heads=2,
+        head_dim=16,
+        itemsize=4,
+    )
     assert ph * ps == 4 and want["total"] > 0
     assert info["cp/4x16x16/bytes_per_layer"] == pytest.approx(want["total"])
 
 
 KV_VALID = jnp.asarray(np.random.default_rng(5).integers(0, KB + 1, (B, NB)).astype(np.int32))  # 0..16 per block
-PADDED_CASES = [("ulysses", None, None), ("ring", None, None), ("allgather", None, None),
-                ("hybrid", (2, 4), "selective")]
+PADDED_CASES = [
+    ("ulysses", None, None),
+    ("ring", None, None),
+    ("allgather", None, None),
+    ("hybrid", (2, 4), "selective"),
+]
 
 
 @pytest.mark.parametrize("strategy, degrees, scp", PADDED_CASES)
@@ -484,13 +650,32 @@ def test_sparse_with_padded_blocks_and_lse_equals_single_device(mesh, inputs, se
         def go(q, k, v):
             (o, lse), vjp = jax.vjp(f, q, k, v)
             return (o, jnp.where(jnp.isfinite(lse), lse, 0.0), *vjp((cot, lse_cot)))
+
         return jax.jit(go)(q, k, v)
 
-    want = run(lambda q, k, v: sparse_attention_reference(q, k, v, idx, cnt, q_tile=QT, kv_block=KB,
-                                                           kv_valid=KV_VALID, return_lse=True))
-    got = run(lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
-                                                kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB,
-                                                kv_valid=KV_VALID, return_lse=True, q_chunk=16))
+    want = run(
+        lambda q, k, v: sparse_attention_reference(
+            q, k, v, idx, cnt, q_tile=QT, kv_block=KB, kv_valid=KV_VALID, return_lse=True
+        )
+    )
+    got = run(
+        lambda q, k, v: context_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy=strategy,
+            degrees=degrees,
+            scp=scp,
+            kv_index=idx,
+            kv_count=cnt,
+            q_tile=QT,
+            kv_block=KB,
+            kv_valid=KV_VALID,
+            return_lse=True,
+            q_chunk=16,
+        )
+    )
     assert_close(got, want)
 
 
@@ -514,7 +699,7 @@ def ring_case():
     cnt = rng.integers(1, 7, (RING_B, RING_H, t)).astype(np.int32)
     cnt[0, 1, 3] = 0
     for h, i in itertools.product(range(RING_H), range(t)):
-        idx[0, h, i, :cnt[0, h, i]] = rng.choice(NB, cnt[0, h, i], replace=False)  # unsorted
+        idx[0, h, i, : cnt[0, h, i]] = rng.choice(NB, cnt[0, h, i], replace=False)  # unsorted
     kv_valid = rng.integers(0, KB + 1, (RING_B, NB)).astype(np.int32)
     return (q, k, v), (cot, lse_cot), (jnp.asarray(idx), jnp.asarray(cnt)), jnp.asarray(kv_valid)
 
@@ -523,12 +708,25 @@ def outputs_and_grads_with_lse(f, q, k, v, cot, lse_cot):
     def go(q, k, v):
         (o, lse), vjp = jax.vjp(f, q, k, v)
         return (o, lse, *vjp((cot, lse_cot)))
+
     return jax.jit(go)(q, k, v)
 
 
 def sparse_ring(mesh, idx, cnt, kv_valid, impl):
-    return lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy="ring", kv_index=idx, kv_count=cnt,
-                                             q_tile=QT, kv_block=KB, kv_valid=kv_valid, impl=impl, return_lse=True)
+    return lambda q, k, v: context_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        strategy="ring",
+        kv_index=idx,
+        kv_count=cnt,
+        q_tile=QT,
+        kv_block=KB,
+        kv_valid=kv_valid,
+        impl=impl,
+        return_lse=True,
+    )
 
 
 @pytest.mark.parametrize("impl, padded", [("xla", False), ("xla", True), ("pallas", False), ("pallas", True)])
@@ -539,15 +737,22 @@ def test_sparse_ring_runs_the_kernel_per_chunk_and_equals_single_device(mesh, ri
     nothing (lse = -inf, zero dq); padded: some blocks partly or fully padded."""
     (q, k, v), cots, (idx, cnt), kv_valid = ring_case
     kv_valid = kv_valid if padded else None
-    want = outputs_and_grads_with_lse(lambda q, k, v: sparse_attention_reference(
-        q, k, v, idx, cnt, q_tile=QT, kv_block=KB, kv_valid=kv_valid, return_lse=True), q, k, v, *cots)
+    want = outputs_and_grads_with_lse(
+        lambda q, k, v: sparse_attention_reference(
+            q, k, v, idx, cnt, q_tile=QT, kv_block=KB, kv_valid=kv_valid, return_lse=True
+        ),
+        q,
+        k,
+        v,
+        *cots,
+    )
     got = outputs_and_grads_with_lse(sparse_ring(mesh, idx, cnt, kv_valid, impl), q, k, v, *cots)
     lse, want_lse = np.asarray(got[1]), np.asarray(want[1])
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    assert np.all(np.isneginf(lse[0, 1, 3 * QT:4 * QT]))  # the tile with kv_count 0
+    assert np.all(np.isneginf(lse[0, 1, 3 * QT : 4 * QT]))  # the tile with kv_count 0
     finite = np.isfinite(want_lse)
     assert_close((got[0], lse[finite], *got[2:]), (want[0], want_lse[finite], *want[2:]))
-    assert float(jnp.max(jnp.abs(got[2][0, 3 * QT:4 * QT, 1]))) == 0.0
+    assert float(jnp.max(jnp.abs(got[2][0, 3 * QT : 4 * QT, 1]))) == 0.0
 
 
 def test_chunk_selection_keeps_each_chunks_live_ids_ascending_in_front(ring_case):
@@ -559,12 +764,12 @@ def test_chunk_selection_keeps_each_chunks_live_ids_ascending_in_front(ring_case
     nb_loc = NB // 8
     for src in range(8):
         index, count, valid = jax.jit(chunk_selection, static_argnums=4)(idx, cnt, kv_valid, src, nb_loc)
-        np.testing.assert_array_equal(valid, kv_valid[:, src * nb_loc:(src + 1) * nb_loc])
+        np.testing.assert_array_equal(valid, kv_valid[:, src * nb_loc : (src + 1) * nb_loc])
         for h, t in itertools.product(range(RING_H), range(S // QT)):
-            live = np.asarray(idx[0, h, t, :cnt[0, h, t]])
+            live = np.asarray(idx[0, h, t, : cnt[0, h, t]])
             want = np.sort(live[(live >= src * nb_loc) & (live < (src + 1) * nb_loc)]) - src * nb_loc
             assert int(count[0, h, t]) == len(want)
-            np.testing.assert_array_equal(index[0, h, t, :len(want)], want)
+            np.testing.assert_array_equal(index[0, h, t, : len(want)], want)
 
 
 def _pallas_call_names(jaxpr):
@@ -607,11 +812,15 @@ def test_dense_with_a_key_mask_and_lse_equals_single_device(mesh, inputs, strate
         def go(q, k, v):
             (o, lse), vjp = jax.vjp(f, q, k, v)
             return (o, lse, *vjp((cot, lse_cot)))
+
         return jax.jit(go)(q, k, v)
 
     want = run(lambda q, k, v: attention(q, k, v, backend="xla", kv_mask=mask, return_lse=True))
-    got = run(lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp,
-                                                kv_mask=mask, return_lse=True, q_chunk=16))
+    got = run(
+        lambda q, k, v: context_attention(
+            q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp, kv_mask=mask, return_lse=True, q_chunk=16
+        )
+    )
     assert_close(got, want)
 
 

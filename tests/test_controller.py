@@ -42,7 +42,12 @@ def test_controller_switches_on_the_loss_and_decides_per_block():
     # stage 2 trains the predictor on every 4th step (and on profile steps) at 4x the per-step rate
     assert ctl.inputs(shape)["predictor_lr"] == pytest.approx(4e-5)  # predictor_lr * 0.1 * 4
     assert [all(p.predictor for p in ctl.plans(shape, step=s)) for s in (300, 301, 302, 303, 304)] == [
-        True, False, False, False, True]
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
     assert not any(p.predictor for p in ctl.plans(shape, step=301))  # one flag for every block
     assert all(p.predictor for p in ctl.plans(shape, step=301, profile=True))
     assert ctl.plans(shape, step=301)[0].sparse  # the selection still runs (the predictor's forward)
@@ -76,8 +81,14 @@ def test_controller_switches_after_the_configured_steps():
     observe(ctl, 31, (1, 16, 16), 0.3, [[0.9, 0.9]] * 3)
     assert all(p.sparse for p in ctl.plans((1, 16, 16)))
     with pytest.raises(ValueError, match="3 blocks x 2 heads"):
-        controller().load_state_dict({"stage": 1, "switch_step": None, "loss_ema": None,
-                                      "shapes": {"1x16x16": {"sparsity": [[0.5]], "rungs": [0.0], "profiles": 1}}})
+        controller().load_state_dict(
+            {
+                "stage": 1,
+                "switch_step": None,
+                "loss_ema": None,
+                "shapes": {"1x16x16": {"sparsity": [[0.5]], "rungs": [0.0], "profiles": 1}},
+            }
+        )
 
 
 def test_controller_keeps_what_the_recall_target_needs():
@@ -85,16 +96,22 @@ def test_controller_keeps_what_the_recall_target_needs():
     target; the block goes sparse when 1 - mean keep clears the threshold; the curves survive a round trip."""
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS
 
-    overrides = ("dsv.stage1_steps=100", "dsv.recall_target=0.94", "dsv.ema=0.5", "dsv.threshold=0.5",
-                 "dsv.ladder=[0.1,0.2,0.5,1.0]")
+    overrides = (
+        "dsv.stage1_steps=100",
+        "dsv.recall_target=0.94",
+        "dsv.ema=0.5",
+        "dsv.threshold=0.5",
+        "dsv.ladder=[0.1,0.2,0.5,1.0]",
+    )
     ctl = controller(*overrides)
     shape, f = (4, 16, 16), np.asarray(RECALL_FRACTIONS)
 
     def curve(knee):  # recall 0.9 below the knee fraction, 0.99 from it on
         return np.where(f >= knee - 1e-9, 0.99, 0.9)
 
-    curves = np.stack([np.stack([curve(0.05), curve(0.1)]), np.stack([curve(0.6), curve(0.8)]),
-                       np.full((2, len(f)), np.nan)])  # block 2: no predictor measured
+    curves = np.stack(
+        [np.stack([curve(0.05), curve(0.1)]), np.stack([curve(0.6), curve(0.8)]), np.full((2, len(f)), np.nan)]
+    )  # block 2: no predictor measured
     sparsity = np.full((3, 2), 0.97)  # the theta rule alone would keep 3% everywhere
     ctl.observe(0, shape, {"dsv/predictor_loss": np.ones(3), "dsv/sparsity": sparsity, "dsv/recall_curve": curves})
     np.testing.assert_allclose(ctl.keep(shape), [[0.05, 0.1], [0.6, 0.8], [0.03, 0.03]], atol=1e-9)
@@ -122,8 +139,19 @@ def test_controller_keeps_what_the_recall_target_needs():
         with pytest.raises(ValueError, match="recall curves"):
             clone.load_state_dict(bad)
     # a state of the previous version (keep scales, no curves) loads, and follows the paper's rule
-    old = {"stage": 2, "switch_step": 10, "loss_ema": 0.2, "shapes": {"4x16x16": {
-        "sparsity": sparsity.tolist(), "rungs": [0.1, 0.0, 0.1], "scale": [1.25, 1.0, 1.0], "profiles": 3}}}
+    old = {
+        "stage": 2,
+        "switch_step": 10,
+        "loss_ema": 0.2,
+        "shapes": {
+            "4x16x16": {
+                "sparsity": sparsity.tolist(),
+                "rungs": [0.1, 0.0, 0.1],
+                "scale": [1.25, 1.0, 1.0],
+                "profiles": 3,
+            }
+        },
+    }
     clone.load_state_dict(old)
     np.testing.assert_allclose(clone.keep(shape), 0.03)
     # curves measured at other keep ratios are dropped, not misread
@@ -131,4 +159,3 @@ def test_controller_keeps_what_the_recall_target_needs():
     other["recall_fractions"] = [0.5] * len(f)
     clone.load_state_dict(other)
     assert clone.shapes["4x16x16"]["recall_curve"] == [None] * 3
-

@@ -10,9 +10,21 @@ import pytest
 
 from tests.conftest import SMALL, small_config
 
-DSV_RUN = ["attention=dsv", "dsv.rank=4", "dsv.stage1_steps=3", "dsv.profile_every=2", "dsv.threshold=0.2",
-           "dsv.ladder=[0.5,1.0]", "data.buckets=[[4,16,20]]", "data.bucket_weights=[1]", "model.patch=[1,2,2]",
-           "model.arch=mmdit", "model.adaln=single", "train.ckpt_every=5", "train.steps=7"]
+DSV_RUN = [
+    "attention=dsv",
+    "dsv.rank=4",
+    "dsv.stage1_steps=3",
+    "dsv.profile_every=2",
+    "dsv.threshold=0.2",
+    "dsv.ladder=[0.5,1.0]",
+    "data.buckets=[[4,16,20]]",
+    "data.bucket_weights=[1]",
+    "model.patch=[1,2,2]",
+    "model.arch=mmdit",
+    "model.adaln=single",
+    "train.ckpt_every=5",
+    "train.steps=7",
+]
 
 
 def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_path):
@@ -23,8 +35,24 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     from dsv_jax.train.trainer import Trainer, train
 
     wd = str(tmp_path / "cli")
-    r = subprocess.run([sys.executable, "-m", "dsv_jax", "train", "--config", "tiny", "--workdir", wd,
-                        "--no-progress", *SMALL, *DSV_RUN], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv_jax",
+            "train",
+            "--config",
+            "tiny",
+            "--workdir",
+            wd,
+            "--no-progress",
+            *SMALL,
+            *DSV_RUN,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DSV stage 2 from step 3 (after 3 stage-1 steps)" in r.stderr
     recs = read_metrics(wd)
@@ -35,8 +63,9 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     assert 0 < steps[4]["dsv/recall"] <= 1 and "dsv/recall/block1" in steps[4]
     # stage 2 trains the predictor on every 4th step (dsv.stage2_predictor_every) and on profile steps
     profiled = ["dsv/recall" in x for x in steps]
-    assert [("dsv/predictor_loss" in x) for x in steps[3:]] == [p or (x["step"] - 1) % 4 == 0
-                                                                for p, x in zip(profiled[3:], steps[3:])]
+    assert [("dsv/predictor_loss" in x) for x in steps[3:]] == [
+        p or (x["step"] - 1) % 4 == 0 for p, x in zip(profiled[3:], steps[3:])
+    ]
     assert not all("dsv/predictor_loss" in x for x in steps[3:])
     assert any("stage 2" in x.get("dsv/event", "") for x in recs) and any("eval_loss" in x for x in recs)
     # an export carries the stage-2 decisions: the loaded model runs the trained sparse plans
@@ -59,7 +88,9 @@ def test_cli_run_reaches_stage_two_and_resume_mid_stage_two_is_identical(tmp_pat
     keys = ("loss", "grad_norm", "dsv/predictor_loss", "dsv/sparse_blocks", "dsv/stage")
     resumed = [x for x in read_metrics(str(tmp_path / "split")) if "loss" in x]
     assert [x["step"] for x in resumed] == list(range(1, 8))
-    np.testing.assert_allclose([[x.get(k, np.nan) for k in keys] for x in resumed],
-                               [[x.get(k, np.nan) for k in keys] for x in steps], rtol=1e-5)
+    np.testing.assert_allclose(
+        [[x.get(k, np.nan) for k in keys] for x in resumed],
+        [[x.get(k, np.nan) for k in keys] for x in steps],
+        rtol=1e-5,
+    )
     assert resumed[4]["dsv/recall"] == pytest.approx(steps[4]["dsv/recall"], rel=1e-5)
-

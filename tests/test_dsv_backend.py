@@ -17,18 +17,30 @@ def test_dsv_backend_selecting_every_block_equals_dense(kv_block, d):
     dense = attention(q, k, v, backend="xla")
     nb = s // kv_block
     idx = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, h, s // q_tile, nb))
-    out = attention(q, k, v, backend="dsv", kv_index=idx, kv_count=jnp.full(idx.shape[:3], nb, jnp.int32),
-                    q_tile=q_tile, kv_block=kv_block)
+    out = attention(
+        q,
+        k,
+        v,
+        backend="dsv",
+        kv_index=idx,
+        kv_count=jnp.full(idx.shape[:3], nb, jnp.int32),
+        q_tile=q_tile,
+        kv_block=kv_block,
+    )
     np.testing.assert_allclose(out, dense, atol=2e-5)
     # from the predictor's projections with top_k = every block and keep ratio 1 for every head
     q_lr, k_lr = rand(3, (b, s, h, 6)), rand(4, (b, s, h, 6))
-    out = attention(q, k, v, backend="dsv", q_lr=q_lr, k_lr=k_lr, top_k=nb, keep=jnp.ones((h,)),
-                    q_tile=q_tile, kv_block=kv_block)
+    out = attention(
+        q, k, v, backend="dsv", q_lr=q_lr, k_lr=k_lr, top_k=nb, keep=jnp.ones((h,)), q_tile=q_tile, kv_block=kv_block
+    )
     np.testing.assert_allclose(out, dense, atol=2e-5)
     # a padded layout (kv_lens) falls back to dense attention masked by length
     lens = jnp.array([s, 29], jnp.int32)
-    np.testing.assert_allclose(attention(q, k, v, backend="dsv", kv_lens=lens, kv_index=idx, q_tile=q_tile,
-                                         kv_block=kv_block), attention(q, k, v, backend="xla", kv_lens=lens), atol=2e-5)
+    np.testing.assert_allclose(
+        attention(q, k, v, backend="dsv", kv_lens=lens, kv_index=idx, q_tile=q_tile, kv_block=kv_block),
+        attention(q, k, v, backend="xla", kv_lens=lens),
+        atol=2e-5,
+    )
 
 
 def test_window_backend_equals_masked_attention_on_a_real_layout():
@@ -47,4 +59,3 @@ def test_window_backend_equals_masked_attention_on_a_real_layout():
     out = attention(q, k, v, backend="window", grid=grid, tile=tile, fraction=frac)
     np.testing.assert_allclose(out, ref, atol=2e-5)
     assert 0.05 < inside.mean() < 0.3  # the window really restricts
-

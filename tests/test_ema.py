@@ -42,7 +42,7 @@ def test_decay_schedule():
     warm = small_config("train.ema_decay=0.999").train
     assert float(ema_decay_at(warm, 0)) == pytest.approx(0.1)
     assert float(ema_decay_at(warm, 80)) == pytest.approx(0.9)
-    assert float(ema_decay_at(warm, 10 ** 6)) == pytest.approx(0.999)
+    assert float(ema_decay_at(warm, 10**6)) == pytest.approx(0.999)
     flat = small_config("train.ema_decay=0.999", "train.ema_warmup=false").train
     assert float(ema_decay_at(flat, 0)) == pytest.approx(0.999)
 
@@ -87,16 +87,20 @@ def test_resume_across_a_change_of_ema_decay(tmp_path, caplog):
     with pytest.raises(NoEMA, match=r"has no EMA of the weights \(the run trained with train.ema_decay=0\)"):
         load_trained(wd, weights="ema")
     r = run_cli("eval", "--workdir", wd, "--clips", "0", "--weights", "ema", timeout=300)
-    assert r.returncode == 2 and "has no EMA of the weights" in r.stderr and len(r.stderr.strip().splitlines()) <= 2, \
+    assert r.returncode == 2 and "has no EMA of the weights" in r.stderr and len(r.stderr.strip().splitlines()) <= 2, (
         r.stderr[-2000:]
+    )
 
     # an (old) checkpoint without an EMA, resumed with one: it starts from the restored weights
     caplog.set_level(logging.INFO, logger="dsv_jax")
     with_ema = small_config("train.steps=3", "train.ema_decay=0.9", *ONE_BUCKET)
     trainer = Trainer(with_ema, wd, progress=False)
     assert int(trainer.state.step) == 2
-    assert any("checkpoint step 2 has no EMA of the weights" in r.getMessage() and "starts from its parameters"
-               in r.getMessage() for r in caplog.records)
+    assert any(
+        "checkpoint step 2 has no EMA of the weights" in r.getMessage()
+        and "starts from its parameters" in r.getMessage()
+        for r in caplog.records
+    )
     assert_same(trainer.state.ema, trainer.state.params)
     trainer.run()
     ema, params = jax.device_get((trainer.state.ema, trainer.state.params))
@@ -111,8 +115,10 @@ def test_resume_across_a_change_of_ema_decay(tmp_path, caplog):
     caplog.clear()
     trainer = Trainer(small_config("train.steps=4", *ONE_BUCKET), wd, progress=False)
     assert trainer.state.ema is None
-    assert any("checkpoint step 3 has an EMA of the weights; train.ema_decay=0 drops it" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "checkpoint step 3 has an EMA of the weights; train.ema_decay=0 drops it" in r.getMessage()
+        for r in caplog.records
+    )
     trainer.run()
     trainer.close()
     assert_same(load_trained(wd)[2], load_trained(wd, weights="raw")[2])  # step 4 has only the weights
@@ -122,8 +128,14 @@ def test_sampling_evaluation_and_export_use_the_ema(tmp_path, monkeypatch):
     import dsv_jax.sample
 
     wd = str(tmp_path / "run")
-    cfg = small_config("train.steps=4", "train.ema_decay=0.9", "train.lr=3e-3", "train.sample_at_end=true",
-                       "train.sample_steps=2", *ONE_BUCKET)
+    cfg = small_config(
+        "train.steps=4",
+        "train.ema_decay=0.9",
+        "train.lr=3e-3",
+        "train.sample_at_end=true",
+        "train.sample_steps=2",
+        *ONE_BUCKET,
+    )
     given = {}
     real = dsv_jax.sample.sample_from_state
 
@@ -154,7 +166,8 @@ def test_sampling_evaluation_and_export_use_the_ema(tmp_path, monkeypatch):
     logged = [r for r in read_metrics(wd) if "eval_loss" in r][-1]
     assert logged["eval_loss_ema"] != logged["eval_loss"]
     assert {k for k in logged if k.startswith("eval_loss_ema/")} == {
-        k.replace("eval_loss/", "eval_loss_ema/") for k in logged if k.startswith("eval_loss/")}
+        k.replace("eval_loss/", "eval_loss_ema/") for k in logged if k.startswith("eval_loss/")
+    }
     _, _, results = evaluate_workdir(wd, clips=0)
     assert results["weights"] == "ema"
     assert results["held_out"]["eval_loss"] == pytest.approx(logged["eval_loss_ema"], rel=1e-5)
@@ -192,8 +205,9 @@ def test_a_checkpoint_saved_before_the_ema_existed_resumes(tmp_path, monkeypatch
     cfg = small_config(*ONE_BUCKET, "train.steps=2", "train.ckpt_every=1")
     train(cfg, str(tmp_path / "new"), progress=False)
     new_layout = checkpoint._on_disk
-    monkeypatch.setattr(checkpoint, "_on_disk", lambda s: OldTrainState(s.step, s.params, s.opt_state, s.rng,
-                                                                        s.skipped))
+    monkeypatch.setattr(
+        checkpoint, "_on_disk", lambda s: OldTrainState(s.step, s.params, s.opt_state, s.rng, s.skipped)
+    )
     train(cfg, str(tmp_path / "old"), progress=False)
     monkeypatch.setattr(checkpoint, "_on_disk", new_layout)
     meta = open(tmp_path / "old" / "checkpoints" / "2" / "state" / "_METADATA").read()

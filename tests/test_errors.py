@@ -22,8 +22,10 @@ def test_disk_full_anywhere_in_the_chain_names_the_path_and_free_space(tmp_path)
         message, code, expected = explain(e)
     assert code == 1 and expected and "\n" not in message
     assert message.startswith(f"disk full writing {tmp_path / 'metrics.jsonl'} (") and message.endswith(" free)")
-    assert explain(DiskFull("disk full: checkpoint step 3 needs about 2.0 MiB in /x, 0.1 MiB free"))[:2] == \
-        ("disk full: checkpoint step 3 needs about 2.0 MiB in /x, 0.1 MiB free", 1)
+    assert explain(DiskFull("disk full: checkpoint step 3 needs about 2.0 MiB in /x, 0.1 MiB free"))[:2] == (
+        "disk full: checkpoint step 3 needs about 2.0 MiB in /x, 0.1 MiB free",
+        1,
+    )
     assert not is_disk_full(ValueError("shape mismatch"))
 
 
@@ -42,8 +44,9 @@ def test_report_is_two_lines_at_most_and_the_traceback_goes_to_the_workdir(tmp_p
 
 
 def test_guard_flags_divergence_and_non_finite_steps_and_stops_after_a_streak():
-    train = get_config("tiny", ["train.max_bad_steps=3", "train.divergence_factor=10",
-                                "train.divergence_window=4"]).train
+    train = get_config(
+        "tiny", ["train.max_bad_steps=3", "train.divergence_factor=10", "train.divergence_window=4"]
+    ).train
     guard = DivergenceGuard(train, history=[1.0, 1.2, 0.9])
     assert guard.observe(1, 1.1, True).bad is None and guard.healthy
     v = guard.observe(2, 5e21, True)  # finite garbage

@@ -21,22 +21,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_random_selection_counts_order_and_locality(local_share):
     keep = np.array([0.1, 0.3, 0.55])
     seq, q_tile, kv_block = 2048, 64, 32
-    index, count = harness.random_selection(jax.random.key(3), seq=seq, heads=3, q_tile=q_tile, kv_block=kv_block,
-                                            keep=keep, local_share=local_share)
+    index, count = harness.random_selection(
+        jax.random.key(3), seq=seq, heads=3, q_tile=q_tile, kv_block=kv_block, keep=keep, local_share=local_share
+    )
     blocks, tiles = seq // kv_block, seq // q_tile
     want = np.round(keep * blocks).astype(int)
     assert index.shape == (1, 3, tiles, want.max()) and count.shape == (1, 3, tiles)
     assert (np.asarray(count)[0] == want[:, None]).all()
     for h in range(3):
         for t in range(tiles):
-            ids = np.asarray(index)[0, h, t, :want[h]]
+            ids = np.asarray(index)[0, h, t, : want[h]]
             assert (np.diff(ids) > 0).all() and ids.min() >= 0 and ids.max() < blocks  # ascending, distinct
             centre = (t * q_tile + q_tile // 2) // kv_block
             near = int(round(want[h] * local_share))
             first = min(max(centre - near // 2, 0), blocks - near)
             assert set(range(first, first + near)) <= set(ids.tolist())  # the blocks around the tile
     if local_share < 1:  # the rest is random: tiles differ beyond their window
-        far = [set(np.asarray(index)[0, 2, t, :want[2]].tolist()) for t in range(tiles)]
+        far = [set(np.asarray(index)[0, 2, t, : want[2]].tolist()) for t in range(tiles)]
         assert len({frozenset(f) for f in far}) == tiles
 
 
@@ -154,8 +155,9 @@ def test_use_cpu_sets_the_platform_and_flags_once(monkeypatch):
     quick_cpu.use_cpu(devices=4)
     quick_cpu.use_cpu(devices=8)  # a second call keeps the first device count and adds nothing
     assert os.environ["JAX_PLATFORMS"] == "cpu"
-    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4 "
-                                       "--xla_backend_optimization_level=0")
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+    )
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     monkeypatch.setenv("XLA_FLAGS", "")
     quick_cpu.use_cpu(fast_compile=False)  # a platform set by the caller stays
@@ -168,8 +170,9 @@ def test_study_overrides_build_the_bucket_of_the_asked_tokens(setup):
         cfg = get_config("tiny", training.study_overrides(setup, tokens, quick=quick))
         (bucket,) = cfg.data.buckets
         assert tokens_per_sample(bucket, cfg.model.patch) == tokens
-        assert cfg.data.tokens_per_batch == 2 * tokens and cfg.data.source == ("photos" if setup == "photos"
-                                                                                 else "synthetic")
+        assert cfg.data.tokens_per_batch == 2 * tokens and cfg.data.source == (
+            "photos" if setup == "photos" else "synthetic"
+        )
         assert cfg.model.hidden == (32 if quick else {"shapes": 256, "photos": 768}[setup])
     with pytest.raises(ValueError, match="unknown setup"):
         training.study_overrides("faces", 256, quick=True)
@@ -183,27 +186,32 @@ def test_remat_programs_reads_kernels_from_lowered_and_compiled_text():
     from experiments.remat_programs import attention_calls, compiled_calls, lowered_calls, sparse_forwards
 
     lowered = (
-        '  %4:2 = stablehlo.custom_call @mosaic_gpu_v2(%1, %2) {api_version = 2 : i32} : (tensor<8xi32>) '
-        '-> (tensor<1x64x2x64xbf16>, tensor<1x2x64xf32>)\n'
-        '  %5 = stablehlo.custom_call @mosaic_gpu_v2(%1) : (tensor<8xi32>) -> tensor<1x64x2x64xbf16>\n')
-    assert lowered_calls(lowered) == {"mosaic_gpu_v2 x2 tensor<1x64x2x64xbf16>": 1,
-                                      "mosaic_gpu_v2 x1 tensor<1x64x2x64xbf16>": 1}
+        "  %4:2 = stablehlo.custom_call @mosaic_gpu_v2(%1, %2) {api_version = 2 : i32} : (tensor<8xi32>) "
+        "-> (tensor<1x64x2x64xbf16>, tensor<1x2x64xf32>)\n"
+        "  %5 = stablehlo.custom_call @mosaic_gpu_v2(%1) : (tensor<8xi32>) -> tensor<1x64x2x64xbf16>\n"
+    )
+    assert lowered_calls(lowered) == {
+        "mosaic_gpu_v2 x2 tensor<1x64x2x64xbf16>": 1,
+        "mosaic_gpu_v2 x1 tensor<1x64x2x64xbf16>": 1,
+    }
     compiled = (
-        'HloModule jit_step, entry_computation_layout={(f32[])->f32[]}\n\n'
-        '%fused_body.3 (p: bf16[8]) -> bf16[8] {\n'
+        "HloModule jit_step, entry_computation_layout={(f32[])->f32[]}\n\n"
+        "%fused_body.3 (p: bf16[8]) -> bf16[8] {\n"
         '  %a = (bf16[1,64,2,64]{3,2,1,0}, f32[1,2,64]{2,1,0}) custom-call(%p), custom_call_target="mosaic_gpu_v2", '
         'metadata={op_name="jit(step)/jvp()/while/body/entry"}\n'
-        '}\n\n'
-        'ENTRY %main.9 (p: bf16[8]) -> bf16[8] {\n'
-        '  %b = (bf16[1,64,2,64]{3,2,1,0}, bf16[1,64,2,64]{3,2,1,0}) custom-call(%p), '
+        "}\n\n"
+        "ENTRY %main.9 (p: bf16[8]) -> bf16[8] {\n"
+        "  %b = (bf16[1,64,2,64]{3,2,1,0}, bf16[1,64,2,64]{3,2,1,0}) custom-call(%p), "
         'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/transpose(jvp())/entry"}\n'
         '  %c = f32[4,4]{1,0} custom-call(%p), custom_call_target="__cublas$gemm"\n'
-        '}\n')
+        "}\n"
+    )
     assert compiled_calls(compiled) == {"mosaic_gpu_v2 x2 bf16[1,64,2,64]": 2, "__cublas$gemm x1 f32[4,4]": 1}
     calls = attention_calls(compiled)
     assert [(c["computation"], c["results"], c["op_name"].split("/")[1]) for c in calls] == [
         ("fused_body.3", "(bf16[1,64,2,64], f32[1,2,64])", "jvp()"),
-        ("main.9", "(bf16[1,64,2,64], bf16[1,64,2,64])", "transpose(jvp())")]
+        ("main.9", "(bf16[1,64,2,64], bf16[1,64,2,64])", "transpose(jvp())"),
+    ]
     assert sparse_forwards(calls) == 1
 
 
@@ -230,14 +238,31 @@ def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
     assert {j["impl"] for j in jobs} == {"small_check", "cudnn", "mgpu"}
     mgpu = [j for j in jobs if j["impl"] == "mgpu"]
     assert [(j["sparsity"], j["options"], j["check"]) for j in mgpu] == [
-        (0.9, {}, True), (0.9, {"fwd_stages": 2}, True), (0.95, {}, False), (0.95, {"fwd_stages": 2}, False)]
+        (0.9, {}, True),
+        (0.9, {"fwd_stages": 2}, True),
+        (0.95, {}, False),
+        (0.95, {"fwd_stages": 2}, False),
+    ]
     assert all(j["parts"] and j["select"] for j in mgpu)  # variants compare piece by piece
 
     t = lambda ms: {"median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.1}
-    results = [{"job": {"seq": 65536, "impl": "cudnn"}, "fwd": t(60.0), "fwd_bwd": t(240.0), "fwd_tflops": 500.0,
-                "fwd_bwd_tflops": 560.0},
-               {"job": mgpu[0], "fwd": t(7.5), "fwd_bwd": t(29.0), "fwd_tflops": 420.0, "fwd_bwd_tflops": 430.0,
-                "with_selection": {"top_k": 102, "select": t(1.0), "select_fwd_bwd": t(30.0)}}]
+    results = [
+        {
+            "job": {"seq": 65536, "impl": "cudnn"},
+            "fwd": t(60.0),
+            "fwd_bwd": t(240.0),
+            "fwd_tflops": 500.0,
+            "fwd_bwd_tflops": 560.0,
+        },
+        {
+            "job": mgpu[0],
+            "fwd": t(7.5),
+            "fwd_bwd": t(29.0),
+            "fwd_tflops": 420.0,
+            "fwd_bwd_tflops": 430.0,
+            "with_selection": {"top_k": 102, "select": t(1.0), "select_fwd_bwd": t(30.0)},
+        },
+    ]
     row = summarise(results)[1]
     assert row["select_ms"] == 1.0 and row["select_fwd_bwd_ms"] == 30.0
     assert row["select_fwd_bwd_speedup"] == pytest.approx(8.0)
@@ -298,8 +323,9 @@ def test_bench_sparse_mgpu_parts_give_executed_rates_and_their_fraction_of_the_c
     import experiments.bench_sparse_mgpu as bench
     from experiments import harness
 
-    monkeypatch.setattr(bench, "pieces", lambda *a, **k: [("fwd", None, (), 2), ("worklist", None, (), 0),
-                                                         ("dkdv", None, (), 4)])
+    monkeypatch.setattr(
+        bench, "pieces", lambda *a, **k: [("fwd", None, (), 2), ("worklist", None, (), 0), ("dkdv", None, (), 4)]
+    )
     monkeypatch.setattr(bench, "timed", lambda fn, *a, **k: {"median_ms": 2.0})
     seq = 1024
     q = jnp.zeros((1, seq, bench.HEADS, bench.HEAD_DIM), jnp.bfloat16)

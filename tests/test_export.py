@@ -27,8 +27,12 @@ HOOK = "tests.test_prepare:text_encoder_hook"  # [N, 5, 7] embeddings
 
 
 def test_import_dsv_jax_stays_light_and_exports_load_model():
-    r = subprocess.run([sys.executable, "-c", "import sys, dsv_jax; print('jax' in sys.modules, "
-                        "dsv_jax.load_model.__module__)"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, dsv_jax; print('jax' in sys.modules, dsv_jax.load_model.__module__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.split() == ["False", "dsv_jax.export"], r.stderr[-2000:]
     assert dsv_jax.load_model is load_model
 
@@ -36,8 +40,9 @@ def test_import_dsv_jax_stays_light_and_exports_load_model():
 def test_precomputed_run_from_a_config_file_exports_loads_and_samples(tmp_path):
     media, data = tmp_path / "media", tmp_path / "data"
     write_media(str(media), images=5, videos=3)
-    prepare(str(media), str(data), BUCKETS, codec=CODEC, workers=1, text_encoder=HOOK, eval_fraction=0.25,
-            progress=False)
+    prepare(
+        str(media), str(data), BUCKETS, codec=CODEC, workers=1, text_encoder=HOOK, eval_fraction=0.25, progress=False
+    )
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(f"""name: tiny
 model: {{hidden: 32, heads: 2, depth: 2, text_dim: 7, patch: [1, 4, 4], in_channels: {CHANNELS}}}
@@ -61,8 +66,10 @@ train: {{steps: 2, log_every: 1, eval_batches: 1, warmup_steps: 1, sample_at_end
     try:
         assert trainer.start_step == 2 and trainer.cfg == rerun
         from_yaml = load_config(str(run_yaml))
-        assert dataclasses.replace(rerun, data=from_yaml.data, train=dataclasses.replace(rerun.train, steps=2)) \
+        assert (
+            dataclasses.replace(rerun, data=from_yaml.data, train=dataclasses.replace(rerun.train, steps=2))
             == from_yaml
+        )
         assert rerun.data.buckets == ((1, 16, 16), (4, 16, 16)) and rerun.data.codec == CODEC  # as resolved
     finally:
         trainer.close()
@@ -97,11 +104,39 @@ train: {{steps: 2, log_every: 1, eval_batches: 1, warmup_steps: 1, sample_at_end
 
     # sample from the export: prompts through the run's text encoder hook
     clip = str(tmp_path / "clip.gif")
-    r = run_cli("sample", "--model", out, "--out", clip, "--prompt", "a red circle", "--prompt", "a blue square",
-                "--steps", "2", "--shape", "4,16,16")
+    r = run_cli(
+        "sample",
+        "--model",
+        out,
+        "--out",
+        clip,
+        "--prompt",
+        "a red circle",
+        "--prompt",
+        "a blue square",
+        "--steps",
+        "2",
+        "--shape",
+        "4,16,16",
+    )
     assert r.returncode == 2 and f"--text-encoder pkg.module:make (its dataset was prepared with {HOOK})" in r.stderr
-    r = run_cli("sample", "--model", out, "--out", clip, "--prompt", "a red circle", "--prompt", "a blue square",
-                "--steps", "2", "--shape", "4,16,16", "--text-encoder", HOOK)
+    r = run_cli(
+        "sample",
+        "--model",
+        out,
+        "--out",
+        clip,
+        "--prompt",
+        "a red circle",
+        "--prompt",
+        "a blue square",
+        "--steps",
+        "2",
+        "--shape",
+        "4,16,16",
+        "--text-encoder",
+        HOOK,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     import imageio.v3 as iio
 
@@ -109,10 +144,13 @@ train: {{steps: 2, log_every: 1, eval_batches: 1, warmup_steps: 1, sample_at_end
     assert frames.shape[:3] == (4, 32, 2 * 32 + 1)  # 4 frames of 32 x 32 pixels (pixel:1x2x2), 2 clips
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["export", "--workdir", "/nonexistent/run", "--out", "x"], "has no checkpoints/"),
-    (["sample", "--model", "/nonexistent/run", "--out", "x.gif"], "no checkpoint"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["export", "--workdir", "/nonexistent/run", "--out", "x"], "has no checkpoints/"),
+        (["sample", "--model", "/nonexistent/run", "--out", "x.gif"], "no checkpoint"),
+    ],
+)
 def test_export_and_sample_errors_are_clear(args, needle):
     r = run_cli(*args, timeout=120)
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
@@ -129,9 +167,15 @@ def test_a_failing_end_of_run_sample_is_one_warning(tmp_path, monkeypatch, caplo
         raise RuntimeError("no space left on device\nmore detail")
 
     monkeypatch.setattr(dsv_jax.sample, "sample_from_state", broken)
-    trainer = types.SimpleNamespace(cfg=small_config(), workdir=str(tmp_path), is_main=True, graphdef=None,
-                                    state=types.SimpleNamespace(step=3, params=None, ema=None), inference_params=None,
-                                    policy=types.SimpleNamespace(state_dict=lambda: None))
+    trainer = types.SimpleNamespace(
+        cfg=small_config(),
+        workdir=str(tmp_path),
+        is_main=True,
+        graphdef=None,
+        state=types.SimpleNamespace(step=3, params=None, ema=None),
+        inference_params=None,
+        policy=types.SimpleNamespace(state_dict=lambda: None),
+    )
     with caplog.at_level("WARNING"):
         assert sample_at_end(trainer) is None
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]

@@ -12,21 +12,48 @@ from dsv_jax.data.cost_model import CostModel
 from tests.data_helpers import CHANNELS, prepared_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["model.hidden=16", "model.heads=2", "model.depth=1", "model.text_dim=8", "model.patch=[1,4,4]",
-         "text.max_len=6", "text.hash_buckets=4", f"model.in_channels={CHANNELS}", "parallel.fsdp=2"]
+MODEL = [
+    "model.hidden=16",
+    "model.heads=2",
+    "model.depth=1",
+    "model.text_dim=8",
+    "model.patch=[1,4,4]",
+    "text.max_len=6",
+    "text.hash_buckets=4",
+    f"model.in_channels={CHANNELS}",
+    "parallel.fsdp=2",
+]
 
 
 def cli(*args, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "dsv_jax", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv_jax", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_prepare_fit_cost_train_dual_and_sample(tmp_path):
     data = prepared_dataset(str(tmp_path), images=9, videos=7, seed=2)
     cost = str(tmp_path / "cost.json")
-    r = cli("fit-cost", "--config", "tiny", "--data", data, "--out", cost, "--batch-sizes", "1,3", "--repeats", "3",
-            "--memory-gb", "0.25", "--mem-fraction", "0.5", "--no-progress", *MODEL)
+    r = cli(
+        "fit-cost",
+        "--config",
+        "tiny",
+        "--data",
+        data,
+        "--out",
+        cost,
+        "--batch-sizes",
+        "1,3",
+        "--repeats",
+        "3",
+        "--memory-gb",
+        "0.25",
+        "--mem-fraction",
+        "0.5",
+        "--no-progress",
+        *MODEL,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train with: data.batching=dual" in r.stdout
     model = CostModel.load(cost)
@@ -37,15 +64,31 @@ def test_prepare_fit_cost_train_dual_and_sample(tmp_path):
     assert all(p["time_s"] > 0 and p["temp_bytes"] > 0 for p in info["points"])
     assert 0.5 <= model.p <= 3.0 and model.b > 0 and model.a >= 0
     # M_mem: the memory left under the cap, divided by the measured bytes per token
-    expect = (0.25 * 2 ** 30 * 0.5 - info["resident_bytes"] - info["temp_bytes_fixed"]) / info["temp_bytes_per_token"]
+    expect = (0.25 * 2**30 * 0.5 - info["resident_bytes"] - info["temp_bytes_fixed"]) / info["temp_bytes_per_token"]
     assert model.m_mem == max(1, int(expect))
     # M_comp: a batch at the compute budget is predicted to take the target step time
     assert abs(model.predict(1, model.m_comp ** (1 / model.p)) - info["target_step_s"]) < 1e-9
 
     wd = str(tmp_path / "run")
-    r = cli("train", "--config", "tiny", "--workdir", wd, "--steps", "3", "--no-progress", *MODEL,
-            f"data.path={data}", "data.batching=dual", f"data.cost_model={cost}", "data.workers=1",
-            "train.log_every=1", "train.eval_batches=1", "train.sample_at_end=true", "train.sample_steps=2")
+    r = cli(
+        "train",
+        "--config",
+        "tiny",
+        "--workdir",
+        wd,
+        "--steps",
+        "3",
+        "--no-progress",
+        *MODEL,
+        f"data.path={data}",
+        "data.batching=dual",
+        f"data.cost_model={cost}",
+        "data.workers=1",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "train.sample_at_end=true",
+        "train.sample_steps=2",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(wd, "metrics.jsonl")) as f:
         steps = [json.loads(x) for x in f if '"loss"' in x]

@@ -37,9 +37,14 @@ def test_tiny_forward_and_train_step_against_a_hand_count():
     text = 2 * b * lt * (dt * c + c * c)
     modulation = depth * 2 * b * c * 6 * c + 2 * b * c * 2 * c  # AdaLN-Zero per block + final
     embed_head = 2 * (2 * b * s * p * c)
-    per_block = (2 * b * s * c * 3 * c + 2 * b * s * c * c  # self-attention q, k, v, out
-                 + 2 * b * s * c * c + 2 * b * lt * c * 2 * c + 2 * b * s * c * c  # cross q; k, v on text; out
-                 + 2 * 2 * b * s * c * f)  # MLP
+    per_block = (
+        2 * b * s * c * 3 * c
+        + 2 * b * s * c * c  # self-attention q, k, v, out
+        + 2 * b * s * c * c
+        + 2 * b * lt * c * 2 * c
+        + 2 * b * s * c * c  # cross q; k, v on text; out
+        + 2 * 2 * b * s * c * f
+    )  # MLP
     linear = timestep + text + modulation + embed_head + depth * per_block
     assert linear == 1_916_076_032  # 0.2M conditioning + 25.2M embed/head + 4 x 471.9M blocks
     attention = depth * 4 * b * s * s * c  # q k^T and p v
@@ -84,12 +89,15 @@ def matmul_flops(fn, *args) -> float:
     return walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
 
 
-@pytest.mark.parametrize("arch, adaln, shape", [
-    ("dit", "per_block", (4, 16, 16)),
-    ("dit", "single", (3, 16, 20)),  # a padded token grid (3 x 4 x 5 in tiles of 2 x 4 x 4)
-    ("mmdit", "single", (4, 16, 16)),
-    ("mmdit", "per_block", (3, 16, 20)),
-])
+@pytest.mark.parametrize(
+    "arch, adaln, shape",
+    [
+        ("dit", "per_block", (4, 16, 16)),
+        ("dit", "single", (3, 16, 20)),  # a padded token grid (3 x 4 x 5 in tiles of 2 x 4 x 4)
+        ("mmdit", "single", (4, 16, 16)),
+        ("mmdit", "per_block", (3, 16, 20)),
+    ],
+)
 def test_forward_count_equals_the_matmuls_of_the_traced_model(arch, adaln, shape):
     cfg = small_config(f"model.arch={arch}", f"model.adaln={adaln}", "model.mlp_ratio=3", "text.max_len=5")
     model = nnx.eval_shape(lambda: TextToVideo(cfg, rngs=nnx.Rngs(0)))
@@ -109,10 +117,12 @@ def test_predictor_count_equals_the_matmuls_of_a_dsv_training_forward():
     model = nnx.eval_shape(lambda: TextToVideo(cfg, rngs=nnx.Rngs(0)))
     b, shape = 2, (4, 16, 16)
     plan = AttentionPlan(mode="dsv", predictor=True, query_stride=8, max_queries=cfg.dsv.max_queries)
-    args = (jax.ShapeDtypeStruct((b, *shape, cfg.model.in_channels), jnp.float32),
-            jax.ShapeDtypeStruct((b,), jnp.float32),
-            jax.ShapeDtypeStruct((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32),
-            jax.ShapeDtypeStruct((b, cfg.text.max_len), jnp.bool_))
+    args = (
+        jax.ShapeDtypeStruct((b, *shape, cfg.model.in_channels), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.float32),
+        jax.ShapeDtypeStruct((b, cfg.text.max_len, cfg.model.text_dim), jnp.float32),
+        jax.ShapeDtypeStruct((b, cfg.text.max_len), jnp.bool_),
+    )
     graphdef, state = nnx.split(model)
     traced = matmul_flops(lambda st, *a: nnx.merge(graphdef, st)(*a, attention=plan, return_aux=True), state, *args)
     fwd = forward_flops(cfg, shape, b, predictor=True)
@@ -133,8 +143,14 @@ def test_kept_fractions_of_window_and_dsv_plans():
     rng = np.random.default_rng(0)
     keep = rng.uniform(0.05, 0.45, (3, cfg.model.heads))
     keep[1] = 0.9  # block 1 stays dense
-    ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {shape_key(shape): {
-        "sparsity": (1 - keep).tolist(), "rungs": [0.5, 0.0, 0.5], "profiles": 1}}})
+    ctl.load_state_dict(
+        {
+            "stage": 2,
+            "switch_step": 0,
+            "loss_ema": 0.0,
+            "shapes": {shape_key(shape): {"sparsity": (1 - keep).tolist(), "rungs": [0.5, 0.0, 0.5], "profiles": 1}},
+        }
+    )
     plans, inputs = ctl.plans(shape), ctl.inputs(shape)
     kept = kept_fractions(cfg, shape, plans, inputs)
     want = [np.mean(np.clip(np.ceil(keep[i] * 4), 1, 2)) / 4 for i in (0, 2)]  # top_k = 0.5 x 4 blocks = 2
@@ -146,8 +162,12 @@ def test_kept_fractions_of_window_and_dsv_plans():
     # the work of the train step follows the kept fractions, with the predictor and selection added
     step = train_step_flops(cfg, shape, 4, kept=kept)
     fwd = forward_flops(cfg, shape, 4, kept=kept, predictor=True)
-    assert step["work"] == pytest.approx(4 * (fwd["linear"] + fwd["text_attention"]) + 4.5 * fwd["video_attention"]
-                                         + 4 * fwd["predictor"] + fwd["selection"])
+    assert step["work"] == pytest.approx(
+        4 * (fwd["linear"] + fwd["text_attention"])
+        + 4.5 * fwd["video_attention"]
+        + 4 * fwd["predictor"]
+        + fwd["selection"]
+    )
     # the trainer's meter counts the predictor on the stage-2 steps that train it only
     from dsv_jax.parallel.mesh import make_mesh
     from dsv_jax.train.mfu import StepFlops

@@ -54,8 +54,10 @@ def faults_per_round(mode: str) -> float:
     return float(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or huge_pages_always(),
-                    reason="counts 4 KiB page faults of glibc's maps (Linux, THP not 'always')")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or huge_pages_always(),
+    reason="counts 4 KiB page faults of glibc's maps (Linux, THP not 'always')",
+)
 def test_kept_memory_stops_the_per_round_page_faults():
     system, kept = faults_per_round("system"), faults_per_round("keep")
     pages = (96 << 20) // 4096
@@ -73,13 +75,20 @@ def test_the_cli_applies_it_before_jax_is_imported(tmp_path):
         cli.main(["presets"])
         print(code, seen)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert out.stdout.split("\n")[-2] == "2 [False]", out.stdout[-500:] + out.stderr[-1500:]  # presets: not called
 
 
-@pytest.mark.parametrize("platforms, cpu", [("cpu", True), ("cpu,cuda", True), ("cuda,cpu", False), ("cuda", False),
-                                            ("tpu", False), (" CPU ", True)])
+@pytest.mark.parametrize(
+    "platforms, cpu",
+    [("cpu", True), ("cpu,cuda", True), ("cuda,cpu", False), ("cuda", False), ("tpu", False), (" CPU ", True)],
+)
 def test_jax_platforms_decides_when_set(monkeypatch, platforms, cpu):
     monkeypatch.setenv("JAX_PLATFORMS", platforms)
     assert host_memory.runs_on_cpu() is cpu
@@ -95,8 +104,9 @@ def test_never_on_an_accelerator_or_when_told_not_to(monkeypatch):
 
 def test_without_jax_platforms_an_installed_accelerator_plugin_decides(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setattr(host_memory.importlib.util, "find_spec",
-                        lambda name: object() if name == "jax_cuda13_plugin" else None)
+    monkeypatch.setattr(
+        host_memory.importlib.util, "find_spec", lambda name: object() if name == "jax_cuda13_plugin" else None
+    )
     assert not host_memory.runs_on_cpu()
     monkeypatch.setattr(host_memory.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(host_memory.importlib.metadata, "entry_points", lambda group: ["xla_neuron"])

@@ -10,12 +10,27 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bottom to top; a module belongs to the longest matching prefix
-LAYERS = ["pallas_kernels", "dsv_jax.config", "dsv_jax.data", "dsv_jax.attention", "dsv_jax.dsv", "dsv_jax.model",
-          "dsv_jax.parallel", "dsv_jax.train", "dsv_jax.sample", "dsv_jax.evaluate", "dsv_jax.export", "dsv_jax.cli"]
+LAYERS = [
+    "pallas_kernels",
+    "dsv_jax.config",
+    "dsv_jax.data",
+    "dsv_jax.attention",
+    "dsv_jax.dsv",
+    "dsv_jax.model",
+    "dsv_jax.parallel",
+    "dsv_jax.train",
+    "dsv_jax.sample",
+    "dsv_jax.evaluate",
+    "dsv_jax.export",
+    "dsv_jax.cli",
+]
 # inference sits beside training: sample, evaluate and export use the trainer's checkpoints, and the trainer
 # writes its end-of-run sample through dsv_jax.sample
-SAME_LAYER = {"dsv_jax.train": "dsv_jax.sample", "dsv_jax.evaluate": "dsv_jax.sample",
-              "dsv_jax.export": "dsv_jax.sample"}
+SAME_LAYER = {
+    "dsv_jax.train": "dsv_jax.sample",
+    "dsv_jax.evaluate": "dsv_jax.sample",
+    "dsv_jax.export": "dsv_jax.sample",
+}
 
 
 def layer_of(module: str) -> int | None:
@@ -70,10 +85,27 @@ def test_the_checker_sees_a_back_edge():
     assert any(t.startswith("dsv_jax.attention") for m, t, _ in imports() if m.startswith("dsv_jax.model"))
 
 
-@pytest.mark.parametrize("package", ["pallas_kernels", "dsv_jax.config", "dsv_jax.data", "dsv_jax.attention",
-                                     "dsv_jax.dsv", "dsv_jax.model", "dsv_jax.parallel", "dsv_jax.train",
-                                     "dsv_jax.cli"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "pallas_kernels",
+        "dsv_jax.config",
+        "dsv_jax.data",
+        "dsv_jax.attention",
+        "dsv_jax.dsv",
+        "dsv_jax.model",
+        "dsv_jax.parallel",
+        "dsv_jax.train",
+        "dsv_jax.cli",
+    ],
+)
 def test_each_subpackage_imports_alone(package):
-    r = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, "-c", f"import {package}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]

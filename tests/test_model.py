@@ -47,9 +47,16 @@ def test_notebook_api_shape():
     assert velocity.shape == latents.shape and velocity.dtype == latents.dtype
 
 
-@pytest.mark.parametrize("grid, tile, multiple", [((3, 6, 10), (2, 4, 4), 1), ((1, 8, 8), (2, 4, 4), 1),
-                                                  ((4, 4, 4), (4, 4, 4), 1), ((5, 7, 9), (2, 4, 4), 8),
-                                                  ((1, 45, 80), (4, 4, 4), 1)])
+@pytest.mark.parametrize(
+    "grid, tile, multiple",
+    [
+        ((3, 6, 10), (2, 4, 4), 1),
+        ((1, 8, 8), (2, 4, 4), 1),
+        ((4, 4, 4), (4, 4, 4), 1),
+        ((5, 7, 9), (2, 4, 4), 8),
+        ((1, 45, 80), (4, 4, 4), 1),
+    ],
+)
 def test_token_layout_is_tile_major_valid_first_and_reversible(grid, tile, multiple):
     layout = token_layout(grid, tile, multiple)
     ts = layout.tile_size
@@ -60,7 +67,7 @@ def test_token_layout_is_tile_major_valid_first_and_reversible(grid, tile, multi
     assert np.all(layout.order[~layout.valid] == layout.n_real) and layout.n_real == np.prod(grid)
     # each tile is a contiguous range covering one 3D box of the padded grid, its real tokens first
     for i in range(layout.seq_len // ts):
-        box, valid = layout.coords[i * ts:(i + 1) * ts], layout.valid[i * ts:(i + 1) * ts]
+        box, valid = layout.coords[i * ts : (i + 1) * ts], layout.valid[i * ts : (i + 1) * ts]
         assert np.all(box.max(0) - box.min(0) + 1 == np.array(layout.tile))
         assert np.all(np.diff(valid.astype(int)) <= 0)  # True... then False...
         assert np.array_equal(valid, np.all(box < np.array(grid), axis=1))
@@ -201,10 +208,10 @@ def test_rope_custom_vjp_is_the_rotation_by_the_opposite_angle(d):
     out, start, col = np.asarray(apply_rope(x, (cos, sin))), 0, 0
     for dim in axis_dims(d):
         h = dim // 2
-        a, b = np.asarray(x[..., start:start + h]), np.asarray(x[..., start + h:start + dim])
-        c, s = cos[None, :, None, col:col + h], sin[None, :, None, col:col + h]
-        np.testing.assert_allclose(out[..., start:start + h], a * c - b * s, atol=1e-5)
-        np.testing.assert_allclose(out[..., start + h:start + dim], a * s + b * c, atol=1e-5)
+        a, b = np.asarray(x[..., start : start + h]), np.asarray(x[..., start + h : start + dim])
+        c, s = cos[None, :, None, col : col + h], sin[None, :, None, col : col + h]
+        np.testing.assert_allclose(out[..., start : start + h], a * c - b * s, atol=1e-5)
+        np.testing.assert_allclose(out[..., start + h : start + dim], a * s + b * c, atol=1e-5)
         start, col = start + dim, col + h
 
 

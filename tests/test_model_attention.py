@@ -142,14 +142,23 @@ def test_remat_keep_attention_traces_the_mosaic_gpu_forward_once(monkeypatch):
     inputs = {"keep": jnp.full((2, 2), 0.5)}
 
     def kernels(keep_attention):
-        model = dsv_model("dit", patch=(1, 4, 4), tile=(4, 4, 4), remat=True, remat_keep_attention=keep_attention,
-                          hidden=128, dtype="bfloat16")
+        model = dsv_model(
+            "dit",
+            patch=(1, 4, 4),
+            tile=(4, 4, 4),
+            remat=True,
+            remat_keep_attention=keep_attention,
+            hidden=128,
+            dtype="bfloat16",
+        )
         graphdef, state = nnx.split(model)
-        loss = lambda st: jnp.sum(nnx.merge(graphdef, st)(x, t, text, mask, attention=half,
-                                                           attention_inputs=inputs).astype(jnp.float32))
+        loss = lambda st: jnp.sum(
+            nnx.merge(graphdef, st)(x, t, text, mask, attention=half, attention_inputs=inputs).astype(jnp.float32)
+        )
         grad = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
-        return count_primitive(jax.make_jaxpr(loss)(state).jaxpr, "custom_partitioning"), \
-            count_primitive(grad, "custom_partitioning")
+        return count_primitive(jax.make_jaxpr(loss)(state).jaxpr, "custom_partitioning"), count_primitive(
+            grad, "custom_partitioning"
+        )
 
     forward, recomputing = kernels(False)
     _, keeping = kernels(True)

@@ -21,14 +21,34 @@ def free_port() -> int:
 
 def test_two_processes_share_buckets_split_samples_and_resume(tmp_path):
     dataset = prepared_dataset(str(tmp_path), images=17, videos=11, seed=3)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
-               DSV_JAX_CACHE=str(tmp_path / "xla_cache"))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
+        DSV_JAX_CACHE=str(tmp_path / "xla_cache"),
+    )
     port = free_port()
     outs = [str(tmp_path / f"out{i}.json") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multihost_worker.py"), str(i), str(port),
-                               dataset, str(tmp_path / "run"), outs[i]], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "tests", "multihost_worker.py"),
+                str(i),
+                str(port),
+                dataset,
+                str(tmp_path / "run"),
+                outs[i],
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     try:
         for p in procs:

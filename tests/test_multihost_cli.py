@@ -17,13 +17,51 @@ STEPS = 12
 
 
 def launch(workdir, port, env):
-    args = ["--config", "tiny", "--workdir", workdir, "--steps", str(STEPS), "--no-progress", *SMALL,
-            "attention=dsv", "data.buckets=[[4,16,32]]", "data.bucket_weights=[1.0]", "model.patch=[1,2,2]",
-            "data.tokens_per_batch=1024", "dsv.stage1_steps=3", "dsv.threshold=0.0", "dsv.ladder=[0.5,1.0]",
-            "parallel.context=4", "train.ckpt_every=1000", "train.sample_at_end=true", "train.sample_steps=2"]
-    return [subprocess.Popen([sys.executable, "-m", "dsv_jax", "train", "--coordinator", f"127.0.0.1:{port}",
-                              "--num-processes", "2", "--process-id", str(i), *args], env=env, cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    args = [
+        "--config",
+        "tiny",
+        "--workdir",
+        workdir,
+        "--steps",
+        str(STEPS),
+        "--no-progress",
+        *SMALL,
+        "attention=dsv",
+        "data.buckets=[[4,16,32]]",
+        "data.bucket_weights=[1.0]",
+        "model.patch=[1,2,2]",
+        "data.tokens_per_batch=1024",
+        "dsv.stage1_steps=3",
+        "dsv.threshold=0.0",
+        "dsv.ladder=[0.5,1.0]",
+        "parallel.context=4",
+        "train.ckpt_every=1000",
+        "train.sample_at_end=true",
+        "train.sample_steps=2",
+    ]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dsv_jax",
+                "train",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                *args,
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
 
 
 def finish(procs, timeout=600):
@@ -49,9 +87,13 @@ def steps_logged(workdir):
 
 
 def test_cli_two_processes_dsv_context_parallel_stop_on_one_host_resume_and_finish(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
-               DSV_JAX_CACHE=str(tmp_path / "xla_cache"))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
+        DSV_JAX_CACHE=str(tmp_path / "xla_cache"),
+    )
     workdir = str(tmp_path / "run")
     procs = launch(workdir, free_port(), env)
     deadline = time.time() + 500

@@ -67,7 +67,7 @@ def test_the_first_object_is_in_front():
     cup_only = photos.draw(dataclasses.replace(base, movers=(cup,)), (1, 32, 32))[0]
     _, alpha = photos.cutout("cat", 32, 32)
     opaque = np.zeros((32, 32), bool)
-    opaque[4:4 + alpha.shape[0], 6:6 + alpha.shape[1]] = alpha[:28, :26] > 0.999
+    opaque[4 : 4 + alpha.shape[0], 6 : 6 + alpha.shape[1]] = alpha[:28, :26] > 0.999
     overlap = opaque & (np.abs(cup_only - cat_only).max(-1) > 0.05)
     assert overlap.sum() > 30
     np.testing.assert_allclose(both[overlap], cat_only[overlap], atol=2e-3)  # the cat covers the cup
@@ -122,14 +122,16 @@ def test_real_clips_are_a_held_out_feed(small_cfg):
 
 # -- the semantic score --------------------------------------------------------------------------------
 
+
 def _clips(source: str, n: int, shape=(8, 32, 32)):
     if source == "synthetic":
         return [synthetic.render(1, (0, j), shape) for j in range(n)]
     return [photos.render(1, (0, j), shape, split="eval") for j in range(n)]
 
 
-@pytest.mark.parametrize("source, questions", [("synthetic", {"colour", "shape", "motion"}),
-                                               ("photos", {"object", "motion", "camera"})])
+@pytest.mark.parametrize(
+    "source, questions", [("synthetic", {"colour", "shape", "motion"}), ("photos", {"object", "motion", "camera"})]
+)
 def test_score_is_near_perfect_on_truth_and_chance_on_noise(source, questions):
     clips = _clips(source, 36)
     frames, captions = [c[0] for c in clips], [c[1] for c in clips]
@@ -156,18 +158,27 @@ def test_score_says_what_the_clips_showed_instead():
     """Captions that name another shape and colour than the clips show: the confusion table holds the
     caption's word against the clip's, and the misses line names the commonest swaps."""
     clips = _clips("synthetic", 12)
-    swap = {"circle": "cross", "square": "cross", "triangle": "cross", "ring": "cross", "diamond": "cross",
-            "cross": "ring"}
+    swap = {
+        "circle": "cross",
+        "square": "cross",
+        "triangle": "cross",
+        "ring": "cross",
+        "diamond": "cross",
+        "cross": "ring",
+    }
     truths = [semantic.parse(cap) for _, cap in clips]
-    wrong = [f"a {'large' if t['large'] else 'small'} {t['colour']} {swap[t['shape']]} moving {t['direction']}"
-             for t in truths]
+    wrong = [
+        f"a {'large' if t['large'] else 'small'} {t['colour']} {swap[t['shape']]} moving {t['direction']}"
+        for t in truths
+    ]
     score = semantic.score_clips([c[0] for c in clips], wrong)
     shape = score["questions"]["shape"]
     seen = {t["shape"] for t in truths} - {"cross"}
     assert set(shape["confusion"]["cross"]) == seen, shape  # each clip shows its own shape, not the caption's
     assert sum(n for said in shape["confusion"].values() for n in said.values()) == shape["n"] == 12
     assert score["questions"]["colour"]["confusion"] == {
-        c: {c: n} for c, n in sorted(collections.Counter(t["colour"] for t in truths).items())}
+        c: {c: n} for c, n in sorted(collections.Counter(t["colour"] for t in truths).items())
+    }
     line = semantic.format_misses(score)
     assert line.startswith("misses: ") and "cross->" in line and "colour" not in line
 

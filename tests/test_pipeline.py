@@ -27,8 +27,9 @@ def dataset(tmp_path_factory):
 
 
 def data_cfg(path, *extra):
-    return resolve_data_config(small_config(f"data.path={path}", f"model.in_channels={CHANNELS}", "data.workers=0",
-                                            *extra))
+    return resolve_data_config(
+        small_config(f"data.path={path}", f"model.in_channels={CHANNELS}", "data.workers=0", *extra)
+    )
 
 
 def test_config_takes_buckets_and_codec_from_the_manifest(dataset):
@@ -109,20 +110,27 @@ def test_state_is_json_and_resumes_exactly(dataset, workers):
             np.testing.assert_array_equal(e[k], g[k])
     assert len({e["latents"].shape for e in expected}) == 2
     if workers:
-        bad = make_feed(small_config(f"data.path={dataset}", f"model.in_channels={CHANNELS}", "data.workers=0",
-                                     *DUAL), batch_multiple=2, process_index=0, process_count=1)
+        bad = make_feed(
+            small_config(f"data.path={dataset}", f"model.in_channels={CHANNELS}", "data.workers=0", *DUAL),
+            batch_multiple=2,
+            process_index=0,
+            process_count=1,
+        )
         with pytest.raises(ValueError, match="data.workers=2"):
             bad.set_state(state)
         with pytest.raises(ValueError, match="not from a data.path dataset"):
             bad.set_state({"position": 3})
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["model.in_channels=3"], "has 12 latent channels .* add model.in_channels=12"),
-    (["model.patch=[1,3,4]"], r"bucket \(1, 16, 16\) is not divisible by model.patch"),
-    (["text.encoder=precomputed"], "stores captions, not embeddings"),
-    (["data.codec=pixel"], "prepared with codec 'pixel:1x2x2'"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.in_channels=3"], "has 12 latent channels .* add model.in_channels=12"),
+        (["model.patch=[1,3,4]"], r"bucket \(1, 16, 16\) is not divisible by model.patch"),
+        (["text.encoder=precomputed"], "stores captions, not embeddings"),
+        (["data.codec=pixel"], "prepared with codec 'pixel:1x2x2'"),
+    ],
+)
 def test_dataset_and_config_must_agree(dataset, overrides, needle):
     with pytest.raises(ValueError, match=needle):
         cfg = resolve_data_config(small_config(f"data.path={dataset}", f"model.in_channels={CHANNELS}", *overrides))
@@ -139,8 +147,14 @@ def batches(records):
 
 
 def test_trainer_resumes_the_identical_batch_sequence_and_never_compiles_after_warmup(dataset, tmp_path):
-    cfg = small_config(f"data.path={dataset}", f"model.in_channels={CHANNELS}", "data.workers=0", *DUAL,
-                       "train.steps=100", "train.ckpt_every=1000")
+    cfg = small_config(
+        f"data.path={dataset}",
+        f"model.in_channels={CHANNELS}",
+        "data.workers=0",
+        *DUAL,
+        "train.steps=100",
+        "train.ckpt_every=1000",
+    )
     straight = Trainer(cfg, str(tmp_path / "a"), progress=False)
     assert straight.cfg.data.codec == "pixel:1x2x2"
     ref = batches(straight.run(stop_at=7))
@@ -198,8 +212,10 @@ def test_eval_batches_are_fixed_and_split_by_host(dataset):
 
 
 def test_resuming_with_other_batch_sizes_keeps_batches_well_formed(dataset, caplog):
-    feed = GrainFeed(data_cfg(dataset, "data.batching=dual", "data.m_mem=400", "data.m_comp=5000",
-                              "data.cost_p=1.5"), batch_multiple=2)
+    feed = GrainFeed(
+        data_cfg(dataset, "data.batching=dual", "data.m_mem=400", "data.m_comp=5000", "data.cost_p=1.5"),
+        batch_multiple=2,
+    )
     for _ in range(4):
         next(feed)
     state = json.loads(json.dumps(feed.get_state()))

@@ -33,38 +33,44 @@ def test_centred_predictor_loss_ignores_row_offsets():
     valid = np.random.default_rng(0).random(s) < 0.7
     padded = jnp.where(valid, shifted, -jnp.inf)
     got = float(predictor_loss(q_lr, k_lr, padded, positions, valid, center=True))
-    zh = np.einsum("bqhr,bkhr->bhqk", np.asarray(q_lr)[:, positions], np.asarray(k_lr)[:, valid]) * r ** -0.5
+    zh = np.einsum("bqhr,bkhr->bhqk", np.asarray(q_lr)[:, positions], np.asarray(k_lr)[:, valid]) * r**-0.5
     zt = np.asarray(shifted)[..., valid]
     zh, zt = zh - zh.mean(-1, keepdims=True), zt - zt.mean(-1, keepdims=True)
     nh, nt = np.linalg.norm(zh, axis=-1, keepdims=True), np.linalg.norm(zt, axis=-1, keepdims=True)
-    expect = 0.9 * np.mean(1 - np.sum(zh * zt, -1) / (nh * nt)[..., 0]) + \
-        0.1 * np.mean(np.sum((zh / nh - zt / nt) ** 2, -1) / valid.sum())
+    expect = 0.9 * np.mean(1 - np.sum(zh * zt, -1) / (nh * nt)[..., 0]) + 0.1 * np.mean(
+        np.sum((zh / nh - zt / nt) ** 2, -1) / valid.sum()
+    )
     assert got == pytest.approx(expect, rel=1e-4)
 
 
 def test_predictor_learns_and_is_isolated_from_the_model():
     """The main loss gradient never reaches the predictor, the predictor loss gradient never reaches the
     model, and each optimizer moves only its own parameters; on a fixed batch the predictor loss falls."""
-    cfg = small_config("attention=dsv", "dsv.rank=4", "model.patch=[1,2,2]", "data.buckets=[[4,16,16]]",
-                       "data.bucket_weights=[1]")
+    cfg = small_config(
+        "attention=dsv", "dsv.rank=4", "model.patch=[1,2,2]", "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]"
+    )
     state = init_state(cfg)
     leaves, tree = jax.tree.flatten(state.params)  # non-zero gates, so that every path has a gradient
     keys = jax.random.split(jax.random.key(3), len(leaves))
-    state = state.replace(params=jax.tree.unflatten(
-        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    state = state.replace(
+        params=jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    )
     graphdef, _ = abstract_model(cfg)
     from dsv_jax.data.feed import make_feed
 
-    batch = {k: jnp.asarray(v) for k, v in
-             make_feed(cfg, batch_multiple=1, process_index=0, process_count=1).batch_at(0).items()}
+    batch = {
+        k: jnp.asarray(v)
+        for k, v in make_feed(cfg, batch_multiple=1, process_index=0, process_count=1).batch_at(0).items()
+    }
     plan = AttentionPlan(mode="dsv", predictor=True, sparse=True, keep=0.5)
     keep = jnp.full((2, 2), 0.3)
 
     @jax.jit
     def both_grads(params):
         def losses(p, which):
-            loss, aux = flow_matching_loss(nnx.merge(graphdef, p), batch, jax.random.key(0), cfg.train, plan,
-                                           {"keep": keep}, return_aux=True)
+            loss, aux = flow_matching_loss(
+                nnx.merge(graphdef, p), batch, jax.random.key(0), cfg.train, plan, {"keep": keep}, return_aux=True
+            )
             return loss if which == 0 else jnp.sum(aux["predictor_loss"])
 
         return jax.grad(losses)(params, 0), jax.grad(losses)(params, 1)
@@ -99,18 +105,20 @@ def test_predictor_learns_and_is_isolated_from_the_model():
     assert last < 0.7 * first, (first, last)
 
 
-
 def test_a_step_without_the_predictor_loss_leaves_the_predictor_untouched():
     """Stage 2 between predictor steps (dsv.stage2_predictor_every): the plans skip the predictor loss, the
     model trains, and the predictor's weights and AdamW moments stay exactly as they were (a zero-gradient
     AdamW step would move them by momentum); the next predictor step then moves them again."""
-    cfg = small_config("attention=dsv", "dsv.rank=4", "model.patch=[1,2,2]", "data.buckets=[[4,16,16]]",
-                       "data.bucket_weights=[1]")
+    cfg = small_config(
+        "attention=dsv", "dsv.rank=4", "model.patch=[1,2,2]", "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]"
+    )
     graphdef, _ = abstract_model(cfg)
     from dsv_jax.data.feed import make_feed
 
-    batch = {k: jnp.asarray(v) for k, v in
-             make_feed(cfg, batch_multiple=1, process_index=0, process_count=1).batch_at(0).items()}
+    batch = {
+        k: jnp.asarray(v)
+        for k, v in make_feed(cfg, batch_multiple=1, process_index=0, process_count=1).batch_at(0).items()
+    }
     train = AttentionPlan(mode="dsv", predictor=True, sparse=True, keep=0.5)
     skip = AttentionPlan(mode="dsv", predictor=False, sparse=True, keep=0.5)
     inputs = {"keep": jnp.full((2, 2), 0.3), "predictor_lr": np.float32(1e-2)}
@@ -122,12 +130,18 @@ def test_a_step_without_the_predictor_loss_leaves_the_predictor_untouched():
     for lab, x, y in zip(labels, jax.tree.leaves(state.params), jax.tree.leaves(after.params)):
         if lab == "predictor":
             np.testing.assert_array_equal(x, y)
-    moved = [not np.array_equal(x, y) for lab, x, y in
-             zip(labels, jax.tree.leaves(state.params), jax.tree.leaves(after.params)) if lab == "main"]
+    moved = [
+        not np.array_equal(x, y)
+        for lab, x, y in zip(labels, jax.tree.leaves(state.params), jax.tree.leaves(after.params))
+        if lab == "main"
+    ]
     assert np.mean(moved) > 0.5  # the model trains
     old, new = state.opt_state.inner_states["predictor"], after.opt_state.inner_states["predictor"]
     for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
         np.testing.assert_array_equal(x, y)
     again, _ = jax.jit(make_train_step(cfg, graphdef, train))(after, batch, lr, inputs)
-    assert any(not np.array_equal(x, y) for lab, x, y in
-               zip(labels, jax.tree.leaves(after.params), jax.tree.leaves(again.params)) if lab == "predictor")
+    assert any(
+        not np.array_equal(x, y)
+        for lab, x, y in zip(labels, jax.tree.leaves(after.params), jax.tree.leaves(again.params))
+        if lab == "predictor"
+    )

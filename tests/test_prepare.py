@@ -40,8 +40,9 @@ def test_pixel_patch_codec_is_lossless(factors):
     lat = codec.encode(frames)
     assert lat.shape == (3, 5, 7, codec.channels)
     # each latent voxel holds exactly its patch of pixels
-    np.testing.assert_array_equal(lat[1, 2, 3].reshape(ft, fh, fw, 3),
-                                  frames[ft:2 * ft, 2 * fh:3 * fh, 3 * fw:4 * fw])
+    np.testing.assert_array_equal(
+        lat[1, 2, 3].reshape(ft, fh, fw, 3), frames[ft : 2 * ft, 2 * fh : 3 * fh, 3 * fw : 4 * fw]
+    )
     model_latents = latents_from_stored(lat)
     assert model_latents.dtype == np.float32 and -1 <= model_latents.min() and model_latents.max() <= 1
     np.testing.assert_array_equal(codec.decode(model_latents[None]), frames[None])
@@ -62,8 +63,11 @@ def test_codec_errors():
 
 def test_records_roundtrip():
     rng = np.random.default_rng(0)
-    arrays = {"latent": rng.integers(0, 255, (3, 5, 7, 12), dtype=np.uint8),
-              "text_emb": rng.standard_normal((4, 9)).astype(np.float16), "text_mask": rng.random(4) < 0.5}
+    arrays = {
+        "latent": rng.integers(0, 255, (3, 5, 7, 12), dtype=np.uint8),
+        "text_emb": rng.standard_normal((4, 9)).astype(np.float16),
+        "text_mask": rng.random(4) < 0.5,
+    }
     back, meta = unpack(pack(arrays, {"caption": "a red circle", "file": "x.mp4"}))
     assert meta == {"caption": "a red circle", "file": "x.mp4"}
     for k, v in arrays.items():
@@ -123,7 +127,7 @@ def test_prepare_real_clips_images_gifs_and_a_corrupt_file(tmp_path):
 
     frames = iio.imread(str(media / "bikes.mp4"), plugin="pyav")
     start = (len(frames) - 8) // 2
-    want = np.stack([fit_frame(f, 32, 48) for f in frames[start:start + 8]])
+    want = np.stack([fit_frame(f, 32, 48) for f in frames[start : start + 8]])
     np.testing.assert_array_equal(PixelPatchCodec((1, 2, 2)).decode(latents_from_stored(arrays["latent"])), want)
     # generated files keep their captions; images go to single-frame buckets
     for name, cap in table.items():
@@ -148,8 +152,15 @@ def test_captions_from_jsonl_and_csv_manifests(tmp_path):
         media = tmp_path / kind
         table = write_media(str(media), images=3, videos=2, seed=5, captions=kind)
         out = tmp_path / f"out_{kind}"
-        prepare(str(media), str(out), BUCKETS, codec=CODEC, workers=1, captions=str(media / f"captions.{kind}"),
-                progress=False)
+        prepare(
+            str(media),
+            str(out),
+            BUCKETS,
+            codec=CODEC,
+            workers=1,
+            captions=str(media / f"captions.{kind}"),
+            progress=False,
+        )
         got = {meta["file"]: meta["caption"] for _, _, meta in read_all(Manifest.load(str(out)))}
         assert got == table
 
@@ -192,8 +203,15 @@ def test_text_encoder_hook_stores_embeddings(tmp_path):
     media = tmp_path / "media"
     write_media(str(media), images=2, videos=1)
     out = tmp_path / "data"
-    prepare(str(media), str(out), BUCKETS, codec=CODEC, workers=1, progress=False,
-            text_encoder="tests.test_prepare:text_encoder_hook")
+    prepare(
+        str(media),
+        str(out),
+        BUCKETS,
+        codec=CODEC,
+        workers=1,
+        progress=False,
+        text_encoder="tests.test_prepare:text_encoder_hook",
+    )
     m = Manifest.load(str(out))
     assert m.text == {"kind": "embedding", "max_len": 5, "dim": 7, "encoder": "tests.test_prepare:text_encoder_hook"}
     for _, arrays, meta in read_all(m):
@@ -220,14 +238,49 @@ def test_prepare_data_cli(tmp_path):
     write_media(str(media), images=3, videos=2)
     (media / "bad.gif").write_bytes(b"GIF89a" + bytes(20))
     out = tmp_path / "data"
-    r = subprocess.run([sys.executable, "-m", "dsv_jax", "prepare-data", "--input", str(media), "--output", str(out),
-                        "--buckets", BUCKETS, "--codec", CODEC, "--workers", "1", "--no-progress"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv_jax",
+            "prepare-data",
+            "--input",
+            str(media),
+            "--output",
+            str(out),
+            "--buckets",
+            BUCKETS,
+            "--codec",
+            CODEC,
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "wrote 5 samples" in r.stdout and "bad.gif" in r.stdout
     assert json.loads((out / MANIFEST).read_text())["records"] == 5
-    r = subprocess.run([sys.executable, "-m", "dsv_jax", "prepare-data", "--input", str(media), "--output", str(out),
-                        "--buckets", BUCKETS, "--no-progress"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv_jax",
+            "prepare-data",
+            "--input",
+            str(media),
+            "--output",
+            str(out),
+            "--buckets",
+            BUCKETS,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "--overwrite" in r.stderr
 
 
@@ -250,8 +303,15 @@ def test_eval_fraction_holds_out_whole_files_the_same_way_every_run(tmp_path, ca
     assert "held out" in report.summary()
     # deterministic by name: a second run, from a copy of the folder elsewhere, holds out the same files
     shutil.copytree(media, tmp_path / "elsewhere")
-    prepare(str(tmp_path / "elsewhere"), str(tmp_path / "again"), BUCKETS, codec=CODEC, workers=1,
-            eval_fraction=0.25, progress=False)
+    prepare(
+        str(tmp_path / "elsewhere"),
+        str(tmp_path / "again"),
+        BUCKETS,
+        codec=CODEC,
+        workers=1,
+        eval_fraction=0.25,
+        progress=False,
+    )
     assert {meta["file"] for _, _, meta in read_all(Manifest.load(str(tmp_path / "again")), "eval")} == set(held)
     # the feeds: training reads the training shards only, evaluation the held-out ones
     cfg = resolve_data_config(small_config(f"data.path={out}", f"model.in_channels={CHANNELS}", "data.workers=0"))

@@ -21,8 +21,18 @@ def test_recall_curve_is_the_mass_of_the_predictors_best_blocks(reduce):
     z = 3 * rand(30, (b, h, 5, s))
     positions = np.array([0, 17, 40, 63, 95])
     q_lr, k_lr = rand(31, (b, s, h, r)), rand(32, (b, s, h, r))
-    out = profile_rows(z, positions, s, theta=0.9, percentile=10.0, coords=np.zeros((s, 3), np.int32),
-                       q_tile=q_tile, kv_block=kv_block, lowrank=(q_lr, k_lr), block_reduce=reduce)
+    out = profile_rows(
+        z,
+        positions,
+        s,
+        theta=0.9,
+        percentile=10.0,
+        coords=np.zeros((s, 3), np.int32),
+        q_tile=q_tile,
+        kv_block=kv_block,
+        lowrank=(q_lr, k_lr),
+        block_reduce=reduce,
+    )
     p = np.asarray(jax.nn.softmax(z, -1))
     scores = block_scores(q_lr, k_lr, q_tile, kv_block, reduce)  # [B, H, T, nb]
     nb = s // kv_block
@@ -35,22 +45,25 @@ def test_recall_curve_is_the_mass_of_the_predictors_best_blocks(reduce):
                     best = np.argsort(-scores[bi, hi, pos // q_tile])[:count]
                     mask = np.zeros(s, bool)
                     for blk in best:
-                        mask[blk * kv_block:(blk + 1) * kv_block] = True
+                        mask[blk * kv_block : (blk + 1) * kv_block] = True
                     expect[hi, j] += p[bi, hi, qi, mask].sum() / (b * len(positions))
     np.testing.assert_allclose(out["recall_curve"], expect, atol=1e-5)
     # and each point is the recall of the selection select_kv makes at that keep ratio (same block counts)
     from dsv_jax.dsv.profiler import selection_recall
 
     for j in (0, 5, 9, 14):
-        sel = select_kv(q_lr, k_lr, nb, jnp.full((h,), RECALL_FRACTIONS[j]), q_tile=q_tile, kv_block=kv_block,
-                        block_reduce=reduce)
-        np.testing.assert_allclose(selection_recall(jnp.asarray(p), positions, sel, q_tile, kv_block),
-                                   out["recall_curve"][:, j], atol=1e-5)
+        sel = select_kv(
+            q_lr, k_lr, nb, jnp.full((h,), RECALL_FRACTIONS[j]), q_tile=q_tile, kv_block=kv_block, block_reduce=reduce
+        )
+        np.testing.assert_allclose(
+            selection_recall(jnp.asarray(p), positions, sel, q_tile, kv_block), out["recall_curve"][:, j], atol=1e-5
+        )
     assert np.all(np.diff(np.asarray(out["recall_curve"]), axis=-1) >= -1e-6)
     np.testing.assert_allclose(out["recall_curve"][:, -1], 1.0, atol=1e-5)
     # without the predictor's projections there is no curve
-    assert np.isnan(profile_rows(z, positions, s, theta=0.9, percentile=10.0,
-                                 coords=np.zeros((s, 3), np.int32))["recall_curve"]).all()
+    assert np.isnan(
+        profile_rows(z, positions, s, theta=0.9, percentile=10.0, coords=np.zeros((s, 3), np.int32))["recall_curve"]
+    ).all()
 
 
 def test_oracle_curves_bound_the_selection_rule_and_the_predictor():
@@ -61,11 +74,21 @@ def test_oracle_curves_bound_the_selection_rule_and_the_predictor():
     b, s, h, d, r, q_tile, kv_block = 1, 64, 2, 8, 4, 8, 4
     q, k = rand(40, (b, s, h, d)), rand(41, (b, s, h, d))
     positions = np.arange(0, s, 5)
-    z = jnp.einsum("bqhd,bkhd->bhqk", q[:, positions], k) * d ** -0.5
+    z = jnp.einsum("bqhd,bkhd->bhqk", q[:, positions], k) * d**-0.5
     coords = np.stack(np.unravel_index(np.arange(s), (4, 4, 4)), 1)
-    out = profile_rows(z, positions, s, theta=0.9, percentile=10.0, coords=coords, q_tile=q_tile,
-                       kv_block=kv_block, lowrank=(rand(42, (b, s, h, r)), rand(43, (b, s, h, r))),
-                       analysis=True, exact=(q, k))
+    out = profile_rows(
+        z,
+        positions,
+        s,
+        theta=0.9,
+        percentile=10.0,
+        coords=coords,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        lowrank=(rand(42, (b, s, h, r)), rand(43, (b, s, h, r))),
+        analysis=True,
+        exact=(q, k),
+    )
     tokens, blocks = np.asarray(out["oracle_curve"][:, 0]), np.asarray(out["oracle_curve"][:, 1])
     assert tokens.shape == blocks.shape == (h, len(RECALL_FRACTIONS))
     whole = [j for j, f in enumerate(RECALL_FRACTIONS) if float(f * s / kv_block).is_integer()]  # no rounding
@@ -73,4 +96,3 @@ def test_oracle_curves_bound_the_selection_rule_and_the_predictor():
     for rule in ("exact_proxy_curve", "recall_curve"):
         assert np.all(blocks >= np.asarray(out[rule]) - 1e-6)
     np.testing.assert_allclose(tokens[:, -1], 1.0, atol=1e-5)
-

@@ -37,10 +37,21 @@ def test_selection_keeps_each_heads_best_blocks_first(reduce):
     for bi in range(b):
         for hi in range(h):
             for t in range(s // q_tile):
-                for blk in idx[bi, hi, t, :expect_counts[bi, hi]]:
-                    allowed[bi, hi, t * q_tile:(t + 1) * q_tile, blk * kv_block:(blk + 1) * kv_block] = True
-    out = attention(q, k, v, backend="dsv", q_lr=q_lr, k_lr=k_lr, top_k=top_k, keep=keep, q_tile=q_tile,
-                    kv_block=kv_block, block_reduce=reduce)
+                for blk in idx[bi, hi, t, : expect_counts[bi, hi]]:
+                    allowed[bi, hi, t * q_tile : (t + 1) * q_tile, blk * kv_block : (blk + 1) * kv_block] = True
+    out = attention(
+        q,
+        k,
+        v,
+        backend="dsv",
+        q_lr=q_lr,
+        k_lr=k_lr,
+        top_k=top_k,
+        keep=keep,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        block_reduce=reduce,
+    )
     np.testing.assert_allclose(out, masked_dense(q, k, v, allowed), atol=2e-5)
 
 
@@ -60,4 +71,3 @@ def test_window_selection_is_the_3d_neighbourhood(tile_grid, fraction):
             assert lo == max(0, min(coords[q, a] - (m - 1) // 2, n - m))
         members = {tuple(c) for c in box}
         assert len(members) == len(row)
-

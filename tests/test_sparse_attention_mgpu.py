@@ -33,6 +33,7 @@ def selection(key, b, h, tiles, blocks, n_sel, counts):
 
 def outputs_and_grads(fn, q, k, v, wo, wl):
     """(o, lse, dq, dk, dv) of loss = sum(o * wo) + sum(lse * wl) over rows with finite lse."""
+
     def loss(q, k, v):
         o, lse = fn(q, k, v)
         return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * wl, 0.0)), (o, lse)
@@ -48,12 +49,34 @@ def check_against_dense(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning, 
     tiles, blocks = s // q_tile, s // kv_block
     index, count = chosen or selection(ks[3], b, h, tiles, blocks, min(blocks, max(counts)), counts)
     wo, wl = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
-    got = outputs_and_grads(lambda q, k, v: sparse_attention_mgpu(
-        q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid, return_lse=True,
-        tuning=tuning, interpret=True), q, k, v, wo, wl)
-    want = outputs_and_grads(lambda q, k, v: dense_masked_reference(
-        q, k, v, index, count, kv_valid, q_tile=q_tile, kv_block=kv_block, sm_scale=d ** -0.5),
-        *(x.astype(jnp.float32) for x in (q, k, v)), wo, wl)
+    got = outputs_and_grads(
+        lambda q, k, v: sparse_attention_mgpu(
+            q,
+            k,
+            v,
+            index,
+            count,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            kv_valid=kv_valid,
+            return_lse=True,
+            tuning=tuning,
+            interpret=True,
+        ),
+        q,
+        k,
+        v,
+        wo,
+        wl,
+    )
+    want = outputs_and_grads(
+        lambda q, k, v: dense_masked_reference(
+            q, k, v, index, count, kv_valid, q_tile=q_tile, kv_block=kv_block, sm_scale=d**-0.5
+        ),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+        wo,
+        wl,
+    )
     for name, a, w in zip(["o", "lse", "dq", "dk", "dv"], got, want):
         a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
         finite = np.isfinite(w)
@@ -69,28 +92,36 @@ def test_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter():
     grads, the schedule barrier kept in step; the other two blocks); kv_block 64: dK/dV walks one list
     per 64 key rows. kv_valid masks keys, and one block has none valid."""
     kv_valid = jnp.array([[0, 37]], jnp.int32)
-    o, lse, dq, dk, dv = check_against_dense(64, 64, 64, 128, [0, 2], kv_valid, seed=3,
-                                             tuning={"fwd_stages": 1})
+    o, lse, dq, dk, dv = check_against_dense(64, 64, 64, 128, [0, 2], kv_valid, seed=3, tuning={"fwd_stages": 1})
     assert np.all(np.asarray(o[:, :64]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :64])))
     assert np.all(np.asarray(dq[:, :64]) == 0)
-    assert np.all(np.asarray(dk[:, :64]) == 0) and np.all(np.asarray(dv[:, 64 + 37:]) == 0)
-    assert np.any(np.asarray(dq[:, 64:]) != 0) and np.any(np.asarray(dk[:, 64:64 + 37]) != 0)
+    assert np.all(np.asarray(dk[:, :64]) == 0) and np.all(np.asarray(dv[:, 64 + 37 :]) == 0)
+    assert np.any(np.asarray(dq[:, 64:]) != 0) and np.any(np.asarray(dk[:, 64 : 64 + 37]) != 0)
 
 
 @pytest.mark.parametrize("step_rows", [64, 128])
 def test_shared_lists_in_gpu_interpreter(step_rows):
     """q_tile 128 and kv_block 128: both consumers share one list and one ring (a stage is freed by
     both), D = 128; a block takes two 64-row steps or one 128-row step (the default at q_tile 128)."""
-    check_against_dense(128, 128, 128, 128, [1], None, seed=4,
-                        tuning={"fwd_stages": 1, "fwd_step_rows": step_rows, "dq_step_rows": step_rows})
+    check_against_dense(
+        128,
+        128,
+        128,
+        128,
+        [1],
+        None,
+        seed=4,
+        tuning={"fwd_stages": 1, "fwd_step_rows": step_rows, "dq_step_rows": step_rows},
+    )
 
 
 def test_two_slices_per_step_in_gpu_interpreter():
     """fwd_step_rows = dq_step_rows = 128: a forward and dQ step covers two 64-row slices of the list. Odd
     slice counts (1 and 3 blocks of 64) end in a half step whose second slice repeats the first and is
     masked; one ring stage, so the producer refills it."""
-    check_against_dense(64, 64, 64, 256, [1, 3, 4, 2], None, seed=6,
-                        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128})
+    check_against_dense(
+        64, 64, 64, 256, [1, 3, 4, 2], None, seed=6, tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128}
+    )
 
 
 def test_two_slices_per_step_with_masked_keys_in_gpu_interpreter():
@@ -99,8 +130,16 @@ def test_two_slices_per_step_with_masked_keys_in_gpu_interpreter():
     valid counts (partial blocks, a block with no valid key), odd slice counts ending in a half step; the
     forward as one CTA per work item (its default is persistent)."""
     kv_valid = jnp.array([[150, 0, 100, 192]], jnp.int32)
-    check_against_dense(128, 192, 64, 768, [2, 1, 3, 2, 1, 0], kv_valid, seed=7,
-                        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0})
+    check_against_dense(
+        128,
+        192,
+        64,
+        768,
+        [2, 1, 3, 2, 1, 0],
+        kv_valid,
+        seed=7,
+        tuning={"fwd_stages": 1, "fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0},
+    )
 
 
 @pytest.mark.parametrize("longest_first", [True, False])
@@ -116,10 +155,19 @@ def test_dkdv_takes_blocks_longest_first_in_gpu_interpreter(longest_first):
     _, starts, _ = mgpu.dkdv_schedule(index, count, cfg, 256)
     assert order_of(starts).tolist() == [[[1, 3, 0, 2]]]
     kv_valid = jnp.array([[64, 40, 64, 20]], jnp.int32)
-    _, _, _, dk, dv = check_against_dense(64, 64, 64, 256, None, kv_valid, seed=8, chosen=(index, count),
-                                          tuning={"fwd_stages": 1, "dkdv_longest_first": longest_first})
-    assert np.all(np.asarray(dk[:, 128:192]) == 0) and np.all(np.asarray(dv[:, 192 + 20:]) == 0)
-    assert np.all(np.asarray(dk[:, 64 + 40:128]) == 0) and np.any(np.asarray(dv[:, 192:192 + 20]) != 0)
+    _, _, _, dk, dv = check_against_dense(
+        64,
+        64,
+        64,
+        256,
+        None,
+        kv_valid,
+        seed=8,
+        chosen=(index, count),
+        tuning={"fwd_stages": 1, "dkdv_longest_first": longest_first},
+    )
+    assert np.all(np.asarray(dk[:, 128:192]) == 0) and np.all(np.asarray(dv[:, 192 + 20 :]) == 0)
+    assert np.all(np.asarray(dk[:, 64 + 40 : 128]) == 0) and np.any(np.asarray(dv[:, 192 : 192 + 20]) != 0)
 
 
 def persistent(ctas: int) -> dict:
@@ -177,8 +225,9 @@ def test_persistent_kernels_in_gpu_interpreter():
     runs items c, c + 4, c + 8, so every ring (two stages each) carries its slot count from item to item, a
     list is empty, keys are masked, and each item's head, pair and batch are decoded from its number."""
     kv_valid = jnp.array([[64, 37, 0, 64, 50, 64], [64, 64, 20, 0, 64, 64]], jnp.int32)
-    check_against_dense(64, 64, 64, 384, [0, 2, 3, 1, 3, 2], kv_valid, seed=9, b=2, h=2,
-                        tuning={"fwd_stages": 2, **persistent(4)})
+    check_against_dense(
+        64, 64, 64, 384, [0, 2, 3, 1, 3, 2], kv_valid, seed=9, b=2, h=2, tuning={"fwd_stages": 2, **persistent(4)}
+    )
 
 
 def test_persistent_kernels_with_shared_dkdv_lists_in_gpu_interpreter():
@@ -186,15 +235,25 @@ def test_persistent_kernels_with_shared_dkdv_lists_in_gpu_interpreter():
     persistent CTAs over 2 heads x 5 pairs (10 items: the last round, odd, has one item, which serpentine
     rounds give to the last CTA); masked keys, a block with none valid, an empty tile."""
     kv_valid = jnp.array([[128, 70, 0, 128, 90]], jnp.int32)
-    check_against_dense(128, 128, 64, 640, [1, 2, 0, 3, 2], kv_valid, seed=11, h=2,
-                        tuning={"fwd_stages": 2, **persistent(3)})
+    check_against_dense(
+        128, 128, 64, 640, [1, 2, 0, 3, 2], kv_valid, seed=11, h=2, tuning={"fwd_stages": 2, **persistent(3)}
+    )
 
 
 def test_persistent_shared_lists_with_two_slices_per_step_in_gpu_interpreter():
     """One persistent CTA runs every item: 128-row tiles sharing one list, 128-row forward and dQ steps with
     odd slice counts (half steps), heads fastest."""
-    check_against_dense(128, 64, 64, 384, [1, 3, 2], None, seed=10, h=2,
-                        tuning={"fwd_stages": 1, **persistent(1), "heads_fastest": True})
+    check_against_dense(
+        128,
+        64,
+        64,
+        384,
+        [1, 3, 2],
+        None,
+        seed=10,
+        h=2,
+        tuning={"fwd_stages": 1, **persistent(1), "heads_fastest": True},
+    )
 
 
 def test_backward_under_merged_statistics_in_gpu_interpreter():
@@ -211,8 +270,10 @@ def test_backward_under_merged_statistics_in_gpu_interpreter():
     whole = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, return_lse=True, **kw)
     (o, lse), pullback = jax.vjp(whole, *(x.astype(jnp.float32) for x in (q, k, v)))
     want = pullback((cot_o, cot_lse))
-    parts = [sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True, **kw)
-             for idx, cnt in split_selection(index, count, (0, 0, 1))]
+    parts = [
+        sparse_attention_mgpu_backward(q, k, v, idx, cnt, o, lse, cot_o, cot_lse, interpret=True, **kw)
+        for idx, cnt in split_selection(index, count, (0, 0, 1))
+    ]
     for name, a, bb, w in zip(["dq", "dk", "dv"], *parts, want):
         got, w = np.asarray(a, np.float64) + np.asarray(bb, np.float64), np.asarray(w, np.float64)
         assert np.all(np.isfinite(got)), f"{name} holds NaN or inf"
@@ -221,12 +282,25 @@ def test_backward_under_merged_statistics_in_gpu_interpreter():
     assert np.all(np.asarray(parts[0][0][:, :128]) == 0)  # A: tile 0 has no key, tile 1 none of A's
 
 
-@pytest.mark.parametrize("q_tile,kv_block,d,masked,tuning", [
-    (64, 64, 128, False, None), (128, 192, 64, True, None), (128, 64, 64, False, None),
-    (128, 64, 128, False, {"producer_registers": 24, "fwd_stages": 5, "dq_stages": 4, "fwd_step_rows": 64,
-                           "dq_step_rows": 64}),
-    (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0}),
-    (128, 64, 128, False, persistent(132)), (64, 64, 128, True, persistent(132)), (128, 64, 64, False, persistent(7))])
+@pytest.mark.parametrize(
+    "q_tile,kv_block,d,masked,tuning",
+    [
+        (64, 64, 128, False, None),
+        (128, 192, 64, True, None),
+        (128, 64, 64, False, None),
+        (
+            128,
+            64,
+            128,
+            False,
+            {"producer_registers": 24, "fwd_stages": 5, "dq_stages": 4, "fwd_step_rows": 64, "dq_step_rows": 64},
+        ),
+        (128, 64, 128, True, {"fwd_step_rows": 128, "dq_step_rows": 128, "fwd_programs": 0}),
+        (128, 64, 128, False, persistent(132)),
+        (64, 64, 128, True, persistent(132)),
+        (128, 64, 64, False, persistent(7)),
+    ],
+)
 def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
@@ -235,12 +309,26 @@ def test_compiled_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     valid = jax.ShapeDtypeStruct((1, s // kv_block), jnp.int32)
 
     def loss(q, k, v, i, c, kv):
-        o, lse = sparse_attention_mgpu(q, k, v, i, c, q_tile=q_tile, kv_block=kv_block,
-                                       kv_valid=kv if masked else None, return_lse=True, tuning=tuning)
+        o, lse = sparse_attention_mgpu(
+            q,
+            k,
+            v,
+            i,
+            c,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            kv_valid=kv if masked else None,
+            return_lse=True,
+            tuning=tuning,
+        )
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt, valid).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(x, x, x, idx, cnt, valid)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dQ, dK/dV
     assert all(name in text for name in ("dsv_sparse_fwd", "dsv_sparse_dq", "dsv_sparse_dkdv"))  # named in profiles
 
@@ -265,8 +353,14 @@ def test_unsupported_geometry_and_bad_kv_valid_are_named():
     with pytest.raises(ValueError, match="producer_registers=176"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"producer_registers": 176})
     with pytest.raises(ValueError, match=r"the dK/dV kernel would need 260 KiB .* dkdv_stages=3, .* 227 KiB"):
-        sparse_attention_mgpu(*(jnp.zeros((1, 256, 1, 128), jnp.bfloat16),) * 3, idx, cnt, q_tile=64, kv_block=64,
-                              tuning={"dkdv_stages": 3})
+        sparse_attention_mgpu(
+            *(jnp.zeros((1, 256, 1, 128), jnp.bfloat16),) * 3,
+            idx,
+            cnt,
+            q_tile=64,
+            kv_block=64,
+            tuning={"dkdv_stages": 3},
+        )
     with pytest.raises(ValueError, match="unknown tuning keys"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, tuning={"stages": 2})
     assert "not a GPU" in mgpu.available()  # the tests run on the CPU
@@ -274,10 +368,12 @@ def test_unsupported_geometry_and_bad_kv_valid_are_named():
 
 def test_imports_without_the_triton_lowering():
     """The Mosaic GPU path must survive jax dropping Pallas' Triton lowering: block that module, import."""
-    code = ("import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
-            "import pallas_kernels.sparse_attention_mgpu as m, pallas_kernels.sparse_attention_mgpu_fwd, "
-            "pallas_kernels.sparse_attention_mgpu_bwd\n"
-            "assert 'pallas_kernels.sparse_attention_triton' not in sys.modules\nprint('ok')")
+    code = (
+        "import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+        "import pallas_kernels.sparse_attention_mgpu as m, pallas_kernels.sparse_attention_mgpu_fwd, "
+        "pallas_kernels.sparse_attention_mgpu_bwd\n"
+        "assert 'pallas_kernels.sparse_attention_triton' not in sys.modules\nprint('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
@@ -310,8 +406,11 @@ def test_each_kernel_takes_its_own_programs_key(monkeypatch):
     q, k, v = (jnp.ones((1, 512, 1, 64), jnp.bfloat16) for _ in range(3))
     index, count = jnp.zeros((1, 1, 4, 2), jnp.int32), jnp.full((1, 1, 4), 2, jnp.int32)
     tuning = {"fwd_programs": 3, "dq_programs": 0, "dkdv_programs": 5}
-    loss = lambda q, k, v: sparse_attention_mgpu(q, k, v, index, count, q_tile=128, kv_block=64, tuning=tuning,
-                                                 interpret=True).astype(jnp.float32).sum()
+    loss = lambda q, k, v: (
+        sparse_attention_mgpu(q, k, v, index, count, q_tile=128, kv_block=64, tuning=tuning, interpret=True)
+        .astype(jnp.float32)
+        .sum()
+    )
     monkeypatch.setattr(AttentionConfig, "work", spy)
     jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     assert sorted(set(seen)) == [("dkdv", 5), ("dq", 0), ("fwd", 3)]

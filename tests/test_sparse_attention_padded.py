@@ -60,9 +60,11 @@ def allowed_keys(index, count, kv_valid, q_tile, kv_block, s):
     allowed = np.zeros((b, h, s, s), bool)
     key_ok = (np.arange(kv_block) < kv_valid[..., None]).reshape(b, s)
     for bi, hi, t in itertools.product(range(b), range(h), range(tiles)):
-        for blk in index[bi, hi, t, :count[bi, hi, t]]:
+        for blk in index[bi, hi, t, : count[bi, hi, t]]:
             rows = slice(t * q_tile, (t + 1) * q_tile)
-            allowed[bi, hi, rows, blk * kv_block:(blk + 1) * kv_block] = key_ok[bi, blk * kv_block:(blk + 1) * kv_block]
+            allowed[bi, hi, rows, blk * kv_block : (blk + 1) * kv_block] = key_ok[
+                bi, blk * kv_block : (blk + 1) * kv_block
+            ]
     return jnp.asarray(allowed)
 
 
@@ -73,8 +75,11 @@ def vjp_with_lse(fn, q, k, v, cot_o, cot_lse):
 
 
 def sparse_fn(impl, index, count, kv_valid, q_tile, kv_block):
-    return jax.jit(lambda q, k, v: sparse_attention(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block,
-                                                    kv_valid=kv_valid, return_lse=True, impl=impl))
+    return jax.jit(
+        lambda q, k, v: sparse_attention(
+            q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid, return_lse=True, impl=impl
+        )
+    )
 
 
 def cotangents(key, b, s, h, d):
@@ -115,15 +120,16 @@ def test_every_block_kept_on_a_padded_layout_is_dense_attention_over_valid_token
     def dense(q, k, v):
         qs, ks, vs = q[:, real], k[:, real], v[:, real]
         o = jax.nn.dot_product_attention(qs, ks, vs, implementation="xla")
-        logits = jnp.einsum("bqhd,bkhd->bhqk", qs, ks, precision="highest") * d ** -0.5
+        logits = jnp.einsum("bqhd,bkhd->bhqk", qs, ks, precision="highest") * d**-0.5
         return o, jax.nn.logsumexp(logits, axis=-1)
 
     ro, rl, rgrads = vjp_with_lse(jax.jit(dense), q, k, v, cot_o[:, real], cot_lse[:, :, real])
     rgrads = tuple(g[:, real] for g in rgrads)
     pad = np.flatnonzero(~valid)
     for impl in ("xla", "pallas"):
-        o, lse, (dq, dk, dv) = vjp_with_lse(sparse_fn(impl, index, count, kv_valid, q_tile, kv_block), q, k, v,
-                                            cot_o, cot_lse)
+        o, lse, (dq, dk, dv) = vjp_with_lse(
+            sparse_fn(impl, index, count, kv_valid, q_tile, kv_block), q, k, v, cot_o, cot_lse
+        )
         assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(lse))), impl  # padded rows too
         check_against((o[:, real], lse[:, :, real], (dq[:, real], dk[:, real], dv[:, real])), (ro, rl, rgrads), 1e-5)
         assert float(jnp.max(jnp.abs(dk[:, pad]))) == 0.0 and float(jnp.max(jnp.abs(dv[:, pad]))) == 0.0, impl
@@ -150,10 +156,20 @@ def test_dense_over_valid_tokens_on_a_larger_padded_grid():
     q, k, v = qkv(jax.random.key(2), b, s, h, d)
     nb = s // tile
     index = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, h, nb, nb))
-    o, lse = sparse_attention(q, k, v, index, jnp.full((b, h, nb), nb, jnp.int32), q_tile=tile, kv_block=tile,
-                              kv_valid=kv_valid_of(valid, tile, b), return_lse=True, impl="xla")
+    o, lse = sparse_attention(
+        q,
+        k,
+        v,
+        index,
+        jnp.full((b, h, nb), nb, jnp.int32),
+        q_tile=tile,
+        kv_block=tile,
+        kv_valid=kv_valid_of(valid, tile, b),
+        return_lse=True,
+        impl="xla",
+    )
     real = np.flatnonzero(valid)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q[:, real], k[:, real], precision="highest") * d ** -0.5
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q[:, real], k[:, real], precision="highest") * d**-0.5
     assert_close(o[:, real], jax.nn.dot_product_attention(q[:, real], k[:, real], v[:, real]), 1e-5, "o")
     assert_close(lse[:, :, real], jax.nn.logsumexp(logits, -1), 1e-6, "lse")
 
@@ -178,7 +194,7 @@ def test_random_selection_with_padded_keys_is_a_masked_softmax(kv_block, q_tile,
     else:
         kv_valid = kv_valid_of(tile_major_validity(*layout), kv_block, b)
     # batch 0, head 0, tile 0 selects only blocks emptied here; batch 1, head 1, tile 1 selects nothing
-    dead = index[0, 0, 0, :count[0, 0, 0]]
+    dead = index[0, 0, 0, : count[0, 0, 0]]
     kv_valid = kv_valid.at[0, dead].set(0)
     count = count.at[1, 1, 1].set(0)
     cot_o, cot_lse = cotangents(jax.random.key(43), b, s, h, d)
@@ -186,8 +202,9 @@ def test_random_selection_with_padded_keys_is_a_masked_softmax(kv_block, q_tile,
     ref = vjp_with_lse(jax.jit(lambda q, k, v: masked_attention(q, k, v, allowed)), q, k, v, cot_o, cot_lse)
     key_ok = (np.arange(kv_block) < np.asarray(kv_valid)[..., None]).reshape(b, s)
     for impl in ("xla", "pallas"):
-        o, lse, grads = got = vjp_with_lse(sparse_fn(impl, index, count, kv_valid, q_tile, kv_block), q, k, v,
-                                           cot_o, cot_lse)
+        o, lse, grads = got = vjp_with_lse(
+            sparse_fn(impl, index, count, kv_valid, q_tile, kv_block), q, k, v, cot_o, cot_lse
+        )
         check_against(got, ref, 1e-5)
         for bi, hi, t in [(0, 0, 0), (1, 1, 1)]:
             rows = slice(t * q_tile, (t + 1) * q_tile)
@@ -204,8 +221,18 @@ def test_without_new_arguments_nothing_changes():
     q, k, v = qkv(jax.random.key(50), b, s, h, d)
     index, count = random_selection(jax.random.key(51), b, h, s // q_tile, s // kv_block, 2)
     old = sparse_attention(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, impl="pallas")
-    new, _ = sparse_attention(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, impl="pallas", return_lse=True,
-                              kv_valid=jnp.full((b, s // kv_block), kv_block, jnp.int32))
+    new, _ = sparse_attention(
+        q,
+        k,
+        v,
+        index,
+        count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        impl="pallas",
+        return_lse=True,
+        kv_valid=jnp.full((b, s // kv_block), kv_block, jnp.int32),
+    )
     np.testing.assert_array_equal(old, new)
 
 
@@ -236,7 +263,7 @@ def backward_case(seed, padded):
     kv_valid = None
     if padded:
         kv_valid = jax.random.randint(jax.random.key(seed + 2), (b, nb), 0, BWD["kv_block"] + 1, dtype=jnp.int32)
-        kv_valid = kv_valid.at[0, index[0, 0, 0, :count[0, 0, 0]]].set(0)
+        kv_valid = kv_valid.at[0, index[0, 0, 0, : count[0, 0, 0]]].set(0)
     return (q, k, v), (index, count), kv_valid, cotangents(jax.random.key(seed + 3), b, s, h, d)
 
 
@@ -280,12 +307,14 @@ def test_backward_under_merged_statistics_sums_to_the_whole_gradient(impl):
     (q, k, v), (index, count), kv_valid, cot = backward_case(80, padded=True)
     o, lse, want = reference_vjp(q, k, v, index, count, kv_valid, cot)
     parts = split_selection(index, count, (0, 1, 1))
-    forward = lambda idx, cnt: sparse_attention_reference(q, k, v, idx, cnt, kv_valid=kv_valid, return_lse=True,
-                                                          **BWD)
+    forward = lambda idx, cnt: sparse_attention_reference(q, k, v, idx, cnt, kv_valid=kv_valid, return_lse=True, **BWD)
     o_m, lse_m = merge_attention(*forward(*parts[0]), *forward(*parts[1]))
     check_against((o_m, lse_m, ()), (o, lse, ()), 1e-5)
-    backward = jax.jit(lambda idx, cnt: sparse_attention_backward(q, k, v, idx, cnt, o_m, lse_m, *cot,
-                                                                  kv_valid=kv_valid, impl=impl, **BWD))
+    backward = jax.jit(
+        lambda idx, cnt: sparse_attention_backward(
+            q, k, v, idx, cnt, o_m, lse_m, *cot, kv_valid=kv_valid, impl=impl, **BWD
+        )
+    )
     grads_a, grads_b = backward(*parts[0]), backward(*parts[1])
     check_grads([a + b for a, b in zip(grads_a, grads_b)], want)
     assert float(jnp.max(jnp.abs(grads_a[0][0, 32:64, 1]))) == 0.0  # A's empty tile: no dq from A
@@ -309,13 +338,14 @@ def brute_force_padded_scores(q_lr, k_lr, kv_valid, q_tile, kv_block, reduce):
         for blk in range(nb):
             n = kv_valid[bi, blk]
             if n:
-                sc = k[bi, blk * kv_block:blk * kv_block + n, hi] @ proxy
+                sc = k[bi, blk * kv_block : blk * kv_block + n, hi] @ proxy
                 out[bi, hi, t, blk] = sc.mean() if reduce == "mean" else sc.max()
     return out
 
 
-@pytest.mark.parametrize("kv_block,reduce,top_k,impl", [(8, "max", 5, "pallas"), (8, "mean", 5, "xla"),
-                                                         (1, "mean", 30, "pallas")])
+@pytest.mark.parametrize(
+    "kv_block,reduce,top_k,impl", [(8, "max", 5, "pallas"), (8, "mean", 5, "xla"), (1, "mean", 30, "pallas")]
+)
 def test_lowrank_topk_ignores_padding(kv_block, reduce, top_k, impl):
     valid = tile_major_validity((3, 5, 6), (2, 2, 4))  # 192 positions, 90 real, 16-token tiles
     s, q_tile, b, h, r = len(valid), 16, 2, 2, 8
@@ -325,8 +355,11 @@ def test_lowrank_topk_ignores_padding(kv_block, reduce, top_k, impl):
     k_lr = jax.random.normal(ks[1], (b, s, h, r))
     k_lr = jnp.where(jnp.asarray(valid)[None, :, None, None], k_lr, 50.0)  # padded keys would win every block
     q_lr = jnp.where(jnp.asarray(valid)[None, :, None, None], q_lr, -50.0)  # padded queries would flip the proxy
-    got = np.asarray(lowrank_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=reduce,
-                                  kv_valid=kv_valid, impl=impl))
+    got = np.asarray(
+        lowrank_topk(
+            q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=reduce, kv_valid=kv_valid, impl=impl
+        )
+    )
     scores = brute_force_padded_scores(q_lr, k_lr, kv_valid, q_tile, kv_block, reduce)
     assert np.all(np.isfinite(np.take_along_axis(scores, got, -1))), "a block without a valid key was selected"
     picked = np.sort(np.take_along_axis(scores, got, -1), -1)
@@ -344,12 +377,13 @@ def test_select_kv_counts_only_valid_blocks():
     q_lr, k_lr = jax.random.normal(ks[0], (b, s, h, r)), jax.random.normal(ks[1], (b, s, h, r))
     kv_valid = jnp.asarray([[16, 0, 5, 0, 16, 0, 0, 3], [16, 16, 16, 16, 16, 9, 0, 0]], jnp.int32)
     n_ok = np.asarray([4, 6])
-    select = jax.jit(lambda keep: select_kv(q_lr, k_lr, top_k, keep, q_tile=q_tile, kv_block=kv_block,
-                                            kv_valid=kv_valid))
+    select = jax.jit(
+        lambda keep: select_kv(q_lr, k_lr, top_k, keep, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid)
+    )
     idx, cnt = select(None)
     np.testing.assert_array_equal(cnt, np.broadcast_to(n_ok[:, None, None], cnt.shape))
     for bi in range(b):
-        live = np.asarray(idx[bi, ..., :n_ok[bi]])
+        live = np.asarray(idx[bi, ..., : n_ok[bi]])
         assert set(live.ravel()) == set(np.flatnonzero(np.asarray(kv_valid[bi]))), "all valid blocks, nothing else"
         assert np.all(np.diff(live, axis=-1) > 0)
 

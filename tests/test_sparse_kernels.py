@@ -34,6 +34,7 @@ def dkdv_worklist_numpy(kv_index, kv_count, *, kv_block: int, rows: int, seq_len
                         lst[t] = lst.get(t, 0) | (1 << (row % rows))
     return {k: sorted(v.items()) for k, v in out.items()}
 
+
 def random_selection(key, b, h, tiles, num_blocks, n_sel):
     """Ascending distinct ids per tile, random counts in 1..n_sel, garbage (out of range too) past the count."""
     k1, k2, k3 = jax.random.split(key, 3)
@@ -53,6 +54,7 @@ def loss_fn(impl, index, count, **kw):
     def loss(q, k, v):
         o = sparse_attention(q, k, v, index, count, impl=impl, **kw)
         return jnp.sum(jnp.sin(o.astype(jnp.float32))), o
+
     return loss
 
 
@@ -114,8 +116,9 @@ def test_other_step_shapes(kv_block, rows_per_step):
     tuning = SparseAttentionTuning(rows_per_step=rows_per_step)
 
     def pallas_loss(q, k, v):
-        o = triton_attn.sparse_attention_pallas(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, sm_scale=0.3,
-                                                tuning=tuning, interpret=True)
+        o = triton_attn.sparse_attention_pallas(
+            q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, sm_scale=0.3, tuning=tuning, interpret=True
+        )
         return jnp.sum(jnp.sin(o)), o
 
     (_, out), grads = jax.jit(jax.value_and_grad(pallas_loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -135,8 +138,15 @@ def test_bf16_inputs():
     index, count = random_selection(jax.random.key(6), b, h, s // q_tile, s, 21)
     out = sparse_attention(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block, impl="pallas")
     assert out.dtype == jnp.bfloat16
-    ref = sparse_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), index,
-                                     count, q_tile=q_tile, kv_block=kv_block)
+    ref = sparse_attention_reference(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        index,
+        count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+    )
     assert_close(out, ref, 2e-2, "bf16 forward")
 
 
@@ -156,8 +166,10 @@ def test_longest_first_orders_row_blocks_by_their_pairs():
     assert longest_first(starts).tolist() == [[[1, 3, 0, 4, 2], [1, 2, 3, 4, 0]]]
 
 
-@pytest.mark.parametrize("kv_block,rows,counting", [(1, 64, False), (4, 32, False), (64, 64, True), (128, 64, True),
-                                                    (64, 64, False), (128, 64, False)])
+@pytest.mark.parametrize(
+    "kv_block,rows,counting",
+    [(1, 64, False), (4, 32, False), (64, 64, True), (128, 64, True), (64, 64, False), (128, 64, False)],
+)
 def test_dkdv_worklist_is_the_transposed_index(kv_block, rows, counting, monkeypatch):
     """Both ways of ordering the pairs: by counting (whole blocks, small table) and by a sort."""
     import pallas_kernels.sparse_index as sparse_index
@@ -175,7 +187,7 @@ def test_dkdv_worklist_is_the_transposed_index(kv_block, rows, counting, monkeyp
     for bi in range(b):
         for hi in range(h):
             for blk in range(s // rows):
-                pairs = order[bi, hi, starts[bi, hi, blk]:starts[bi, hi, blk + 1]]
+                pairs = order[bi, hi, starts[bi, hi, blk] : starts[bi, hi, blk + 1]]
                 got = []
                 for p in pairs:
                     if masks is None:
@@ -198,8 +210,10 @@ def brute_force_scores(q_lr, k_lr, q_tile, kv_block, block_reduce):
     return scores.mean(-1) if block_reduce == "mean" else scores.max(-1)
 
 
-@pytest.mark.parametrize("kv_block,block_reduce,top_k,q_tile,s", [
-    (1, "mean", 37, 32, 256), (16, "max", 5, 64, 512), (32, "mean", 13, 64, 448), (4, "max", 9, 16, 160)])
+@pytest.mark.parametrize(
+    "kv_block,block_reduce,top_k,q_tile,s",
+    [(1, "mean", 37, 32, 256), (16, "max", 5, 64, 512), (32, "mean", 13, 64, 448), (4, "max", 9, 16, 160)],
+)
 def test_lowrank_topk_matches_brute_force_and_reference(kv_block, block_reduce, top_k, q_tile, s):
     b, h, r = 2, 3, 12
     ks = jax.random.split(jax.random.key(top_k), 2)
@@ -227,8 +241,9 @@ def test_lowrank_topk_ties_break_like_lax_top_k(block_reduce):
     k_lr = jax.random.randint(ks[1], (1, 256, 2, 16), -1, 2).astype(jnp.float32)
     for kv_block, top_k in [(1, 50), (4, 9)]:
         kw = dict(q_tile=32, kv_block=kv_block, block_reduce=block_reduce)
-        np.testing.assert_array_equal(lowrank_topk(q_lr, k_lr, top_k, impl="pallas", **kw),
-                                      lowrank_topk_reference(q_lr, k_lr, top_k, **kw))
+        np.testing.assert_array_equal(
+            lowrank_topk(q_lr, k_lr, top_k, impl="pallas", **kw), lowrank_topk_reference(q_lr, k_lr, top_k, **kw)
+        )
 
 
 def test_lowrank_topk_selects_everything_and_small_steps():
@@ -237,8 +252,16 @@ def test_lowrank_topk_selects_everything_and_small_steps():
     k_lr = jax.random.normal(ks[1], (1, 128, 2, 16), jnp.bfloat16)
     everything = lowrank_topk(q_lr, k_lr, 8, q_tile=16, kv_block=16, impl="pallas")
     np.testing.assert_array_equal(everything, np.broadcast_to(np.arange(8), (1, 2, 8, 8)))
-    tuned = lowrank_topk_pallas(q_lr, k_lr, 30, q_tile=16, kv_block=1, block_reduce="mean", interpret=True,
-                                tuning=TopkTuning(tiles_per_program=16, keys_per_step=16, radix_bits=2))
+    tuned = lowrank_topk_pallas(
+        q_lr,
+        k_lr,
+        30,
+        q_tile=16,
+        kv_block=1,
+        block_reduce="mean",
+        interpret=True,
+        tuning=TopkTuning(tiles_per_program=16, keys_per_step=16, radix_bits=2),
+    )
     np.testing.assert_array_equal(tuned, lowrank_topk_reference(q_lr, k_lr, 30, q_tile=16, kv_block=1))
 
 
@@ -260,8 +283,11 @@ def test_lowrank_topk_seeded_first_pass(top_k):
     outliers = k_lr.at[:, ::32].multiply(50.0)
     tuning = TopkTuning(tiles_per_program=16, keys_per_step=32, sample=16)
     for keys in (k_lr, outliers):
-        got = np.asarray(lowrank_topk_pallas(q_lr, keys, top_k, q_tile=32, kv_block=1, block_reduce="mean",
-                                             interpret=True, tuning=tuning))
+        got = np.asarray(
+            lowrank_topk_pallas(
+                q_lr, keys, top_k, q_tile=32, kv_block=1, block_reduce="mean", interpret=True, tuning=tuning
+            )
+        )
         topk_is_exact(got, q_lr, keys, top_k, 32)
 
 
@@ -275,8 +301,9 @@ def exact_scores(values, r=16):
     return jnp.asarray(q_lr), jnp.asarray(k_lr)
 
 
-@pytest.mark.parametrize("bits,tau,sample", [(4, -1.7014147e38, 0), (8, -1.7014634e38, 0), (2, -1.7014122e38, 0),
-                                             (4, 4.0977204e15, 16)])
+@pytest.mark.parametrize(
+    "bits,tau,sample", [(4, -1.7014147e38, 0), (8, -1.7014634e38, 0), (2, -1.7014122e38, 0), (4, 4.0977204e15, 16)]
+)
 def test_lowrank_topk_slowest_brackets_finish(bits, tau, sample):
     """k-th scores whose keys need the most counting passes (9 at 4 bits, 5 at 8, 17 at 2; 10 when every seed
     misses below): a pass cap of 32 // radix_bits would stop before the bracket closes and pick wrong ids.
@@ -293,8 +320,9 @@ def test_lowrank_topk_slowest_brackets_finish(bits, tau, sample):
             values[h, ::32] = np.float32(4.0945716e15)
     q_lr, k_lr = exact_scores(values)
     tuning = TopkTuning(tiles_per_program=16, keys_per_step=32, radix_bits=bits, sample=sample)
-    got = lowrank_topk_pallas(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1, block_reduce="mean", interpret=True,
-                              tuning=tuning)
+    got = lowrank_topk_pallas(
+        q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1, block_reduce="mean", interpret=True, tuning=tuning
+    )
     np.testing.assert_array_equal(got, lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1))
 
 
@@ -331,9 +359,11 @@ def test_sharded_over_batch_and_heads():
 
     def loss(impl, valid):
         def fn(q, k, v):
-            o, lse = sparse_attention(q, k, v, *args[3:], q_tile=q_tile, kv_block=kv_block, kv_valid=valid,
-                                      return_lse=True, impl=impl)
+            o, lse = sparse_attention(
+                q, k, v, *args[3:], q_tile=q_tile, kv_block=kv_block, kv_valid=valid, return_lse=True, impl=impl
+            )
             return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)), (o, lse)
+
         return jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True)
 
     compiled = jax.jit(loss("pallas", valid_sharded)).lower(*args[:3]).compile()
@@ -347,17 +377,27 @@ def test_sharded_over_batch_and_heads():
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(g, rg, 1e-5, name)
 
-    local = jax.shard_map(lambda *a: sparse_attention(*a, q_tile=q_tile, kv_block=kv_block, impl="pallas"),
-                          mesh=mesh, in_specs=(rows.spec,) * 3 + (lists.spec,) * 2, out_specs=rows.spec,
-                          check_vma=False)
-    assert_close(jax.jit(local)(*args), sparse_attention_reference(q, k, v, index, count, q_tile=q_tile,
-                                                                   kv_block=kv_block), 1e-5, "forward in shard_map")
+    local = jax.shard_map(
+        lambda *a: sparse_attention(*a, q_tile=q_tile, kv_block=kv_block, impl="pallas"),
+        mesh=mesh,
+        in_specs=(rows.spec,) * 3 + (lists.spec,) * 2,
+        out_specs=rows.spec,
+        check_vma=False,
+    )
+    assert_close(
+        jax.jit(local)(*args),
+        sparse_attention_reference(q, k, v, index, count, q_tile=q_tile, kv_block=kv_block),
+        1e-5,
+        "forward in shard_map",
+    )
 
     q_lr, k_lr = (jax.device_put(x[..., :16], rows) for x in (q, k))
     picked = jax.jit(lambda a, c, n: lowrank_topk(a, c, 3, q_tile=q_tile, kv_block=kv_block, kv_valid=n, impl="pallas"))
     assert "all-gather" not in picked.lower(q_lr, k_lr, valid_sharded).compile().as_text()
-    np.testing.assert_array_equal(picked(q_lr, k_lr, valid_sharded), lowrank_topk_reference(
-        q[..., :16], k[..., :16], 3, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid))
+    np.testing.assert_array_equal(
+        picked(q_lr, k_lr, valid_sharded),
+        lowrank_topk_reference(q[..., :16], k[..., :16], 3, q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,8 +416,16 @@ def test_clear_errors_on_bad_inputs():
     with pytest.raises(ValueError, match="share one shape"):
         sparse_attention(q, k[:, :64], v, index, count, q_tile=32, kv_block=64, impl="pallas")
     with pytest.raises(ValueError, match="q_tile=8 must be a power of two in 16..128"):
-        sparse_attention(q, k, v, jnp.zeros((1, 2, 16, 1), jnp.int32), jnp.ones((1, 2, 16), jnp.int32),
-                         q_tile=8, kv_block=64, impl="pallas")
+        sparse_attention(
+            q,
+            k,
+            v,
+            jnp.zeros((1, 2, 16, 1), jnp.int32),
+            jnp.ones((1, 2, 16), jnp.int32),
+            q_tile=8,
+            kv_block=64,
+            impl="pallas",
+        )
     with pytest.raises(ValueError, match="impl='cuda'"):
         sparse_attention(q, k, v, index, count, q_tile=32, kv_block=64, impl="cuda")
     with pytest.raises(ValueError, match="top_k=3 must be in 1..2"):
@@ -401,8 +449,15 @@ def test_kernels_lower_to_triton_for_gpu():
         return traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
 
     for kv_block, n_sel in [(1, 65), (16, 7), (64, 3)]:
-        launch = triton_attn.LaunchConfig(q_tile=64, kv_block=kv_block, seq_len=s, head_dim=d, sm_scale=0.1,
-                                          tuning=SparseAttentionTuning(), interpret=False)
+        launch = triton_attn.LaunchConfig(
+            q_tile=64,
+            kv_block=kv_block,
+            seq_len=s,
+            head_dim=d,
+            sm_scale=0.1,
+            tuning=SparseAttentionTuning(),
+            interpret=False,
+        )
         idx = jax.ShapeDtypeStruct((1, 2, 8, launch.padded_count(n_sel)), jnp.int32)
         cnt = jax.ShapeDtypeStruct((1, 2, 8), jnp.int32)
         fwd = jax.jit(functools.partial(triton_attn._forward, launch=launch)).trace(x, x, x, idx, cnt)
@@ -420,4 +475,3 @@ def test_kernels_lower_to_triton_for_gpu():
         valid = jax.ShapeDtypeStruct((1, 512 // kv_block), jnp.int32)
         select = jax.jit(lambda a, b, n, static=static: lowrank_topk_triton._select(a, b, static, n))
         assert "__gpu$xla.gpu.triton" in select.trace(lr, lr, valid).lower(lowering_platforms=("cuda",)).as_text()
-

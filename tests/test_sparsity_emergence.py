@@ -18,9 +18,24 @@ def run_study(tmp_path, *args, timeout=400):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("OUT", None)  # no copy into the device tool's output folder
     env["XLA_FLAGS"] = FAST_COMPILE  # one CPU device, as on a GPU machine (conftest's 8 fake devices are for tests)
-    r = subprocess.run([sys.executable, "-m", "experiments.sparsity_emergence", "--quick",
-                        "--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path / "work"), *args],
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.sparsity_emergence",
+            "--quick",
+            "--results-dir",
+            str(tmp_path / "results"),
+            "--workdir",
+            str(tmp_path / "work"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(tmp_path / "results" / "sparsity_emergence_quick.json") as f:
         return json.load(f), r.stdout + r.stderr
@@ -46,8 +61,10 @@ def test_study_records_resumes_and_stops_at_the_budget(tmp_path):
     assert len(ctl["rungs"]) == 2 and ctl["sparse_blocks"] == sum(r > 0 for r in ctl["rungs"])
     assert ctl["profiles"] >= 1 and np.shape(ctl["head_keep"]) == (2, 2)
     assert out["summary"]["step"] == 2 and out["summary"]["fit"]["0.95"]["tokens"] is None  # one S: no fit
-    assert {p.name for p in (tmp_path / "results").glob("*.png")} == {"sparsity_emergence_steps_quick.png",
-                                                                       "sparsity_emergence_tokens_quick.png"}
+    assert {p.name for p in (tmp_path / "results").glob("*.png")} == {
+        "sparsity_emergence_steps_quick.png",
+        "sparsity_emergence_tokens_quick.png",
+    }
 
     out, log = run_study(tmp_path, "--tokens", "256", "--steps", "4")
     assert "resumed from step 2" in log and "resuming the records" in log
@@ -63,12 +80,16 @@ def test_summary_fits_keep_against_tokens(tmp_path):
     from experiments import sparsity_emergence as study
 
     def record(scale):  # keep ratios [2 blocks, 2 heads] per selection kind, the same at both thetas
-        keep = {k: (scale * np.array([[0.5, 0.7], [0.9, 0.9]]) * f).tolist()
-                for k, f in zip(study.KINDS, (1.0, 1.1, 1.2, 1.3))}
+        keep = {
+            k: (scale * np.array([[0.5, 0.7], [0.9, 0.9]]) * f).tolist()
+            for k, f in zip(study.KINDS, (1.0, 1.1, 1.2, 1.3))
+        }
         return {"t": {"0.5": {"keep": {"0.9": keep, "0.95": keep}}}, "controller": {"sparse_blocks": 0}}
 
-    runs = {"256": {"records": {"0": record(1.0), "2": record(1.0)}},
-            "1024": {"records": {"2": record(0.25), "4": record(0.2)}}}
+    runs = {
+        "256": {"records": {"0": record(1.0), "2": record(1.0)}},
+        "1024": {"records": {"2": record(0.25), "4": record(0.2)}},
+    }
     summary = study.summarise(runs)
     assert summary["step"] == 2 and summary["tokens"] == [256, 1024]
     assert summary["keep"]["0.95"]["tokens"] == pytest.approx([0.75, 0.1875])
@@ -76,8 +97,12 @@ def test_summary_fits_keep_against_tokens(tmp_path):
     assert fit["b"] == pytest.approx(-1.0) and fit["a"] * 256 ** fit["b"] == pytest.approx(0.75)  # 4x S: 1/4 keep
     assert study.headline(record(1.0))["0.9"]["blocks"] == pytest.approx((0.75 * 1.1, 0.6 * 1.1))  # mean, sparsest
     paths = study.plot(runs, summary, str(tmp_path), "_test")
-    assert [os.path.basename(p) for p in paths] == ["sparsity_emergence_steps_test.png",
-                                                    "sparsity_emergence_tokens_test.png"]
+    assert [os.path.basename(p) for p in paths] == [
+        "sparsity_emergence_steps_test.png",
+        "sparsity_emergence_tokens_test.png",
+    ]
     paths = study.plot(runs, summary, str(tmp_path), "", "sparsity_emergence_long")  # --name's files
-    assert [os.path.basename(p) for p in paths] == ["sparsity_emergence_long_steps.png",
-                                                    "sparsity_emergence_long_tokens.png"]
+    assert [os.path.basename(p) for p in paths] == [
+        "sparsity_emergence_long_steps.png",
+        "sparsity_emergence_long_tokens.png",
+    ]

@@ -9,8 +9,24 @@ from experiments import step_time
 
 def test_step_time_records_the_batch_overrides_and_cost(tmp_path, capsys):
     out = tmp_path / "t.jsonl"
-    args = ["--preset", "tiny-motion", "--latents", "1,16,16", "--batch", "3", "--attention", "full",
-            "--dtype", "float32", "--steps", "1", "--out", str(out), "attention=auto", "model.depth=1"]
+    args = [
+        "--preset",
+        "tiny-motion",
+        "--latents",
+        "1,16,16",
+        "--batch",
+        "3",
+        "--attention",
+        "full",
+        "--dtype",
+        "float32",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+        "attention=auto",
+        "model.depth=1",
+    ]
     step_time.main(args)
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec == json.loads(capsys.readouterr().out.splitlines()[-1])

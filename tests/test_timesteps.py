@@ -47,8 +47,12 @@ def test_resolution_shift_moves_larger_clips_towards_noise_in_training():
     base = sample_timesteps(key, 2048, plain, positions=8192)
     np.testing.assert_array_equal(np.asarray(sample_timesteps(key, 2048, ref, positions=1024)), np.asarray(base))
     for positions in (256, 8192):
-        np.testing.assert_allclose(np.asarray(sample_timesteps(key, 2048, ref, positions=positions)),
-                                   np.asarray(shift_timesteps(base, np.sqrt(positions / 1024))), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(sample_timesteps(key, 2048, ref, positions=positions)),
+            np.asarray(shift_timesteps(base, np.sqrt(positions / 1024))),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     with pytest.raises(ValueError, match="resolution_shift_ref"):  # a caller that forgets the clips' size
         sample_timesteps(key, 4, ref)
 
@@ -58,8 +62,9 @@ def test_the_loss_samples_t_at_its_clips_resolution(monkeypatch):
     import dsv_jax.train.loss as loss_module
 
     seen = []
-    monkeypatch.setattr(loss_module, "sample_timesteps", lambda key, b, cfg, positions=0: seen.append(positions) or
-                        jnp.full((b,), 0.5))
+    monkeypatch.setattr(
+        loss_module, "sample_timesteps", lambda key, b, cfg, positions=0: seen.append(positions) or jnp.full((b,), 0.5)
+    )
 
     class Model:  # the loss's view of a model: text encoding and a velocity
         def encode_text(self, batch, drop=None):

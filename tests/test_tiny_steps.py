@@ -48,7 +48,7 @@ def test_save_frames_one_row_per_video(tmp_path):
     assert img.shape == (3 * 34, 4 * 34, 3)
     np.testing.assert_array_equal(img[1:33, 1:33], videos[0, 0])  # row 0, frame 1
     for col, frame in enumerate((0, 2, 5, 7)):  # 0, T//3, 2T//3, T-1
-        np.testing.assert_array_equal(img[34 + 1:34 + 33, col * 34 + 1:col * 34 + 33], videos[1, frame])
+        np.testing.assert_array_equal(img[34 + 1 : 34 + 33, col * 34 + 1 : col * 34 + 33], videos[1, frame])
 
 
 def test_train_command_saves_and_keeps_every_scored_step():
@@ -71,7 +71,7 @@ def test_every_run_is_a_valid_config_and_the_default_is_the_steps_study():
     assert DEFAULT_RUNS == ("steps2000", "steps3000", "steps4000", "steps8000", "steps16000")
     for run in RUNS:  # the overrides a run trains with, checked as `dsv-jax train` checks them
         cmd = train_command(run, "w", "tiny-motion", [])
-        cfg = get_config("tiny-motion", [a for a in cmd[cmd.index("--no-progress") + 1:]])
+        cfg = get_config("tiny-motion", [a for a in cmd[cmd.index("--no-progress") + 1 :]])
         assert cfg.train.steps == run.steps
         for override in run.overrides:
             key, value = override.split("=", 1)

@@ -44,8 +44,10 @@ def test_resume_gives_the_same_run(tmp_path):
     # read from the checkpoints as sampling reads them (a Trainer would restore, i.e. could rebuild, the EMA)
     split = {}
     for weights in ("raw", "ema"):
-        pa, pb = (jax.tree.leaves(jax.device_get(load_trained(str(tmp_path / run), weights=weights)[2]))
-                  for run in ("straight", "split"))
+        pa, pb = (
+            jax.tree.leaves(jax.device_get(load_trained(str(tmp_path / run), weights=weights)[2]))
+            for run in ("straight", "split")
+        )
         assert len(pa) == len(pb) > 10
         for x, y in zip(pa, pb):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -65,8 +67,9 @@ def test_resume_gives_the_same_run(tmp_path):
 
 
 def test_loss_decreases_on_eight_devices_with_fsdp(tmp_path):
-    cfg = small_config("train.steps=40", "train.lr=3e-3", "model.hidden=64", "data.buckets=[[4,16,16]]",
-                       "data.bucket_weights=[1]")
+    cfg = small_config(
+        "train.steps=40", "train.lr=3e-3", "model.hidden=64", "data.buckets=[[4,16,16]]", "data.bucket_weights=[1]"
+    )
     trainer = Trainer(cfg, str(tmp_path), progress=False)
     assert trainer.mesh.shape == {"data": 1, "fsdp": 8, "context": 1}
     sharded = [x for x in jax.tree.leaves(trainer.state.params) if "fsdp" in str(x.sharding.spec)]
@@ -138,8 +141,9 @@ def test_non_finite_step_is_skipped_and_never_saved(tmp_path):
     trainer = Trainer(cfg, str(tmp_path), progress=False)
     batch = trainer.feed.batch_at(0, (1, 16, 16))
     # a good step first, so that the EMA and the weights differ
-    trainer.state, metrics = trainer.compiled_step((1, 16, 16))(trainer.state, trainer.to_global(batch),
-                                                                np.float32(1e-3))
+    trainer.state, metrics = trainer.compiled_step((1, 16, 16))(
+        trainer.state, trainer.to_global(batch), np.float32(1e-3)
+    )
     assert bool(metrics["finite"])
     before, ema_before = jax.device_get((trainer.state.params, trainer.state.ema))
     bad = dict(batch, latents=np.full_like(batch["latents"], np.nan))
@@ -196,11 +200,16 @@ def test_corrupt_newest_checkpoint_falls_back_and_the_log_follows(tmp_path, capl
         f.write('{"step": 5, "loss": 0.')  # torn by kill -9
 
     caplog.set_level(logging.INFO, logger="dsv_jax")
-    trainer = Trainer(small_config("train.steps=6", "train.ckpt_every=2", "train.log_every=10", *ONE_BUCKET), wd,
-                      progress=False)
+    trainer = Trainer(
+        small_config("train.steps=6", "train.ckpt_every=2", "train.log_every=10", *ONE_BUCKET), wd, progress=False
+    )
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and errors[0].startswith("checkpoint step 4 cannot be read: ") and \
-        os.path.join(wd, "checkpoints", "4", "state") in errors[0] and "byte range" in errors[0], errors
+    assert (
+        len(errors) == 1
+        and errors[0].startswith("checkpoint step 4 cannot be read: ")
+        and os.path.join(wd, "checkpoints", "4", "state") in errors[0]
+        and "byte range" in errors[0]
+    ), errors
     assert int(trainer.state.step) == 2 and trainer.checkpointer.all_steps() == [2]
     assert os.path.isdir(os.path.join(wd, "checkpoints-set-aside", "4", "state"))
 
@@ -214,6 +223,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_the_log_follows(tmp_path, capl
             out = fn(*args)
             previous[:] = [out[1]["loss"]]
             return out
+
         return call
 
     trainer.compiled_step = checked_step
@@ -238,10 +248,21 @@ def test_garbage_weights_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path
     rejected, rotation (keep 1) kept the good one, no sample is written, and a rerun resumes from it."""
     wd = str(tmp_path)
     train(small_config("train.steps=2", *ONE_BUCKET), wd, progress=False)
-    wild = small_config("train.steps=30", "train.lr=1e6", "train.ckpt_every=1", "train.keep_checkpoints=1",
-                        "train.max_bad_steps=3", "train.sample_at_end=true", "train.sample_steps=2", *ONE_BUCKET)
-    with pytest.raises(TrainingDiverged, match=r"training stopped at step 6: 3 bad step\(s\) in a row.*"
-                                               r"the last good checkpoint is step 2"):
+    wild = small_config(
+        "train.steps=30",
+        "train.lr=1e6",
+        "train.ckpt_every=1",
+        "train.keep_checkpoints=1",
+        "train.max_bad_steps=3",
+        "train.sample_at_end=true",
+        "train.sample_steps=2",
+        *ONE_BUCKET,
+    )
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"training stopped at step 6: 3 bad step\(s\) in a row.*"
+        r"the last good checkpoint is step 2",
+    ):
         train(wild, wd, progress=False)
     ckpt = Checkpointer(os.path.join(wd, "checkpoints"))
     assert ckpt.all_steps() == [2, 3] and ckpt.is_good(2) and ckpt.validation(3)["status"] == "rejected"

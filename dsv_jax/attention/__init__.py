@@ -22,5 +22,11 @@ from dsv_jax.attention.registry import (
     unregister_backend,
 )
 
-__all__ = ["attention", "available_backends", "merge_attention", "register_backend", "resolve_backend",
-           "unregister_backend"]
+__all__ = [
+    "attention",
+    "available_backends",
+    "merge_attention",
+    "register_backend",
+    "resolve_backend",
+    "unregister_backend",
+]

@@ -36,8 +36,9 @@ def _key_mask(kv_lens, kv_mask, batch, skv):
     """bool [B, Skv] of the valid keys, or None when every key is valid."""
     if kv_mask is None and kv_lens is None:
         return None
-    mask = jnp.ones((batch, skv), bool) if kv_mask is None else jnp.broadcast_to(jnp.asarray(kv_mask, bool),
-                                                                                (batch, skv))
+    mask = (
+        jnp.ones((batch, skv), bool) if kv_mask is None else jnp.broadcast_to(jnp.asarray(kv_mask, bool), (batch, skv))
+    )
     if kv_lens is not None:
         mask = mask & (jnp.arange(skv)[None] < _lengths(kv_lens, batch)[:, None])
     return mask
@@ -71,14 +72,16 @@ def _attend(q, k, v, kv_lens, kv_mask, sm_scale, implementation, return_lse):
     lengths = _lengths(kv_lens, q.shape[0])
     mask = None if kv_mask is None else _key_mask(kv_lens, kv_mask, q.shape[0], k.shape[1])
     if mask is None:
-        o = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, key_value_seq_lengths=lengths,
-                                         implementation=implementation)
+        o = jax.nn.dot_product_attention(
+            q, k, v, scale=sm_scale, key_value_seq_lengths=lengths, implementation=implementation
+        )
     elif implementation == "xla":
         o = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, mask=mask[:, None, None, :], implementation="xla")
     else:
         k_first, v_first, counts = valid_first(k, v, mask)
-        o = jax.nn.dot_product_attention(q, k_first, v_first, scale=sm_scale, key_value_seq_lengths=counts,
-                                         implementation=implementation)
+        o = jax.nn.dot_product_attention(
+            q, k_first, v_first, scale=sm_scale, key_value_seq_lengths=counts, implementation=implementation
+        )
     if not return_lse:
         return o
     return o, softmax_lse(q, k, lengths, sm_scale, kv_mask=mask)
@@ -135,7 +138,7 @@ def _lse_fwd(q, k, valid, scale, chunk):
         return jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)  # [B, H, chunk]
 
     lse = jax.lax.map(one, _chunks(q, chunk))  # [n, B, H, chunk]
-    lse = jnp.moveaxis(lse, 0, 2).reshape(q.shape[0], q.shape[2], -1)[..., :q.shape[1]]
+    lse = jnp.moveaxis(lse, 0, 2).reshape(q.shape[0], q.shape[2], -1)[..., : q.shape[1]]
     return lse, (q, k, valid, lse)
 
 

@@ -17,8 +17,10 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
     o has the promoted dtype of o_a and o_b (computed in fp32)."""
     b, s, h, _ = o_a.shape
     if o_b.shape != o_a.shape or lse_a.shape != (b, h, s) or lse_b.shape != (b, h, s):
-        raise ValueError(f"merge_attention expects o [B, S, H, D] and lse [B, H, S] for both parts; got "
-                         f"{o_a.shape}, {lse_a.shape}, {o_b.shape}, {lse_b.shape}")
+        raise ValueError(
+            f"merge_attention expects o [B, S, H, D] and lse [B, H, S] for both parts; got "
+            f"{o_a.shape}, {lse_a.shape}, {o_b.shape}, {lse_b.shape}"
+        )
     lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
     m = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))
     m = jnp.where(m == -jnp.inf, 0.0, m)

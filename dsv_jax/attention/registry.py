@@ -8,8 +8,10 @@ import jax
 
 
 class Backend(Protocol):
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lens: jax.Array | None,
-                 sm_scale: float, **options) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lens: jax.Array | None, sm_scale: float, **options
+    ) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
     # return_lse=True is passed (only when asked) to backends that support it: then (o, lse [B, H, Sq]).
 
 
@@ -51,9 +53,17 @@ def resolve_backend(backend: str, q: jax.Array) -> str:
     return backend
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto",
-              kv_lens: jax.Array | None = None, sm_scale: float | None = None, return_lse: bool = False,
-              **options) -> jax.Array | tuple[jax.Array, jax.Array]:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    backend: str = "auto",
+    kv_lens: jax.Array | None = None,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    **options,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """softmax(q k^T * sm_scale) v over heads; q [B, Sq, H, D], k/v [B, Skv, H, D].
 
     backend: "auto" (cuDNN on GPU for 16-bit inputs, else XLA), a registered name, or a callable plan
@@ -66,8 +76,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backend: str = "auto"
         disjoint key sets merge exactly with `merge_attention`. The backend must support it.
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; "
-                         f"got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"attention expects q [B, Sq, H, D] and k, v [B, Skv, H, D]; got {q.shape}, {k.shape}, {v.shape}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch, heads or head dim")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale

@@ -23,8 +23,10 @@ def axis_frequencies(head_dim: int, theta: float = 10000.0) -> list[np.ndarray]:
 
 def rope_angles(coords: np.ndarray, head_dim: int, theta: float = 10000.0) -> np.ndarray:
     """Angles [S, head_dim // 2] for positions `coords` [S, 3] (numpy, computed once per shape)."""
-    parts = [coords[:, axis, None].astype(np.float64) * freqs[None, :]
-             for axis, freqs in enumerate(axis_frequencies(head_dim, theta))]
+    parts = [
+        coords[:, axis, None].astype(np.float64) * freqs[None, :]
+        for axis, freqs in enumerate(axis_frequencies(head_dim, theta))
+    ]
     return np.concatenate(parts, axis=1)
 
 
@@ -43,7 +45,7 @@ def _swap_pairs(x: jnp.ndarray) -> jnp.ndarray:
     out, start = [], 0
     for dim in axis_dims(x.shape[-1]):
         half = dim // 2
-        out += [x[..., start + half:start + dim], x[..., start:start + half]]
+        out += [x[..., start + half : start + dim], x[..., start : start + half]]
         start += dim
     return jnp.concatenate(out, axis=-1)
 
@@ -53,7 +55,7 @@ def full_width_table(table: jnp.ndarray, sign: float) -> jnp.ndarray:
     value, the first half of each part times `sign`."""
     out, start = [], 0
     for dim in axis_dims(2 * table.shape[-1]):
-        part = table[..., start:start + dim // 2]
+        part = table[..., start : start + dim // 2]
         out += [sign * part, part]
         start += dim // 2
     return jnp.concatenate(out, axis=-1)

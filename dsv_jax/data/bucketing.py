@@ -86,8 +86,9 @@ def batch_rule(data_cfg, multiple: int = 1) -> BatchRule:
     """The rule that `data_cfg` (a DataConfig) asks for. For `dual`, budgets not set explicitly
     (data.m_mem, data.m_comp, data.cost_p) come from the fit-cost JSON at data.cost_model."""
     if data_cfg.batching == "equal_tokens":
-        return BatchRule("equal_tokens", max_batch=data_cfg.max_batch, multiple=multiple,
-                         tokens_per_batch=data_cfg.tokens_per_batch)
+        return BatchRule(
+            "equal_tokens", max_batch=data_cfg.max_batch, multiple=multiple, tokens_per_batch=data_cfg.tokens_per_batch
+        )
     m_mem, m_comp, p = data_cfg.m_mem, data_cfg.m_comp, data_cfg.cost_p
     if data_cfg.cost_model:
         from dsv_jax.data.cost_model import CostModel
@@ -98,8 +99,11 @@ def batch_rule(data_cfg, multiple: int = 1) -> BatchRule:
         p = p or model.p
     missing = [name for name, v in (("data.m_mem", m_mem), ("data.m_comp", m_comp), ("data.cost_p", p)) if not v]
     if missing:
-        where = f"the cost model {data_cfg.cost_model!r} has none of them" if data_cfg.cost_model else \
-            "run `dsv-jax fit-cost` and pass data.cost_model=PATH"
+        where = (
+            f"the cost model {data_cfg.cost_model!r} has none of them"
+            if data_cfg.cost_model
+            else "run `dsv-jax fit-cost` and pass data.cost_model=PATH"
+        )
         raise ValueError(f"data.batching=dual needs {', '.join(missing)}: {where}")
     return BatchRule("dual", max_batch=data_cfg.max_batch, multiple=multiple, m_mem=m_mem, m_comp=m_comp, p=p)
 
@@ -111,6 +115,11 @@ def warn_over_memory(rule: BatchRule, seq_lens: dict) -> None:
     for name, s in seq_lens.items():
         b = rule(s)
         if b * s > rule.m_mem:
-            log.warning("bucket %s: B=%d (one row per data-parallel device) holds %d tokens, more than "
-                        "M_mem=%d; it may run out of memory (consider parallel.context > 1)", name, b, b * s,
-                        int(rule.m_mem))
+            log.warning(
+                "bucket %s: B=%d (one row per data-parallel device) holds %d tokens, more than "
+                "M_mem=%d; it may run out of memory (consider parallel.context > 1)",
+                name,
+                b,
+                b * s,
+                int(rule.m_mem),
+            )

@@ -83,8 +83,10 @@ class PixelPatchCodec:
     def decode(self, latents: np.ndarray) -> np.ndarray:
         x = _to_uint8(latents)
         if x.shape[-1] != self.channels:
-            raise ValueError(f"codec {self.name!r} decodes {self.channels} latent channels, got {x.shape[-1]} "
-                             f"(latents {x.shape}); is data.codec the codec the data was prepared with?")
+            raise ValueError(
+                f"codec {self.name!r} decodes {self.channels} latent channels, got {x.shape[-1]} "
+                f"(latents {x.shape}); is data.codec the codec the data was prepared with?"
+            )
         if self.factors == (1, 1, 1):  # pixels: any leading shape
             return x
         *lead, t, h, w, _ = x.shape

@@ -102,21 +102,27 @@ def fit_cost_model(batch_sizes: Sequence[float], seq_lens: Sequence[float], step
 
     def model(x, a, b, p):
         bb, ss = x
-        return a + b * bb * ss ** p
+        return a + b * bb * ss**p
 
     # Start from the largest per-sample cost with p = 1.5 and a fifth of the fastest step as overhead.
     a0 = 0.2 * float(np.min(y))
     b0 = max(float(np.max((y - a0) / (B * (S / s_ref) ** 1.5))), 1e-9)
-    params, _ = curve_fit(model, x, y, p0=(a0, b0, 1.5), sigma=y,
-                          bounds=((0.0, 1e-12, P_BOUNDS[0]), (np.inf, np.inf, P_BOUNDS[1])), maxfev=20000)
+    params, _ = curve_fit(
+        model,
+        x,
+        y,
+        p0=(a0, b0, 1.5),
+        sigma=y,
+        bounds=((0.0, 1e-12, P_BOUNDS[0]), (np.inf, np.inf, P_BOUNDS[1])),
+        maxfev=20000,
+    )
     a_n, b_n, p = (float(v) for v in params)
-    a, b = a_n * t_ref, b_n * t_ref / s_ref ** p
-    pred = a + b * B * S ** p
+    a, b = a_n * t_ref, b_n * t_ref / s_ref**p
+    pred = a + b * B * S**p
     ss_res = float(np.sum((t - pred) ** 2))
     ss_tot = float(np.sum((t - t.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    return CostModel(a=a, b=b, p=p, r2=r2, max_rel_error=float(np.max(np.abs(pred - t) / t)),
-                     info={"points": len(t)})
+    return CostModel(a=a, b=b, p=p, r2=r2, max_rel_error=float(np.max(np.abs(pred - t) / t)), info={"points": len(t)})
 
 
 def predict_schedule(model: CostModel, seq_lens, shares, batch_sizes) -> dict[str, float]:
@@ -131,8 +137,9 @@ def predict_schedule(model: CostModel, seq_lens, shares, batch_sizes) -> dict[st
     return {"cv": std / mean, "tokens_per_s": float(np.sum(freq * b * seq)) / mean, "mean_step_s": mean}
 
 
-def balance_target(model: CostModel, seq_lens, shares, rule_for_target, equal_batches,
-                   max_loss: float = 0.03) -> tuple[float, list[dict]]:
+def balance_target(
+    model: CostModel, seq_lens, shares, rule_for_target, equal_batches, max_loss: float = 0.03
+) -> tuple[float, list[dict]]:
     """The target step time (it sets M_comp) that makes step times most even at a bounded cost.
 
     Candidates are the predicted times of every bucket at every batch size up to its equal-token
@@ -146,8 +153,14 @@ def balance_target(model: CostModel, seq_lens, shares, rule_for_target, equal_ba
     for target in sorted(t for t in times if t > model.a * 1.001):
         batches = [int(b) for b in rule_for_target(target)]
         pred = predict_schedule(model, seq, shares, batches)
-        sweep.append({"target_s": target, "batch": batches, "cv": pred["cv"],
-                      "tokens_per_s_ratio": pred["tokens_per_s"] / base["tokens_per_s"]})
+        sweep.append(
+            {
+                "target_s": target,
+                "batch": batches,
+                "cv": pred["cv"],
+                "tokens_per_s_ratio": pred["tokens_per_s"] / base["tokens_per_s"],
+            }
+        )
     ok = [s for s in sweep if s["tokens_per_s_ratio"] >= 1 - max_loss]
     if not ok:
         return float(model.predict(equal_batches, seq).max()), sweep

@@ -41,8 +41,13 @@ def embedded_renderer(cfg: Config, split: str = "train"):
 
     photos.data_dir()  # a clear error now, not in the prefetch thread, when the photos are missing
     if cfg.text.encoder == "builtin" and cfg.text.max_len < photos.MAX_CAPTION_WORDS + 1:
-        log.warning("data.source=photos: captions have up to %d words and text.max_len=%d tokens cuts the longest "
-                    "(set text.max_len=%d)", photos.MAX_CAPTION_WORDS, cfg.text.max_len, photos.MAX_CAPTION_WORDS + 1)
+        log.warning(
+            "data.source=photos: captions have up to %d words and text.max_len=%d tokens cuts the longest "
+            "(set text.max_len=%d)",
+            photos.MAX_CAPTION_WORDS,
+            cfg.text.max_len,
+            photos.MAX_CAPTION_WORDS + 1,
+        )
     return functools.partial(photos.render, split=split)
 
 
@@ -53,8 +58,15 @@ class SyntheticFeed:
     position in the stream is the whole state, and every host computes the same bucket schedule.
     """
 
-    def __init__(self, cfg: Config, *, batch_multiple: int = 1, process_index: int = 0, process_count: int = 1,
-                 split: str = "train"):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        batch_multiple: int = 1,
+        process_index: int = 0,
+        process_count: int = 1,
+        split: str = "train",
+    ):
         self.cfg = cfg
         self.shapes = [tuple(s) for s in cfg.data.buckets]
         weights = np.asarray(cfg.data.bucket_weights, np.float64)
@@ -112,10 +124,12 @@ def make_feed(cfg: Config, *, batch_multiple: int, process_index: int, process_c
         except ImportError as e:
             raise ImportError(f"data.path needs grain and array_record (pip install grain array-record): {e}") from e
 
-        return GrainFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
-                         process_count=process_count, split=split)
-    return SyntheticFeed(cfg, batch_multiple=batch_multiple, process_index=process_index,
-                         process_count=process_count, split=split)
+        return GrainFeed(
+            cfg, batch_multiple=batch_multiple, process_index=process_index, process_count=process_count, split=split
+        )
+    return SyntheticFeed(
+        cfg, batch_multiple=batch_multiple, process_index=process_index, process_count=process_count, split=split
+    )
 
 
 def resolve_data_config(cfg: Config) -> Config:
@@ -127,10 +141,15 @@ def resolve_data_config(cfg: Config) -> Config:
 
     manifest = Manifest.load(cfg.data.path)
     if cfg.data.codec and cfg.data.codec != manifest.codec:
-        raise ValueError(f"data.codec={cfg.data.codec!r} but the dataset at {cfg.data.path!r} was prepared with "
-                         f"codec {manifest.codec!r}")
+        raise ValueError(
+            f"data.codec={cfg.data.codec!r} but the dataset at {cfg.data.path!r} was prepared with "
+            f"codec {manifest.codec!r}"
+        )
     kept = [b for b in manifest.buckets if b["count"] > 0]
-    data = dataclasses.replace(cfg.data, codec=manifest.codec,
-                               buckets=tuple(tuple(b["shape"]) for b in kept),
-                               bucket_weights=tuple(float(b["count"]) for b in kept))
+    data = dataclasses.replace(
+        cfg.data,
+        codec=manifest.codec,
+        buckets=tuple(tuple(b["shape"]) for b in kept),
+        bucket_weights=tuple(float(b["count"]) for b in kept),
+    )
     return dataclasses.replace(cfg, data=data)

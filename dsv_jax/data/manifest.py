@@ -76,14 +76,27 @@ class Manifest:
     def record_buckets(self, split: str = "train") -> np.ndarray:
         """int32 [records]: the bucket index of each record of a split, in the order of shard_paths(split)."""
         shards = self._split(split)
-        return np.concatenate([np.full(s["count"], s["bucket"], np.int32) for s in shards]) \
-            if shards else np.zeros(0, np.int32)
+        return (
+            np.concatenate([np.full(s["count"], s["bucket"], np.int32) for s in shards])
+            if shards
+            else np.zeros(0, np.int32)
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "codec": self.codec, "channels": self.channels, "text": self.text,
-                "buckets": self.buckets, "shards": self.shards, "records": self.records,
-                "failed": self.failed, "skipped": self.skipped, "eval_shards": self.eval_shards,
-                "eval_records": self.eval_records, **self.extra}
+        return {
+            "format": FORMAT,
+            "codec": self.codec,
+            "channels": self.channels,
+            "text": self.text,
+            "buckets": self.buckets,
+            "shards": self.shards,
+            "records": self.records,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "eval_shards": self.eval_shards,
+            "eval_records": self.eval_records,
+            **self.extra,
+        }
 
     def write(self) -> str:
         """Atomically (temp file + rename): a dataset is complete exactly when its manifest exists."""
@@ -99,8 +112,10 @@ class Manifest:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"data.path {directory!r} is not a directory")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{directory!r} has no {MANIFEST}: prepare it with `dsv-jax prepare-data "
-                                    f"--input VIDEOS --output {directory}`")
+            raise FileNotFoundError(
+                f"{directory!r} has no {MANIFEST}: prepare it with `dsv-jax prepare-data "
+                f"--input VIDEOS --output {directory}`"
+            )
         try:
             with open(path) as f:
                 d = json.load(f)
@@ -108,11 +123,31 @@ class Manifest:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         if d.get("format") != FORMAT:
             raise ValueError(f"{path} has format {d.get('format')!r}, expected {FORMAT!r}")
-        known = {"format", "codec", "channels", "text", "buckets", "shards", "records", "failed", "skipped",
-                 "eval_shards", "eval_records"}
-        m = cls(directory=os.path.abspath(directory), codec=d["codec"], channels=int(d["channels"]), text=d["text"],
-                buckets=d["buckets"], shards=d["shards"], failed=d.get("failed", []), skipped=d.get("skipped", []),
-                extra={k: v for k, v in d.items() if k not in known}, eval_shards=d.get("eval_shards", []))
+        known = {
+            "format",
+            "codec",
+            "channels",
+            "text",
+            "buckets",
+            "shards",
+            "records",
+            "failed",
+            "skipped",
+            "eval_shards",
+            "eval_records",
+        }
+        m = cls(
+            directory=os.path.abspath(directory),
+            codec=d["codec"],
+            channels=int(d["channels"]),
+            text=d["text"],
+            buckets=d["buckets"],
+            shards=d["shards"],
+            failed=d.get("failed", []),
+            skipped=d.get("skipped", []),
+            extra={k: v for k, v in d.items() if k not in known},
+            eval_shards=d.get("eval_shards", []),
+        )
         missing = [p for p in m.shard_paths() + m.shard_paths("eval") if not os.path.exists(p)]
         if missing:
             raise FileNotFoundError(f"{path} lists {len(missing)} shard(s) that do not exist, e.g. {missing[0]!r}")

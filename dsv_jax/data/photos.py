@@ -75,17 +75,22 @@ OBJECTS = {
     "coin": Cutout("coins.png", (14, 73, 305, 364), "ellipse", 0.3),
     "eye": Cutout("retina.jpg", (10, 1401, 10, 1401), "ellipse", 0.4),
 }
-PROMPTS = ("the cat moves right over the brick wall, camera pans up",
-           "the cup moves left over the grass, camera zooms in",
-           "the rocket moves up over the stars, camera is still",
-           "the horse moves right in front of the coin moving left over the gravel, camera pans left")
+PROMPTS = (
+    "the cat moves right over the brick wall, camera pans up",
+    "the cup moves left over the grass, camera zooms in",
+    "the rocket moves up over the stars, camera is still",
+    "the horse moves right in front of the coin moving left over the gravel, camera pans left",
+)
 FILES = sorted({s.file for s in SCENES.values()} | {o.file for o in OBJECTS.values()})
 # Caption words the built-in tokenizer must know (data/text.py lists them).
-WORDS = sorted({w for name in [*SCENES, *OBJECTS, *CAMERA] for w in name.split()}
-               | {"the", "moves", "moving", "in", "front", "of", "over", "camera"})
+WORDS = sorted(
+    {w for name in [*SCENES, *OBJECTS, *CAMERA] for w in name.split()}
+    | {"the", "moves", "moving", "in", "front", "of", "over", "camera"}
+)
 
 
 # -- the photographs -----------------------------------------------------------------------------------
+
 
 def data_dir() -> str:
     """The folder with every photo used here: $DSV_JAX_PHOTOS_DIR if set (a copy of those files, e.g. on a
@@ -94,8 +99,10 @@ def data_dir() -> str:
     if not folder:
         spec = importlib.util.find_spec("skimage")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("data.source=photos needs the photos of scikit-image: pip install 'dsv-jax[photos]' "
-                              "(or pip install scikit-image, or set DSV_JAX_PHOTOS_DIR to a copy of its data folder)")
+            raise ImportError(
+                "data.source=photos needs the photos of scikit-image: pip install 'dsv-jax[photos]' "
+                "(or pip install scikit-image, or set DSV_JAX_PHOTOS_DIR to a copy of its data folder)"
+            )
         folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
     missing = [f for f in FILES if not os.path.exists(os.path.join(folder, f))]
     if missing:
@@ -121,8 +128,10 @@ def _resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     """Antialiased resize of float [H, W, C] in [0, 1] (Pillow's Lanczos, per channel)."""
     from PIL import Image
 
-    chans = [np.asarray(Image.fromarray(pixels[..., c]).resize((width, height), Image.Resampling.LANCZOS))
-             for c in range(pixels.shape[-1])]
+    chans = [
+        np.asarray(Image.fromarray(pixels[..., c]).resize((width, height), Image.Resampling.LANCZOS))
+        for c in range(pixels.shape[-1])
+    ]
     return np.clip(np.stack(chans, -1), 0.0, 1.0)
 
 
@@ -178,7 +187,7 @@ def cutout(name: str, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         alpha = 1.0 - pixels.mean(-1)
         file, (y0, y1, x0, x1) = obj.fill
         scale = _photo(file).shape[1] / _photo_width(file)
-        texture = _photo(file)[round(y0 * scale):round(y1 * scale), round(x0 * scale):round(x1 * scale)]
+        texture = _photo(file)[round(y0 * scale) : round(y1 * scale), round(x0 * scale) : round(x1 * scale)]
         rgb = _resize(texture, *alpha.shape)
     else:
         rgb = pixels
@@ -194,6 +203,7 @@ def cutout(name: str, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- what a clip shows ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Mover:
@@ -254,8 +264,10 @@ def plan(seed: int, key: tuple[int, ...], shape: tuple[int, int, int], split: st
     if rng.random() < 0.4:
         other = [o for o in OBJECTS if o != obj and _compatible(o, scene)]
         names.append(other[rng.integers(len(other))])
-    movers = [_mover(rng, n, direction if i == 0 else (list(DIRECTIONS)[rng.integers(4)] if video else None), t, h, w)
-              for i, n in enumerate(names)]
+    movers = [
+        _mover(rng, n, direction if i == 0 else (list(DIRECTIONS)[rng.integers(4)] if video else None), t, h, w)
+        for i, n in enumerate(names)
+    ]
     camera = CAMERA[rng.integers(len(CAMERA))] if video else "is still"
     ph, pw = scene_pixels(scene, h, w).shape[:2]
     zoom, pan = (1.0, 1.0), np.zeros(2)
@@ -295,10 +307,10 @@ def parse_caption(text: str) -> dict | None:
             direction = words[i + 3] if i + 3 < len(words) and words[i + 2] in ("moves", "moving") else None
             objects.append((words[i + 1], direction if direction in DIRECTIONS else None))
         elif words[i] == "over" and i + 2 < len(words):
-            rest = " ".join(words[i + 2:])
+            rest = " ".join(words[i + 2 :])
             scene = next((s for s in SCENES if rest == s or rest.startswith(s + " ")), None)
         elif words[i] == "camera":
-            camera = " ".join(words[i + 1:i + 3])
+            camera = " ".join(words[i + 1 : i + 3])
             camera = camera if camera in CAMERA else None
         i += 1
     if not objects or scene is None:
@@ -307,6 +319,7 @@ def parse_caption(text: str) -> dict | None:
 
 
 # -- drawing ---------------------------------------------------------------------------------------------
+
 
 def _windows(clip: Clip, t: int, h: int, w: int) -> np.ndarray:
     """The scene seen through the camera window of each frame: float32 [T, H, W, 3] in [0, 1]."""
@@ -325,8 +338,8 @@ def _windows(clip: Clip, t: int, h: int, w: int) -> np.ndarray:
         out = np.empty((t, h, w, 3), np.float32)
         for i in range(t):
             a, b, fy, fx = y0[i, 0], x0[i, 0], wy[i, 0], wx[i, 0]
-            top = pixels[a:a + h, b:b + w] * (1 - fx) + pixels[a:a + h, b + 1:b + w + 1] * fx
-            bottom = pixels[a + 1:a + h + 1, b:b + w] * (1 - fx) + pixels[a + 1:a + h + 1, b + 1:b + w + 1] * fx
+            top = pixels[a : a + h, b : b + w] * (1 - fx) + pixels[a : a + h, b + 1 : b + w + 1] * fx
+            bottom = pixels[a + 1 : a + h + 1, b : b + w] * (1 - fx) + pixels[a + 1 : a + h + 1, b + 1 : b + w + 1] * fx
             out[i] = top * (1 - fy) + bottom * fy
         return out
     flat = pixels.reshape(-1, 3)
@@ -344,9 +357,9 @@ def _paste(frame: np.ndarray, rgb: np.ndarray, alpha: np.ndarray, top: int, left
     y0, x0, y1, x1 = max(top, 0), max(left, 0), min(top + oh, h), min(left + ow, w)
     if y0 >= y1 or x0 >= x1:
         return
-    a = alpha[y0 - top:y1 - top, x0 - left:x1 - left, None]
+    a = alpha[y0 - top : y1 - top, x0 - left : x1 - left, None]
     region = frame[y0:y1, x0:x1]
-    region += a * (rgb[y0 - top:y1 - top, x0 - left:x1 - left] - region)
+    region += a * (rgb[y0 - top : y1 - top, x0 - left : x1 - left] - region)
 
 
 def draw(clip: Clip, shape: tuple[int, int, int]) -> np.ndarray:
@@ -362,8 +375,9 @@ def draw(clip: Clip, shape: tuple[int, int, int]) -> np.ndarray:
     return (frames * 2.0 - 1.0).astype(np.float32)
 
 
-def render(seed: int, key: tuple[int, ...], shape: tuple[int, int, int],
-           split: str = "train") -> tuple[np.ndarray, str]:
+def render(
+    seed: int, key: tuple[int, ...], shape: tuple[int, int, int], split: str = "train"
+) -> tuple[np.ndarray, str]:
     """The clip for (seed, key) at latent shape (T, H, W): (frames float32 [T, H, W, 3] in [-1, 1], caption)."""
     clip = plan(seed, key, tuple(shape), split)
     return draw(clip, tuple(shape)), caption_of(clip)

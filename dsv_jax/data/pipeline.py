@@ -83,13 +83,18 @@ class BucketBatcherIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:
         # Copies: a prefetching parent may keep this dict while the buffers keep filling.
-        return {"parent": self._parent.get_state(), "buffers": [list(b) for b in self.buffers],
-                "deferred": [list(d) for d in self.deferred]}
+        return {
+            "parent": self._parent.get_state(),
+            "buffers": [list(b) for b in self.buffers],
+            "deferred": [list(d) for d in self.deferred],
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         if len(state["buffers"]) != len(self.batch_sizes):
-            raise ValueError(f"data iterator state has {len(state['buffers'])} bucket buffers, this dataset has "
-                             f"{len(self.batch_sizes)} buckets")
+            raise ValueError(
+                f"data iterator state has {len(state['buffers'])} bucket buffers, this dataset has "
+                f"{len(self.batch_sizes)} buckets"
+            )
         self._parent.set_state(state["parent"])
         self.buffers = [[int(i) for i in b] for b in state["buffers"]]
         self.deferred = [[int(i) for i in d] for d in state["deferred"]]
@@ -115,7 +120,7 @@ class HostRows:
         ids = batch["ids"]
         per_host = len(ids) // self.process_count
         first = self.process_index * per_host
-        return {"bucket": batch["bucket"], "ids": ids[first:first + per_host]}
+        return {"bucket": batch["bucket"], "ids": ids[first : first + per_host]}
 
 
 class ReadSamples:
@@ -155,23 +160,29 @@ def check_dataset(cfg: Config, manifest: Manifest) -> None:
     """Everything about the dataset that must agree with the config, checked before any compile."""
     where = f"the dataset at {manifest.directory!r}"
     if manifest.channels != cfg.model.in_channels:
-        raise ValueError(f"{where} has {manifest.channels} latent channels (codec {manifest.codec!r}) but "
-                         f"model.in_channels={cfg.model.in_channels}: add model.in_channels={manifest.channels}")
+        raise ValueError(
+            f"{where} has {manifest.channels} latent channels (codec {manifest.codec!r}) but "
+            f"model.in_channels={cfg.model.in_channels}: add model.in_channels={manifest.channels}"
+        )
     for shape in manifest.shapes:
         if any(s % p for s, p in zip(shape, cfg.model.patch)):
             raise ValueError(f"{where}: bucket {shape} is not divisible by model.patch {cfg.model.patch}")
     kind = manifest.text.get("kind")
     if kind == "caption" and cfg.text.encoder != "builtin":
-        raise ValueError(f"{where} stores captions, not embeddings: use text.encoder=builtin, or prepare it "
-                         "with --text-encoder")
+        raise ValueError(
+            f"{where} stores captions, not embeddings: use text.encoder=builtin, or prepare it with --text-encoder"
+        )
     if kind == "embedding":
         if cfg.text.encoder != "precomputed":
-            raise ValueError(f"{where} stores text embeddings ({manifest.text.get('encoder')}): use "
-                             "text.encoder=precomputed")
+            raise ValueError(
+                f"{where} stores text embeddings ({manifest.text.get('encoder')}): use text.encoder=precomputed"
+            )
         if (manifest.text["max_len"], manifest.text["dim"]) != (cfg.text.max_len, cfg.model.text_dim):
-            raise ValueError(f"{where} stores text embeddings of {manifest.text['max_len']} x "
-                             f"{manifest.text['dim']}, the config expects text.max_len={cfg.text.max_len} x "
-                             f"model.text_dim={cfg.model.text_dim}")
+            raise ValueError(
+                f"{where} stores text embeddings of {manifest.text['max_len']} x "
+                f"{manifest.text['dim']}, the config expects text.max_len={cfg.text.max_len} x "
+                f"model.text_dim={cfg.model.text_dim}"
+            )
 
 
 def _mark_flags_parsed() -> None:
@@ -189,8 +200,16 @@ class GrainFeed:
     (`heldout` is then True); without one, the training records (fixed batches from the first records
     of each bucket), which the trainer's metrics name as such."""
 
-    def __init__(self, cfg: Config, *, batch_multiple: int = 1, process_index: int = 0, process_count: int = 1,
-                 split: str = "train", with_ids: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        batch_multiple: int = 1,
+        process_index: int = 0,
+        process_count: int = 1,
+        split: str = "train",
+        with_ids: bool = False,
+    ):
         self.cfg = cfg
         self.manifest = Manifest.load(cfg.data.path)
         check_dataset(cfg, self.manifest)
@@ -201,25 +220,40 @@ class GrainFeed:
         self.shapes = self.manifest.eval_shapes if self.heldout else self.manifest.shapes
         self._bucket_index = {tuple(b["shape"]): k for k, b in enumerate(self.manifest.buckets)}
         self.record_buckets = self.manifest.record_buckets(self.split)
-        self.seed = (cfg.data.seed + (0 if split == "train" else 1_000_003)) % 2 ** 32
+        self.seed = (cfg.data.seed + (0 if split == "train" else 1_000_003)) % 2**32
         self.workers = cfg.data.workers
-        self.reader = ReadSamples(self.manifest.shard_paths(self.split), cfg.text.encoder, cfg.text.max_len,
-                                  cfg.text.hash_buckets, with_ids)
+        self.reader = ReadSamples(
+            self.manifest.shard_paths(self.split), cfg.text.encoder, cfg.text.max_len, cfg.text.hash_buckets, with_ids
+        )
         self._it = None
         if split == "eval" and not self.heldout:
-            log.warning("evaluating on training records: the dataset at %s has no held-out split (prepare it with "
-                        "--eval-fraction F); its losses are logged as train_records_loss", self.manifest.directory)
+            log.warning(
+                "evaluating on training records: the dataset at %s has no held-out split (prepare it with "
+                "--eval-fraction F); its losses are logged as train_records_loss",
+                self.manifest.directory,
+            )
         if self.heldout and len(self.shapes) < len(self.manifest.shapes):
-            log.info("the held-out split has no samples of bucket(s) %s: they are not evaluated",
-                     sorted(set(self.manifest.shapes) - set(self.shapes)))
+            log.info(
+                "the held-out split has no samples of bucket(s) %s: they are not evaluated",
+                sorted(set(self.manifest.shapes) - set(self.shapes)),
+            )
         if split == "train":
-            log.info("data: %d samples in %d buckets from %s; batching %s", self.manifest.records, len(self.shapes),
-                     self.manifest.directory, self.rule.describe())
+            log.info(
+                "data: %d samples in %d buckets from %s; batching %s",
+                self.manifest.records,
+                len(self.shapes),
+                self.manifest.directory,
+                self.rule.describe(),
+            )
             warn_over_memory(self.rule, {"x".join(map(str, s)): self.seq_len(s) for s in self.shapes})
             for b, size in zip(self.manifest.buckets, self.batch_sizes()):
                 if 0 < b["count"] < size:
-                    log.warning("bucket %s holds %d samples, fewer than its batch of %d: its batches repeat samples",
-                                "x".join(map(str, b["shape"])), b["count"], size)
+                    log.warning(
+                        "bucket %s holds %d samples, fewer than its batch of %d: its batches repeat samples",
+                        "x".join(map(str, b["shape"])),
+                        b["count"],
+                        size,
+                    )
 
     def seq_len(self, shape) -> int:
         return tokens_per_sample(shape, self.cfg.model.patch)
@@ -234,8 +268,11 @@ class GrainFeed:
     def dataset(self) -> grain.IterDataset:
         ds = grain.MapDataset.range(len(self.record_buckets)).shuffle(seed=self.seed).repeat()
         ds = ds.map(KeyByBucket(self.record_buckets)).to_iter_dataset()
-        ds = BucketBatcher(ds, self.batch_sizes(),
-                           [b["count" if self.split == "train" else "eval_count"] for b in self.manifest.buckets])
+        ds = BucketBatcher(
+            ds,
+            self.batch_sizes(),
+            [b["count" if self.split == "train" else "eval_count"] for b in self.manifest.buckets],
+        )
         ds = ds.map(HostRows(self.process_index, self.process_count)).map(self.reader)
         if self.workers > 0:
             _mark_flags_parsed()
@@ -254,23 +291,36 @@ class GrainFeed:
         return next(self._iterator())
 
     def get_state(self) -> dict:
-        return {"grain": self._iterator().get_state(), "workers": self.workers,
-                "records": len(self.record_buckets), "batch_sizes": self.batch_sizes()}
+        return {
+            "grain": self._iterator().get_state(),
+            "workers": self.workers,
+            "records": len(self.record_buckets),
+            "batch_sizes": self.batch_sizes(),
+        }
 
     def set_state(self, state: dict) -> None:
         if "grain" not in state:
-            raise ValueError(f"the checkpoint's data state {sorted(state)} is not from a data.path dataset "
-                             "(was it trained on the embedded dataset?)")
+            raise ValueError(
+                f"the checkpoint's data state {sorted(state)} is not from a data.path dataset "
+                "(was it trained on the embedded dataset?)"
+            )
         if state.get("records") != len(self.record_buckets):
-            raise ValueError(f"the checkpoint's data state is for a dataset of {state.get('records')} samples, "
-                             f"{self.manifest.directory!r} holds {len(self.record_buckets)}")
+            raise ValueError(
+                f"the checkpoint's data state is for a dataset of {state.get('records')} samples, "
+                f"{self.manifest.directory!r} holds {len(self.record_buckets)}"
+            )
         if state.get("workers") != self.workers:
-            raise ValueError(f"the checkpoint's data state was saved with data.workers={state.get('workers')}; "
-                             f"resume with the same (now {self.workers}) to continue the same batch sequence")
+            raise ValueError(
+                f"the checkpoint's data state was saved with data.workers={state.get('workers')}; "
+                f"resume with the same (now {self.workers}) to continue the same batch sequence"
+            )
         if state.get("batch_sizes") != self.batch_sizes():
-            log.warning("batch sizes per bucket changed since the checkpoint (%s -> %s): training continues, "
-                        "but not with the batches an uninterrupted run would have seen",
-                        state.get("batch_sizes"), self.batch_sizes())
+            log.warning(
+                "batch sizes per bucket changed since the checkpoint (%s -> %s): training continues, "
+                "but not with the batches an uninterrupted run would have seen",
+                state.get("batch_sizes"),
+                self.batch_sizes(),
+            )
         self._iterator().set_state(state["grain"])
 
     def batch_at(self, index: int, shape) -> dict[str, np.ndarray]:

@@ -77,6 +77,7 @@ def parse_buckets(spec) -> list[tuple[int, int, int]]:
 # ---------------------------------------------------------------------------------------------
 # Finding files and captions
 
+
 def discover(input_dir: str) -> list[str]:
     """Media files under input_dir, as sorted paths relative to it."""
     found = []
@@ -128,6 +129,7 @@ def caption_for(input_dir: str, rel: str, table: dict[str, str]) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Reading and fitting one file (runs in reader processes; no jax here)
 
+
 def probe(path: str) -> tuple[int, int, int]:
     """(frames, height, width) of a media file without decoding it all where the container says."""
     import imageio.v3 as iio
@@ -169,8 +171,7 @@ def video_problem(path: str) -> str | None:
     try:
         container = av.open(path)
     except av.error.FFmpegError as e:
-        return (f"cannot open the {ext} container: {e.strerror or e} (the file is corrupt, truncated or "
-                f"not {ext})")
+        return f"cannot open the {ext} container: {e.strerror or e} (the file is corrupt, truncated or not {ext})"
     with container:
         if not container.streams.video:
             kinds = ", ".join(sorted({s.type for s in container.streams})) or "none"
@@ -182,8 +183,10 @@ def video_problem(path: str) -> str | None:
             for _ in container.decode(stream):
                 good += 1
         except av.error.FFmpegError as e:
-            return f"the {codec} video stream of the {ext} file does not decode after {good} good frame(s): " \
-                   f"{e.strerror or e}"
+            return (
+                f"the {codec} video stream of the {ext} file does not decode after {good} good frame(s): "
+                f"{e.strerror or e}"
+            )
         if not good:
             return f"the {codec} video stream of the {ext} file has no decodable frame"
     return None
@@ -197,16 +200,16 @@ def to_rgb(frame: np.ndarray) -> np.ndarray:
     if frame.shape[-1] == 1:
         frame = np.repeat(frame, 3, axis=-1)
     if frame.dtype != np.uint8:
-        frame = np.clip(frame / (np.iinfo(frame.dtype).max / 255.0 if frame.dtype.kind == "u" else 1 / 255.0),
-                        0, 255).astype(np.uint8)
+        frame = np.clip(
+            frame / (np.iinfo(frame.dtype).max / 255.0 if frame.dtype.kind == "u" else 1 / 255.0), 0, 255
+        ).astype(np.uint8)
     return frame
 
 
 def choose_bucket(frames: int, height: int, width: int, pixel_shapes, stride: int = 1) -> int | None:
     """Index of the bucket (given as pixel shapes) for a file of `frames` x height x width, or None."""
     is_image = frames == 1
-    fits = [i for i, (f, _, _) in enumerate(pixel_shapes)
-            if (f == 1) == is_image and (f - 1) * stride + 1 <= frames]
+    fits = [i for i, (f, _, _) in enumerate(pixel_shapes) if (f == 1) == is_image and (f - 1) * stride + 1 <= frames]
     if not fits:
         return None
     aspect = math.log(width / height)
@@ -289,6 +292,7 @@ def read_clip(task: ReadTask) -> ReadResult:
 # ---------------------------------------------------------------------------------------------
 # Writing
 
+
 class ShardWriter:
     """One bucket's shard series; each shard is written as NAME.partial and renamed when complete."""
 
@@ -355,8 +359,10 @@ class PrepareReport:
     def summary(self) -> str:
         held = f" (+ {self.eval_records} held out for evaluation)" if self.eval_per_bucket else ""
         lines = [f"wrote {self.records} samples{held} in {self.seconds:.1f} s to {os.path.dirname(self.manifest)}"]
-        lines += [f"  bucket {k}: {n}" + (f" (+ {self.eval_per_bucket[k]} held out)" if self.eval_per_bucket else "")
-                  for k, n in self.per_bucket.items()]
+        lines += [
+            f"  bucket {k}: {n}" + (f" (+ {self.eval_per_bucket[k]} held out)" if self.eval_per_bucket else "")
+            for k, n in self.per_bucket.items()
+        ]
         if self.failed:
             lines.append(f"{len(self.failed)} file(s) could not be read:")
             lines += [f"  {f['file']}: {f['error']}" for f in self.failed]
@@ -368,10 +374,22 @@ class PrepareReport:
         return "\n".join(lines)
 
 
-def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2x2", captions: str | None = None,
-            text_encoder: str | None = None, workers: int | None = None, shard_size: int = 1000,
-            frame_stride: int = 1, strict: bool = False, overwrite: bool = False, eval_fraction: float = 0.0,
-            progress: bool = True) -> PrepareReport:
+def prepare(
+    input_dir: str,
+    output_dir: str,
+    buckets,
+    *,
+    codec: str = "pixel:1x2x2",
+    captions: str | None = None,
+    text_encoder: str | None = None,
+    workers: int | None = None,
+    shard_size: int = 1000,
+    frame_stride: int = 1,
+    strict: bool = False,
+    overwrite: bool = False,
+    eval_fraction: float = 0.0,
+    progress: bool = True,
+) -> PrepareReport:
     """Prepare a dataset (see the module doc). Every argument is checked before any file is read."""
     t0 = time.perf_counter()
     if not os.path.isdir(input_dir):
@@ -386,12 +404,14 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
     if os.path.exists(os.path.join(output_dir, MANIFEST)) and not overwrite:
-        raise FileExistsError(f"--output {output_dir!r} already holds a dataset ({MANIFEST}); "
-                              "pass --overwrite to replace it")
+        raise FileExistsError(
+            f"--output {output_dir!r} already holds a dataset ({MANIFEST}); pass --overwrite to replace it"
+        )
     files = discover(input_dir)
     if not files:
-        raise FileNotFoundError(f"no videos ({' '.join(VIDEO_EXTS)}) or images ({' '.join(IMAGE_EXTS)}) "
-                                f"under {input_dir!r}")
+        raise FileNotFoundError(
+            f"no videos ({' '.join(VIDEO_EXTS)}) or images ({' '.join(IMAGE_EXTS)}) under {input_dir!r}"
+        )
     held_out = held_out_files(files, eval_fraction)
     # Shards are staged in a private folder and moved into place only when the whole run succeeded:
     # a failed run leaves the output (and any dataset already there) as it was.
@@ -417,19 +437,28 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
             emb, mask = encode_text(caps)
             emb, mask = np.asarray(emb), np.asarray(mask, bool)
             if emb.ndim != 3 or mask.shape != emb.shape[:2] or len(emb) != len(caps):
-                raise PrepareError(f"text encoder {text_encoder!r} returned embeddings {emb.shape} and mask "
-                                   f"{mask.shape} for {len(caps)} captions; expected [N, L, D] and [N, L]")
-            spec = {"kind": "embedding", "max_len": int(emb.shape[1]), "dim": int(emb.shape[2]),
-                    "encoder": text_encoder}
+                raise PrepareError(
+                    f"text encoder {text_encoder!r} returned embeddings {emb.shape} and mask "
+                    f"{mask.shape} for {len(caps)} captions; expected [N, L, D] and [N, L]"
+                )
+            spec = {
+                "kind": "embedding",
+                "max_len": int(emb.shape[1]),
+                "dim": int(emb.shape[2]),
+                "encoder": text_encoder,
+            }
             if text_spec["kind"] == "embedding" and spec != text_spec:
-                raise PrepareError(f"text encoder {text_encoder!r} changed its output shape between batches: "
-                                   f"{text_spec} then {spec}")
+                raise PrepareError(
+                    f"text encoder {text_encoder!r} changed its output shape between batches: {text_spec} then {spec}"
+                )
             text_spec = spec
         for j, (res, cap) in enumerate(pending):
             latent = np.asarray(the_codec.encode(res.frames))
             if latent.shape != (*shapes[res.bucket], the_codec.channels):
-                raise PrepareError(f"codec {the_codec.name!r} encoded {res.rel} to {latent.shape}, expected "
-                                   f"{(*shapes[res.bucket], the_codec.channels)}")
+                raise PrepareError(
+                    f"codec {the_codec.name!r} encoded {res.rel} to {latent.shape}, expected "
+                    f"{(*shapes[res.bucket], the_codec.channels)}"
+                )
             if latent.dtype != np.uint8:
                 latent = latent.astype(np.float16)
             arrays = {"latent": latent}
@@ -446,8 +475,9 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     try:
         if workers > 1:
             # spawn: the caller may hold jax or threads, which fork would copy in an unusable state
-            pool = mp.get_context("spawn").Pool(workers, initializer=_init_reader,
-                                                initargs=(pixel_shapes, frame_stride))
+            pool = mp.get_context("spawn").Pool(
+                workers, initializer=_init_reader, initargs=(pixel_shapes, frame_stride)
+            )
             results = pool.imap(read_clip, tasks, chunksize=1)  # ordered: the output does not depend on timing
         else:
             _init_reader(pixel_shapes, frame_stride)
@@ -472,11 +502,14 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
         flush()
         if sum(counts) == 0:
             what = f"{len(tasks) - len(held_out)} training file(s)" if held_out else f"{len(tasks)} file(s)"
-            raise PrepareError(f"none of the {what} under {input_dir!r} gave a sample ({len(failed)} unreadable, "
-                               f"{len(skipped)} fitting no bucket)")
+            raise PrepareError(
+                f"none of the {what} under {input_dir!r} gave a sample ({len(failed)} unreadable, "
+                f"{len(skipped)} fitting no bucket)"
+            )
         if held_out and sum(eval_counts) == 0:
-            log.warning("none of the %d held-out file(s) gave a sample: the dataset has no held-out split",
-                        len(held_out))
+            log.warning(
+                "none of the %d held-out file(s) gave a sample: the dataset has no held-out split", len(held_out)
+            )
         for w in writers + eval_writers:
             w.finish()
     except BaseException:
@@ -497,18 +530,38 @@ def prepare(input_dir: str, output_dir: str, buckets, *, codec: str = "pixel:1x2
     shutil.rmtree(staging, ignore_errors=True)
 
     manifest = Manifest(
-        directory=os.path.abspath(output_dir), codec=the_codec.name, channels=the_codec.channels, text=text_spec,
-        buckets=[{"shape": list(s), "pixel_shape": list(p), "count": c, "eval_count": e}
-                 for s, p, c, e in zip(shapes, pixel_shapes, counts, eval_counts)],
-        shards=[s for w in writers for s in w.done], failed=failed, skipped=skipped,
+        directory=os.path.abspath(output_dir),
+        codec=the_codec.name,
+        channels=the_codec.channels,
+        text=text_spec,
+        buckets=[
+            {"shape": list(s), "pixel_shape": list(p), "count": c, "eval_count": e}
+            for s, p, c, e in zip(shapes, pixel_shapes, counts, eval_counts)
+        ],
+        shards=[s for w in writers for s in w.done],
+        failed=failed,
+        skipped=skipped,
         eval_shards=[s for w in eval_writers for s in w.done],
-        extra={"source": os.path.abspath(input_dir), "frame_stride": frame_stride, "uncaptioned": uncaptioned,
-               "eval_fraction": eval_fraction, "eval_files": len(held_out)})
+        extra={
+            "source": os.path.abspath(input_dir),
+            "frame_stride": frame_stride,
+            "uncaptioned": uncaptioned,
+            "eval_fraction": eval_fraction,
+            "eval_files": len(held_out),
+        },
+    )
     path = manifest.write()
     names = ["x".join(map(str, s)) for s in shapes]
-    return PrepareReport(manifest=path, records=sum(counts), per_bucket=dict(zip(names, counts)),
-                         failed=failed, skipped=skipped, uncaptioned=uncaptioned, seconds=time.perf_counter() - t0,
-                         eval_per_bucket=dict(zip(names, eval_counts)) if held_out else {})
+    return PrepareReport(
+        manifest=path,
+        records=sum(counts),
+        per_bucket=dict(zip(names, counts)),
+        failed=failed,
+        skipped=skipped,
+        uncaptioned=uncaptioned,
+        seconds=time.perf_counter() - t0,
+        eval_per_bucket=dict(zip(names, eval_counts)) if held_out else {},
+    )
 
 
 def held_out_files(files: list[str], fraction: float) -> set[str]:

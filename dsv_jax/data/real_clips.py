@@ -70,7 +70,7 @@ class RealClips:
             frames = _frames(self.paths[k % len(self.paths)], h, w)
             windows = max(1, len(frames) - t + 1)
             start = (k // len(self.paths)) * t % windows
-            window = frames[start:start + t]
+            window = frames[start : start + t]
             if len(window) < t:  # a clip shorter than the window: hold its last frame
                 window = np.concatenate([window, np.repeat(window[-1:], t - len(window), 0)])
             rows.append(encode_frames(window))

@@ -30,8 +30,10 @@ def unpack(record: bytes) -> tuple[dict[str, np.ndarray], dict]:
     if record[:4] != MAGIC:
         raise ValueError(f"not a dsv-jax record (starts with {bytes(record[:4])!r})")
     (n,) = struct.unpack("<I", record[4:8])
-    header = json.loads(record[8:8 + n])
-    body = memoryview(record)[8 + n:]
-    arrays = {name: np.frombuffer(body[off:off + size], dtype=np.dtype(dt)).reshape(shape)
-              for name, (dt, shape, off, size) in header["arrays"].items()}
+    header = json.loads(record[8 : 8 + n])
+    body = memoryview(record)[8 + n :]
+    arrays = {
+        name: np.frombuffer(body[off : off + size], dtype=np.dtype(dt)).reshape(shape)
+        for name, (dt, shape, off, size) in header["arrays"].items()
+    }
     return arrays, header["meta"]

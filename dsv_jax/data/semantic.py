@@ -51,13 +51,19 @@ def parse(caption: str) -> dict | None:
     """{"source": "synthetic" | "photos", ...the caption's facts} or None when neither source wrote it."""
     m = SYNTHETIC_CAPTION.match(caption.strip().lower())
     if m and m.group(2) in synthetic.COLOURS and m.group(3) in synthetic.SHAPES:
-        return {"source": "synthetic", "large": m.group(1) == "large", "colour": m.group(2), "shape": m.group(3),
-                "direction": m.group(4) if m.group(4) in synthetic.DIRECTIONS else None}
+        return {
+            "source": "synthetic",
+            "large": m.group(1) == "large",
+            "colour": m.group(2),
+            "shape": m.group(3),
+            "direction": m.group(4) if m.group(4) in synthetic.DIRECTIONS else None,
+        }
     facts = photos.parse_caption(caption)
     return None if facts is None else {"source": "photos", **facts}
 
 
 # -- measurements ----------------------------------------------------------------------------------------
+
 
 def direction_of(dy: float, dx: float) -> str | None:
     """The direction (left/right/up/down) of a displacement, by its larger component; None if zero."""
@@ -71,7 +77,7 @@ def direction_of(dy: float, dx: float) -> str | None:
 def _halves_shift(points: np.ndarray) -> tuple[float, float]:
     """Mean position of the second half of a track [T, 2] minus that of the first half."""
     half = len(points) // 2
-    return tuple(points[len(points) - half:].mean(0) - points[:half].mean(0))
+    return tuple(points[len(points) - half :].mean(0) - points[:half].mean(0))
 
 
 class Matcher:
@@ -169,6 +175,7 @@ def _salience(frame: np.ndarray) -> np.ndarray:
 
 # -- the questions -----------------------------------------------------------------------------------------
 
+
 def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, Answer]:
     t, h, w, _ = frames.shape
     palette = {k: np.asarray(v, np.float64) / 127.5 - 1 for k, v in synthetic.COLOURS.items()}
@@ -177,7 +184,7 @@ def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, Answer]:
     votes = np.zeros(len(names))
     for frame in frames:
         flat, sal = frame.reshape(-1, 3), _salience(frame).ravel()
-        top = flat[np.argsort(sal)[-max(1, sal.size // 20):]]  # the 5% most salient pixels
+        top = flat[np.argsort(sal)[-max(1, sal.size // 20) :]]  # the 5% most salient pixels
         nearest = np.argmin(((top[:, None] - colours[None]) ** 2).sum(-1), axis=1)
         votes += np.bincount(nearest, minlength=len(names))
     out["colour"] = _answer(facts["colour"], names[int(np.argmax(votes))], 1 / len(names))
@@ -186,8 +193,10 @@ def _synthetic(frames: np.ndarray, facts: dict) -> dict[str, Answer]:
     size = int(np.ceil(2 * r)) + 2
     yy, xx = np.mgrid[:size, :size] + 0.5 - size / 2
     matcher = Matcher(np.stack([_salience(f) for f in frames])[..., None])
-    scores = {kind: matcher(synthetic.shape_mask(kind, yy, xx, r)[..., None], np.ones((size, size))).max((1, 2)).mean()
-              for kind in synthetic.SHAPES}
+    scores = {
+        kind: matcher(synthetic.shape_mask(kind, yy, xx, r)[..., None], np.ones((size, size))).max((1, 2)).mean()
+        for kind in synthetic.SHAPES
+    }
     out["shape"] = _answer(facts["shape"], max(scores, key=scores.get), 1 / len(synthetic.SHAPES))
 
     if t > 1 and facts["direction"]:
@@ -262,9 +271,11 @@ def score_clips(clips, captions) -> dict:
         if result:
             per_clip.append(float(np.mean([a.right for a in result.values()])))
     pooled = [a for v in answers.values() for a in v]
-    summary = lambda items: {"accuracy": float(np.mean([a.right for a in items])) if items else float("nan"),
-                             "chance": float(np.mean([a.chance for a in items])) if items else float("nan"),
-                             "n": len(items)}
+    summary = lambda items: {
+        "accuracy": float(np.mean([a.right for a in items])) if items else float("nan"),
+        "chance": float(np.mean([a.chance for a in items])) if items else float("nan"),
+        "n": len(items),
+    }
     stderr = float(np.std(per_clip, ddof=1) / np.sqrt(len(per_clip))) if len(per_clip) > 1 else float("nan")
     questions = {k: {**summary(v), "confusion": confusion(v)} for k, v in sorted(answers.items())}
     return {"questions": questions, **summary(pooled), "stderr": stderr, "unscored": unscored}
@@ -294,5 +305,8 @@ def format_score(score: dict) -> str:
     parts = [f"{k} {v['accuracy']:.2f}/{v['chance']:.2f} (n={v['n']})" for k, v in score["questions"].items()]
     stderr = score.get("stderr", float("nan"))  # absent in results written before it existed
     spread = f" +- {stderr:.3f}" if np.isfinite(stderr) else ""
-    return f"semantic score {score['accuracy']:.3f}{spread} (chance {score['chance']:.3f}): " + ", ".join(parts) + \
-        (f"; {score['unscored']} captions not scorable" if score["unscored"] else "")
+    return (
+        f"semantic score {score['accuracy']:.3f}{spread} (chance {score['chance']:.3f}): "
+        + ", ".join(parts)
+        + (f"; {score['unscored']} captions not scorable" if score["unscored"] else "")
+    )

@@ -11,8 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 COLOURS = {
-    "red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "yellow": (240, 220, 40),
-    "cyan": (40, 220, 230), "magenta": (220, 50, 220), "white": (240, 240, 240), "orange": (250, 140, 20),
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (50, 90, 240),
+    "yellow": (240, 220, 40),
+    "cyan": (40, 220, 230),
+    "magenta": (220, 50, 220),
+    "white": (240, 240, 240),
+    "orange": (250, 140, 20),
 }
 SHAPES = ("circle", "square", "triangle", "ring", "cross", "diamond")
 DIRECTIONS = {"left": (0.0, -1.0), "right": (0.0, 1.0), "up": (-1.0, 0.0), "down": (1.0, 0.0)}
@@ -22,13 +28,13 @@ def shape_mask(shape: str, dy: np.ndarray, dx: np.ndarray, r: float) -> np.ndarr
     """Soft coverage in [0, 1] of `shape` of radius r at offsets (dy, dx) from its centre."""
     ady, adx = np.abs(dy), np.abs(dx)
     if shape == "circle":
-        dist = np.sqrt(dy ** 2 + dx ** 2) - r
+        dist = np.sqrt(dy**2 + dx**2) - r
     elif shape == "square":
         dist = np.maximum(ady, adx) - 0.8 * r
     elif shape == "diamond":
         dist = (ady + adx) / np.sqrt(2) - 0.75 * r
     elif shape == "ring":
-        dist = np.abs(np.sqrt(dy ** 2 + dx ** 2) - 0.75 * r) - 0.28 * r
+        dist = np.abs(np.sqrt(dy**2 + dx**2) - 0.75 * r) - 0.28 * r
     elif shape == "cross":
         arm = 0.3 * r
         dist = np.minimum(np.maximum(ady - r, adx - arm), np.maximum(ady - arm, adx - r))

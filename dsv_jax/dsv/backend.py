@@ -25,21 +25,51 @@ from pallas_kernels.sparse_attention import sparse_attention
 
 # -- registered backends ----------------------------------------------------------------------------
 
+
 @register_backend("dsv")
-def dsv_attention(q, k, v, *, kv_lens, sm_scale, kv_index=None, kv_count=None, q_lr=None, k_lr=None, top_k=None,
-                  keep=None, q_tile=64, kv_block=64, block_reduce="mean", kv_valid=None, dense_backend="auto",
-                  return_lse=False):
+def dsv_attention(
+    q,
+    k,
+    v,
+    *,
+    kv_lens,
+    sm_scale,
+    kv_index=None,
+    kv_count=None,
+    q_lr=None,
+    k_lr=None,
+    top_k=None,
+    keep=None,
+    q_tile=64,
+    kv_block=64,
+    block_reduce="mean",
+    kv_valid=None,
+    dense_backend="auto",
+    return_lse=False,
+):
     if kv_lens is not None:
         return attention(q, k, v, backend=dense_backend, kv_lens=kv_lens, sm_scale=sm_scale, return_lse=return_lse)
     if kv_index is None:
         if q_lr is None or k_lr is None or top_k is None:
             raise TypeError("backend 'dsv' needs kv_index and kv_count, or q_lr, k_lr and top_k")
-        kv_index, kv_count = select_kv(q_lr, k_lr, top_k, keep, q_tile=q_tile, kv_block=kv_block,
-                                       block_reduce=block_reduce, kv_valid=kv_valid)
+        kv_index, kv_count = select_kv(
+            q_lr, k_lr, top_k, keep, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce, kv_valid=kv_valid
+        )
     elif kv_count is None:
         kv_count = jnp.full(kv_index.shape[:3], kv_index.shape[-1], jnp.int32)
-    return sparse_attention(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block, sm_scale=sm_scale,
-                            kv_valid=kv_valid, return_lse=return_lse, impl="auto")
+    return sparse_attention(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+        impl="auto",
+    )
 
 
 def window_kv(batch: int, heads: int, grid, tile, fraction: float, n_tiles: int | None = None):
@@ -55,12 +85,24 @@ def window_kv(batch: int, heads: int, grid, tile, fraction: float, n_tiles: int 
 
 
 @register_backend("window")
-def window_attention(q, k, v, *, kv_lens, sm_scale, grid, tile, fraction=1 / 3, kv_valid=None, dense_backend="auto",
-                     return_lse=False):
+def window_attention(
+    q, k, v, *, kv_lens, sm_scale, grid, tile, fraction=1 / 3, kv_valid=None, dense_backend="auto", return_lse=False
+):
     if kv_lens is not None:
         return attention(q, k, v, backend=dense_backend, kv_lens=kv_lens, sm_scale=sm_scale, return_lse=return_lse)
     tile = tuple(min(int(t), int(g)) for t, g in zip(tile, grid))
     size = int(np.prod(tile))
     kv_index, kv_count = window_kv(q.shape[0], q.shape[2], grid, tile, fraction, n_tiles=q.shape[1] // size)
-    return sparse_attention(q, k, v, kv_index, kv_count, q_tile=size, kv_block=size, sm_scale=sm_scale,
-                            kv_valid=kv_valid, return_lse=return_lse, impl="auto")
+    return sparse_attention(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        q_tile=size,
+        kv_block=size,
+        sm_scale=sm_scale,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+        impl="auto",
+    )

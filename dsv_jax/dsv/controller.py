@@ -72,8 +72,9 @@ class DSVController:
         every = self.dsv.stage2_predictor_every
         return self.stage == 1 or profile or step is None or every == 1 or step % every == 0
 
-    def plans(self, shape, *, train: bool = True, profile: bool = False,
-              step: int | None = None) -> tuple[AttentionPlan, ...]:
+    def plans(
+        self, shape, *, train: bool = True, profile: bool = False, step: int | None = None
+    ) -> tuple[AttentionPlan, ...]:
         """Static per-block plans of a step on `shape`: train adds the predictor loss (on the steps that
         train it, see `trains_predictor`), profile the sparsity statistics (see `profile_due`); neither for
         evaluation and sampling."""
@@ -86,11 +87,23 @@ class DSVController:
         for rung in self.rungs(shape):
             sparse = self.stage == 2 and rung > 0
             keep = rung if sparse else (self.prospective if profile else 0.0)
-            out.append(AttentionPlan(mode="dsv", backend=d.dense_backend, sparse=sparse, keep=keep, kv_block=d.kv_block,
-                                     predictor=predictor, profile=profile, block_reduce=d.block_reduce,
-                                     center_logits=d.center_logits,
-                                     query_stride=d.query_stride, max_queries=queries, theta=d.theta,
-                                     percentile=d.percentile))
+            out.append(
+                AttentionPlan(
+                    mode="dsv",
+                    backend=d.dense_backend,
+                    sparse=sparse,
+                    keep=keep,
+                    kv_block=d.kv_block,
+                    predictor=predictor,
+                    profile=profile,
+                    block_reduce=d.block_reduce,
+                    center_logits=d.center_logits,
+                    query_stride=d.query_stride,
+                    max_queries=queries,
+                    theta=d.theta,
+                    percentile=d.percentile,
+                )
+            )
         return tuple(out)
 
     def inputs(self, shape, *, train: bool = True, step: int | None = None) -> dict[str, np.ndarray]:
@@ -159,8 +172,12 @@ class DSVController:
         measured = np.asarray(metrics["dsv/sparsity"], np.float64)
         entry = self.shapes.get(key)
         if entry is None:
-            entry = self.shapes[key] = {"sparsity": measured.tolist(), "recall_curve": [None] * self.depth,
-                                        "rungs": [0.0] * self.depth, "profiles": 0}
+            entry = self.shapes[key] = {
+                "sparsity": measured.tolist(),
+                "recall_curve": [None] * self.depth,
+                "rungs": [0.0] * self.depth,
+                "profiles": 0,
+            }
         else:
             entry["sparsity"] = (d.ema * np.asarray(entry["sparsity"]) + (1 - d.ema) * measured).tolist()
         entry["profiles"] += 1
@@ -169,8 +186,9 @@ class DSVController:
             for i, curve in enumerate(np.asarray(curves, np.float64)):
                 if np.isfinite(curve).all():  # NaN: this block measured none (no predictor, or a padded layout)
                     old = entry["recall_curve"][i]
-                    entry["recall_curve"][i] = (curve if old is None else d.ema * np.asarray(old) + (1 - d.ema) * curve
-                                                ).tolist()
+                    entry["recall_curve"][i] = (
+                        curve if old is None else d.ema * np.asarray(old) + (1 - d.ema) * curve
+                    ).tolist()
         if self.stage == 1:
             if self.loss_ema < d.switch_loss:
                 return self._switch(step + 1, f"predictor loss {self.loss_ema:.4f} < {d.switch_loss}")
@@ -213,10 +231,21 @@ class DSVController:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "switch_step": self.switch_step, "loss_ema": self.loss_ema,
-                "recall_fractions": list(RECALL_FRACTIONS),
-                "shapes": {k: {"sparsity": v["sparsity"], "recall_curve": v["recall_curve"], "rungs": v["rungs"],
-                               "profiles": v["profiles"]} for k, v in self.shapes.items()}}
+        return {
+            "stage": self.stage,
+            "switch_step": self.switch_step,
+            "loss_ema": self.loss_ema,
+            "recall_fractions": list(RECALL_FRACTIONS),
+            "shapes": {
+                k: {
+                    "sparsity": v["sparsity"],
+                    "recall_curve": v["recall_curve"],
+                    "rungs": v["rungs"],
+                    "profiles": v["profiles"],
+                }
+                for k, v in self.shapes.items()
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stage, self.switch_step, self.loss_ema = int(state["stage"]), state["switch_step"], state["loss_ema"]
@@ -224,28 +253,47 @@ class DSVController:
         for k, v in state["shapes"].items():
             sparsity = np.asarray(v["sparsity"], np.float64)
             if sparsity.shape != (self.depth, self.heads) or len(v["rungs"]) != self.depth:
-                raise ValueError(f"DSV controller state for {k} has sparsity {sparsity.shape} and {len(v['rungs'])} "
-                                 f"rungs; the model has {self.depth} blocks x {self.heads} heads")
+                raise ValueError(
+                    f"DSV controller state for {k} has sparsity {sparsity.shape} and {len(v['rungs'])} "
+                    f"rungs; the model has {self.depth} blocks x {self.heads} heads"
+                )
             curves = v.get("recall_curve") or [None] * self.depth
             if "scale" in v and any(abs(float(x) - self.dsv.keep_scale) > 1e-9 for x in v["scale"]):
-                log.warning("DSV controller state for %s: the per-block keep scales %s of an older version are "
-                            "not used; keep ratios now follow the recall curves (dsv.recall_target)", k, v["scale"])
+                log.warning(
+                    "DSV controller state for %s: the per-block keep scales %s of an older version are "
+                    "not used; keep ratios now follow the recall curves (dsv.recall_target)",
+                    k,
+                    v["scale"],
+                )
             if list(state.get("recall_fractions", RECALL_FRACTIONS)) != list(RECALL_FRACTIONS):
-                log.warning("DSV controller state for %s: recall curves measured at other keep ratios; dropped, "
-                            "they are measured again on the next profiles", k)
+                log.warning(
+                    "DSV controller state for %s: recall curves measured at other keep ratios; dropped, "
+                    "they are measured again on the next profiles",
+                    k,
+                )
                 curves = [None] * self.depth
-            bad = [np.shape(c) for c in curves if c is not None and (
-                np.shape(c) != (self.heads, len(RECALL_FRACTIONS)) or not np.isfinite(np.asarray(c, np.float64)).all())]
+            bad = [
+                np.shape(c)
+                for c in curves
+                if c is not None
+                and (
+                    np.shape(c) != (self.heads, len(RECALL_FRACTIONS))
+                    or not np.isfinite(np.asarray(c, np.float64)).all()
+                )
+            ]
             if len(curves) != self.depth or bad:
-                raise ValueError(f"DSV controller state for {k} has recall curves for {len(curves)} blocks "
-                                 f"(bad: shapes {bad}, or non-finite values); the model has {self.depth} blocks x "
-                                 f"{self.heads} heads x {len(RECALL_FRACTIONS)} fractions")
-            self.shapes[k] = {"sparsity": sparsity.tolist(), "rungs": [float(r) for r in v["rungs"]],
-                              "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist()
-                                               for c in curves],
-                              "profiles": int(v["profiles"])}
+                raise ValueError(
+                    f"DSV controller state for {k} has recall curves for {len(curves)} blocks "
+                    f"(bad: shapes {bad}, or non-finite values); the model has {self.depth} blocks x "
+                    f"{self.heads} heads x {len(RECALL_FRACTIONS)} fractions"
+                )
+            self.shapes[k] = {
+                "sparsity": sparsity.tolist(),
+                "rungs": [float(r) for r in v["rungs"]],
+                "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist() for c in curves],
+                "profiles": int(v["profiles"]),
+            }
 
 
 def _describe(rung: float) -> str:
     return f"sparse keep<={rung:g}" if rung > 0 else "dense"
-

@@ -27,10 +27,24 @@ class LowRankPredictor(nnx.Module):
     def __init__(self, cfg: ModelConfig, rank: int, rngs: nnx.Rngs, *, rope: bool = True):
         self.heads, self.rank, self.rope, self.rope_theta = cfg.heads, rank, rope, cfg.rope_theta
         init = nnx.initializers.lecun_normal()
-        self.wq = nnx.Linear(cfg.hidden, cfg.heads * rank, use_bias=False, kernel_init=init,
-                             param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
-        self.wk = nnx.Linear(cfg.hidden, cfg.heads * rank, use_bias=False, kernel_init=init,
-                             param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
+        self.wq = nnx.Linear(
+            cfg.hidden,
+            cfg.heads * rank,
+            use_bias=False,
+            kernel_init=init,
+            param_dtype=jnp.float32,
+            dtype=jnp.float32,
+            rngs=rngs,
+        )
+        self.wk = nnx.Linear(
+            cfg.hidden,
+            cfg.heads * rank,
+            use_bias=False,
+            kernel_init=init,
+            param_dtype=jnp.float32,
+            dtype=jnp.float32,
+            rngs=rngs,
+        )
 
     def __call__(self, x, rope=None):
         """x [B, S, hidden] (already detached by the caller) -> q_lr, k_lr [B, S, H, rank] in fp32.

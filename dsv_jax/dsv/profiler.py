@@ -25,13 +25,47 @@ from pallas_kernels.lowrank_topk import block_scores
 
 TOP_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 # Keep ratios at which the recall curve is measured (finer where sparse attention pays most).
-RECALL_FRACTIONS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5,
-                    0.6, 0.7, 0.8, 0.9, 1.0)
+RECALL_FRACTIONS = (
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.35,
+    0.4,
+    0.45,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+    1.0,
+)
 
 
-def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coords: np.ndarray,
-                 selection=None, q_tile: int = 1, kv_block: int = 1, lowrank=None, block_reduce: str = "mean",
-                 analysis: bool = False, exact=None, kv_valid=None):
+def profile_rows(
+    z,
+    positions,
+    n_real,
+    *,
+    theta: float,
+    percentile: float,
+    coords: np.ndarray,
+    selection=None,
+    q_tile: int = 1,
+    kv_block: int = 1,
+    lowrank=None,
+    block_reduce: str = "mean",
+    analysis: bool = False,
+    exact=None,
+    kv_valid=None,
+):
     """Statistics of true logits z [B, H, Q, S] (invalid keys -inf) of queries at `positions`.
 
     Returns {"sparsity": [H], "recall": [H], "recall_curve": [H, len(RECALL_FRACTIONS)]} (recall NaN
@@ -50,10 +84,16 @@ def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coord
     sparsity_q = 1.0 - critical.astype(jnp.float32) / n_real
     flat = sparsity_q.transpose(1, 0, 2).reshape(h, -1)
     out = {"sparsity": jnp.percentile(flat, percentile, axis=-1)}
-    out["recall"] = (selection_recall(p, positions, selection, q_tile, kv_block) if selection is not None
-                     else jnp.full((h,), jnp.nan, jnp.float32))
-    out["recall_curve"] = (recall_curve(p, positions, *lowrank, q_tile, kv_block, block_reduce, kv_valid)
-                           if lowrank is not None else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan, jnp.float32))
+    out["recall"] = (
+        selection_recall(p, positions, selection, q_tile, kv_block)
+        if selection is not None
+        else jnp.full((h,), jnp.nan, jnp.float32)
+    )
+    out["recall_curve"] = (
+        recall_curve(p, positions, *lowrank, q_tile, kv_block, block_reduce, kv_valid)
+        if lowrank is not None
+        else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan, jnp.float32)
+    )
     if analysis:
         out["sparsity_mean"] = jnp.mean(flat, axis=-1)
         ks = [max(1, int(round(f * n_real))) for f in TOP_FRACTIONS]
@@ -69,8 +109,11 @@ def profile_rows(z, positions, n_real, *, theta: float, percentile: float, coord
         # upper bounds of the recall curve: single tokens, and whole blocks of this plan's granularity
         tokens = _held_at_fractions(desc)  # the rows are already sorted: the token-level oracle
         out["oracle_curve"] = jnp.stack([tokens, oracle_curve(p, kv_block)], axis=1)  # [H, 2, F]
-        out["exact_proxy_curve"] = (recall_curve(p, positions, *exact, q_tile, kv_block, block_reduce, kv_valid)
-                                    if exact is not None else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan))
+        out["exact_proxy_curve"] = (
+            recall_curve(p, positions, *exact, q_tile, kv_block, block_reduce, kv_valid)
+            if exact is not None
+            else jnp.full((h, len(RECALL_FRACTIONS)), jnp.nan)
+        )
     return out
 
 
@@ -95,8 +138,15 @@ def recall_curve(p, positions, q_lr, k_lr, q_tile: int, kv_block: int, block_red
     """Mean attention mass [H, len(RECALL_FRACTIONS)] of sampled queries inside the ceil(f * blocks)
     KV blocks that the predictor scores highest for their query tile (as `lowrank_topk` ranks them)."""
     tiles = jnp.asarray(np.asarray(positions) // q_tile)
-    scores = block_scores(jax.lax.stop_gradient(q_lr), jax.lax.stop_gradient(k_lr), q_tile=q_tile,
-                          kv_block=kv_block, block_reduce=block_reduce, tiles=tiles, kv_valid=kv_valid)  # [B, H, Q, nb]
+    scores = block_scores(
+        jax.lax.stop_gradient(q_lr),
+        jax.lax.stop_gradient(k_lr),
+        q_tile=q_tile,
+        kv_block=kv_block,
+        block_reduce=block_reduce,
+        tiles=tiles,
+        kv_valid=kv_valid,
+    )  # [B, H, Q, nb]
     order = jnp.argsort(-scores, axis=-1)
     return _held_at_fractions(jnp.take_along_axis(_block_mass(p, kv_block), order, axis=-1))
 

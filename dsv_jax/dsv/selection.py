@@ -60,8 +60,11 @@ def candidate_scores(q_lr, k_lr, kv_index, *, q_tile: int, kv_block: int, block_
         blocks = jnp.take_along_axis(keys, idx[..., None, None], axis=2)  # [B, H, K, kv_block, r]
         return reduce_block(jnp.einsum("bhr,bhkjr->bhkj", p, blocks), "max", n)
 
-    per_tile = (proxy.transpose(2, 0, 1, 3), kv_index.transpose(2, 0, 1, 3),
-                None if n_valid is None else n_valid.transpose(2, 0, 1, 3))
+    per_tile = (
+        proxy.transpose(2, 0, 1, 3),
+        kv_index.transpose(2, 0, 1, 3),
+        None if n_valid is None else n_valid.transpose(2, 0, 1, 3),
+    )
     return jax.lax.map(one_tile, per_tile).transpose(1, 2, 0, 3)
 
 
@@ -78,17 +81,20 @@ def keep_best(kv_index, scores, counts):
     return _to_front(kv_index, rank < counts[..., None])
 
 
-def select_kv(q_lr, k_lr, top_k: int, keep=None, *, q_tile: int, kv_block: int, block_reduce: str = "mean",
-              kv_valid=None):
+def select_kv(
+    q_lr, k_lr, top_k: int, keep=None, *, q_tile: int, kv_block: int, block_reduce: str = "mean", kv_valid=None
+):
     """(kv_index [B, H, T, top_k], kv_count [B, H, T]) from the predictor's projections [B, S, H, r].
 
     keep: optional per-head keep ratios [H] or [B, H] (runtime); None keeps all top_k blocks per head.
     kv_valid: optional int32 [B, S // kv_block], valid keys per block (padded layouts; see the module)."""
     q_lr, k_lr = jax.lax.stop_gradient(q_lr), jax.lax.stop_gradient(k_lr)
-    kv_index = lowrank_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce,
-                            kv_valid=kv_valid, impl="auto")
-    scores = lambda: candidate_scores(q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block,
-                                      block_reduce=block_reduce, kv_valid=kv_valid)
+    kv_index = lowrank_topk(
+        q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce, kv_valid=kv_valid, impl="auto"
+    )
+    scores = lambda: candidate_scores(
+        q_lr, k_lr, kv_index, q_tile=q_tile, kv_block=kv_block, block_reduce=block_reduce, kv_valid=kv_valid
+    )
     return apply_counts(kv_index, top_k, keep, k_lr.shape[1] // kv_block, kv_valid, scores)
 
 
@@ -102,8 +108,9 @@ def apply_counts(kv_index, top_k: int, keep, n_blocks: int, kv_valid, scores):
     if keep is None:
         if n_ok is None:
             return kv_index, jnp.full((b, h, tiles), top_k, jnp.int32)
-        usable = jnp.take_along_axis(jnp.broadcast_to((kv_valid > 0)[:, None, None], (b, h, tiles, n_blocks)),
-                                     kv_index, -1)
+        usable = jnp.take_along_axis(
+            jnp.broadcast_to((kv_valid > 0)[:, None, None], (b, h, tiles, n_blocks)), kv_index, -1
+        )
         # Only when some batch entry has fewer usable blocks than top_k can an empty block be among the ids.
         kv_index = jax.lax.cond(jnp.min(n_ok) < top_k, lambda: _to_front(kv_index, usable), lambda: kv_index)
         return kv_index, jnp.broadcast_to(jnp.minimum(n_ok, top_k)[:, None, None], (b, h, tiles))

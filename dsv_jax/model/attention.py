@@ -96,8 +96,11 @@ def sparse_geometry(plan: AttentionPlan, layout, batch: int) -> Geometry | None:
         return None
     kv_block = layout.tile_size if plan.mode == "window" or not plan.kv_block else plan.kv_block
     if layout.tile_size % kv_block:
-        log.warning("DSV: KV block %d does not divide the %d-token tile; dense attention for this shape",
-                    kv_block, layout.tile_size)
+        log.warning(
+            "DSV: KV block %d does not divide the %d-token tile; dense attention for this shape",
+            kv_block,
+            layout.tile_size,
+        )
         return None
     kv_valid = None
     if layout.padded:
@@ -123,10 +126,12 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
     geometry = sparse_geometry(plan, layout, b)
     positions = layout.valid_positions[sample_positions(ctx.n_real, plan.query_stride, plan.max_queries)]
     if plan.mode == "dsv" and predictor is None and (plan.predictor or plan.selects):
-        raise ValueError("a DSV plan that selects or trains needs the block's predictor: build the model with "
-                         "attention=dsv (Config.predictor_rank > 0)")
+        raise ValueError(
+            "a DSV plan that selects or trains needs the block's predictor: build the model with "
+            "attention=dsv (Config.predictor_rank > 0)"
+        )
     need_lr = plan.mode == "dsv" and (plan.predictor or (plan.selects and geometry is not None))
-    z = true_logits(q, k, positions, layout.valid, d ** -0.5) if (plan.predictor or plan.profile) else None
+    z = true_logits(q, k, positions, layout.valid, d**-0.5) if (plan.predictor or plan.profile) else None
     q_lr = k_lr = None
     if need_lr:
         q_lr, k_lr = _lowrank(predictor, x, layout)
@@ -135,25 +140,47 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
     selection = None
     if geometry is not None:
         if plan.mode == "window":
-            selection = sparse_backends.window_kv(b, h, layout.grid, layout.tile, plan.window,
-                                                  n_tiles=s // geometry.q_tile)
+            selection = sparse_backends.window_kv(
+                b, h, layout.grid, layout.tile, plan.window, n_tiles=s // geometry.q_tile
+            )
         elif plan.selects and q_lr is not None:
             keep = None if inputs is None else inputs.get("keep")
             # under context parallelism the selection runs where the query tiles live
             select = getattr(plan.backend, "select_kv", select_kv)
-            selection = select(q_lr, k_lr, plan.top_k(s // geometry.kv_block), keep, q_tile=geometry.q_tile,
-                               kv_block=geometry.kv_block, block_reduce=plan.block_reduce,
-                               kv_valid=geometry.kv_valid)
+            selection = select(
+                q_lr,
+                k_lr,
+                plan.top_k(s // geometry.kv_block),
+                keep,
+                q_tile=geometry.q_tile,
+                kv_block=geometry.kv_block,
+                block_reduce=plan.block_reduce,
+                kv_valid=geometry.kv_valid,
+            )
     if plan.profile:
         if geometry:
             q_tile, kv_block, kv_valid = geometry.q_tile, geometry.kv_block, geometry.kv_valid
         else:
             q_tile, kv_block, kv_valid = 1, 1, None
         lowrank = (q_lr, k_lr) if plan.mode == "dsv" and geometry is not None and q_lr is not None else None
-        aux.update(profile_rows(z, positions, ctx.n_real, theta=plan.theta, percentile=plan.percentile,
-                                coords=layout.coords, selection=selection, q_tile=q_tile, kv_block=kv_block,
-                                lowrank=lowrank, block_reduce=plan.block_reduce, analysis=plan.analysis,
-                                exact=(q, k) if geometry is not None else None, kv_valid=kv_valid))
+        aux.update(
+            profile_rows(
+                z,
+                positions,
+                ctx.n_real,
+                theta=plan.theta,
+                percentile=plan.percentile,
+                coords=layout.coords,
+                selection=selection,
+                q_tile=q_tile,
+                kv_block=kv_block,
+                lowrank=lowrank,
+                block_reduce=plan.block_reduce,
+                analysis=plan.analysis,
+                exact=(q, k) if geometry is not None else None,
+                kv_valid=kv_valid,
+            )
+        )
     attend = selection if (selection is not None and plan.sparse) else None
     if attend is not None:
         attend = tuple(checkpoint_name(a, SELECTION_NAME) for a in attend)
@@ -222,8 +249,17 @@ def joint_attention(video, text, ctx, plan, x=None, predictor=None, inputs=None)
         else:
             o = attention(q, k, v, backend=backend, **_joint_keys(ctx, s, lt))
         return o[:, :s], o[:, s:], aux
-    o_vv, lse_vv = _attend(qv, kv, vv, plan, aux, kv_index=selection[0], kv_count=selection[1], return_lse=True,
-                           **geometry.sparse_options())
+    o_vv, lse_vv = _attend(
+        qv,
+        kv,
+        vv,
+        plan,
+        aux,
+        kv_index=selection[0],
+        kv_count=selection[1],
+        return_lse=True,
+        **geometry.sparse_options(),
+    )
     cp = context_backend(plan)
     if cp is not None:  # video queries sharded over the sequence; text keys on every device
         o_vt, lse_vt = cp.cross_attention(qv, kt, vt, kv_lens=ctx.text_lens, return_lse=True)

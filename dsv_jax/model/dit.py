@@ -135,8 +135,17 @@ class VideoDiT(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.final = FinalLayer(cfg, rngs)
 
-    def __call__(self, latents, timesteps, text, text_mask, *, attention: Any | Sequence[Any] = "auto",
-                 attention_inputs=None, return_aux: bool = False):
+    def __call__(
+        self,
+        latents,
+        timesteps,
+        text,
+        text_mask,
+        *,
+        attention: Any | Sequence[Any] = "auto",
+        attention_inputs=None,
+        return_aux: bool = False,
+    ):
         """`attention`: the video self-attention backend name or AttentionPlan for every block, or one
         per block. `attention_inputs`: runtime arrays of the plans with a leading block axis (DSV's
         per-head keep ratios). With `return_aux`, returns (velocity, aux): the blocks' DSV outputs
@@ -146,8 +155,9 @@ class VideoDiT(nnx.Module):
         if latents.ndim != 5 or latents.shape[-1] != cfg.in_channels:
             raise ValueError(f"latents must be [B, T, H, W, {cfg.in_channels}], got {latents.shape}")
         if text.ndim != 3 or text.shape[-1] != cfg.text_dim or text_mask.shape != text.shape[:2]:
-            raise ValueError(f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; "
-                             f"got {text.shape}, {text_mask.shape}")
+            raise ValueError(
+                f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; got {text.shape}, {text_mask.shape}"
+            )
         b = latents.shape[0]
         cp = context_backend(attention[0] if isinstance(attention, (list, tuple)) else attention)
         # context parallelism: every device holds whole tiles, and the tokens stay sharded over the sequence
@@ -161,9 +171,14 @@ class VideoDiT(nnx.Module):
         text_lens = jnp.sum(text_mask.astype(jnp.int32), axis=1)
         txt = self.text_mlp(nnx.gelu(self.text_in(text.astype(dtype)), approximate=True))
         c = self.time_embed(timesteps)
-        ctx = BlockContext(cond=c, text=txt, text_lens=text_lens,
-                           rope=rotary(layout.coords, cfg.head_dim, cfg.rope_theta),
-                           n_real=layout.n_real, layout=layout)
+        ctx = BlockContext(
+            cond=c,
+            text=txt,
+            text_lens=text_lens,
+            rope=rotary(layout.coords, cfg.head_dim, cfg.rope_theta),
+            n_real=layout.n_real,
+            layout=layout,
+        )
         if cfg.arch == "mmdit":
             mask = text_mask.astype(jnp.float32)[..., None]
             pooled = jnp.sum(txt.astype(jnp.float32) * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0)
@@ -198,6 +213,7 @@ class VideoDiT(nnx.Module):
 
         policy = remat_policy(cfg.remat_keep_attention)
         if cfg.scan_layers and all(p == plans[0] for p in plans):
+
             def body(h, xs):
                 layer_state, layer_inputs = xs
                 return run(h, layer_state, plans[0], layer_inputs)

@@ -89,8 +89,9 @@ def _per_block(kept, depth: int) -> np.ndarray:
     return kept
 
 
-def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: float | Sequence[float] = 1.0,
-                  predictor: bool = False) -> dict[str, float]:
+def forward_flops(
+    cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: float | Sequence[float] = 1.0, predictor: bool = False
+) -> dict[str, float]:
     """FLOPs of one forward of TextToVideo on `batch` samples of latent `shape` (T, H, W), by part:
     linear, video_attention (at `kept`, a fraction or one per block), video_attention_dense,
     text_attention, selection (a DSV model: its block scores) and, with `predictor` (a step that trains the
@@ -117,11 +118,14 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
         block_linear = 2 * b * s * c * 6 * c + 2 * b * lt * c * 2 * c + 2 * b * s * c * f * 2
         text_attention = 4 * b * s * lt * c
     video_dense = attention_flops(s, m.heads, m.head_dim, s, b)
-    out = {"linear": cond + embed + depth * block_linear,
-           "video_attention": float(video_dense * _per_block(kept, depth).sum()),
-           "video_attention_dense": depth * video_dense,
-           "text_attention": depth * text_attention,
-           "predictor": 0.0, "selection": 0.0}
+    out = {
+        "linear": cond + embed + depth * block_linear,
+        "video_attention": float(video_dense * _per_block(kept, depth).sum()),
+        "video_attention_dense": depth * video_dense,
+        "text_attention": depth * text_attention,
+        "predictor": 0.0,
+        "selection": 0.0,
+    }
     if cfg.predictor_rank:
         r, h, d = float(cfg.predictor_rank), float(m.heads), float(m.head_dim)
         projections = depth * 2 * b * s * c * 2 * h * r  # q_lr, k_lr
@@ -138,8 +142,15 @@ def forward_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: fl
     return out
 
 
-def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: float | Sequence[float] = 1.0,
-                     predictor: bool | None = None, selection: bool | None = None) -> dict[str, float]:
+def train_step_flops(
+    cfg: Config,
+    shape: Sequence[int],
+    batch: int = 1,
+    *,
+    kept: float | Sequence[float] = 1.0,
+    predictor: bool | None = None,
+    selection: bool | None = None,
+) -> dict[str, float]:
     """{"dense_equiv", "work"} FLOPs of one train step (see the module docstring), the video attention's
     share of the work ("work_video_attention"), and the forward's parts.
     predictor: whether the step trains DSV predictors (default: attention=dsv); selection: whether it
@@ -153,12 +164,18 @@ def train_step_flops(cfg: Config, shape: Sequence[int], batch: int = 1, *, kept:
     # those kernels run (cuDNN, the sparse ones): XLA's dense attention recomputes either way
     r_attention = 0.0 if cfg.model.remat_keep_attention else r
     dense = 3 * (fwd["linear"] + fwd["video_attention_dense"] + fwd["text_attention"])
-    work = ((3 + r) * (fwd["linear"] + fwd["text_attention"])
-            + (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"]
-            + (3 + r) * fwd["predictor"] + fwd["selection"] * selection)
-    return {"dense_equiv": dense, "work": work,
-            "work_video_attention": (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"],
-            **{f"forward_{k}": v for k, v in fwd.items()}}
+    work = (
+        (3 + r) * (fwd["linear"] + fwd["text_attention"])
+        + (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"]
+        + (3 + r) * fwd["predictor"]
+        + fwd["selection"] * selection
+    )
+    return {
+        "dense_equiv": dense,
+        "work": work,
+        "work_video_attention": (ATTENTION_FWD_BWD + r_attention) * fwd["video_attention"],
+        **{f"forward_{k}": v for k, v in fwd.items()},
+    }
 
 
 def kept_fractions(cfg: Config, shape: Sequence[int], plans: Any, inputs: dict | None = None) -> list[float]:
@@ -171,8 +188,11 @@ def kept_fractions(cfg: Config, shape: Sequence[int], plans: Any, inputs: dict |
     out = []
     for i, plan in enumerate(plans):
         sparse = isinstance(plan, AttentionPlan) and plan.sparse and plan.mode in ("dsv", "window")
-        kv_block = layout.tile_size if not isinstance(plan, AttentionPlan) or plan.mode == "window" \
-            or not plan.kv_block else plan.kv_block
+        kv_block = (
+            layout.tile_size
+            if not isinstance(plan, AttentionPlan) or plan.mode == "window" or not plan.kv_block
+            else plan.kv_block
+        )
         if not sparse or layout.tile_size % kv_block:
             out.append(1.0)  # dense, or a shape the sparse path runs densely
             continue
@@ -190,8 +210,7 @@ def kept_fractions(cfg: Config, shape: Sequence[int], plans: Any, inputs: dict |
     return out
 
 
-def mfu_metrics(dense_equiv: float, work: float, seconds: float, devices: int,
-                peak: float | None) -> dict[str, float]:
+def mfu_metrics(dense_equiv: float, work: float, seconds: float, devices: int, peak: float | None) -> dict[str, float]:
     """Per-device TFLOP/s of the model (dense-equivalent) and of the work done, and both MFUs where the
     peak is known."""
     if seconds <= 0 or devices < 1:

@@ -53,8 +53,13 @@ def position_features(coords, dim: int, max_period: float = 10000.0) -> jax.Arra
     splitting the channels as RoPE splits a head (rope.axis_frequencies): sines in the first half, cosines in the
     second. Evaluated in the program from the coordinates (S x 3 numbers), not embedded as a table: at
     2.7B and 128k tokens the table alone would be a 1 GiB constant."""
-    angles = jnp.concatenate([jnp.asarray(coords, jnp.float32)[:, axis, None] * jnp.asarray(f, jnp.float32)[None]
-                              for axis, f in enumerate(axis_frequencies(dim, max_period))], axis=1)
+    angles = jnp.concatenate(
+        [
+            jnp.asarray(coords, jnp.float32)[:, axis, None] * jnp.asarray(f, jnp.float32)[None]
+            for axis, f in enumerate(axis_frequencies(dim, max_period))
+        ],
+        axis=1,
+    )
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=1)
 
 
@@ -110,6 +115,7 @@ class QKV(nnx.Module):
             self.kv = linear(kv_from, 2 * cfg.hidden, cfg, rngs)
         else:
             self.qkv = linear(cfg.hidden, 3 * cfg.hidden, cfg, rngs)
+
         def qk_norm():
             return nnx.RMSNorm(cfg.head_dim, epsilon=1e-6, dtype=compute_dtype(cfg), rngs=rngs) if cfg.qk_norm else None
 

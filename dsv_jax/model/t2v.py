@@ -13,8 +13,9 @@ from dsv_jax.model.text import TextEncoder
 
 class TextToVideo(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        self.dit = VideoDiT(cfg.model, rngs=rngs, predictor_rank=cfg.predictor_rank,
-                            predictor_rope=cfg.dsv.predictor_rope)
+        self.dit = VideoDiT(
+            cfg.model, rngs=rngs, predictor_rank=cfg.predictor_rank, predictor_rope=cfg.dsv.predictor_rope
+        )
         self.text_encoder = TextEncoder(cfg.model, cfg.text, rngs=rngs) if cfg.text.encoder == "builtin" else None
 
     def encode_text(self, batch, drop=None):
@@ -33,7 +34,15 @@ class TextToVideo(nnx.Module):
             emb = jnp.where(drop[:, None, None], jnp.zeros_like(emb), emb)
         return emb, mask
 
-    def __call__(self, latents, timesteps, text, text_mask, *, attention="auto", attention_inputs=None,
-                 return_aux=False):
-        return self.dit(latents, timesteps, text, text_mask, attention=attention, attention_inputs=attention_inputs,
-                        return_aux=return_aux)
+    def __call__(
+        self, latents, timesteps, text, text_mask, *, attention="auto", attention_inputs=None, return_aux=False
+    ):
+        return self.dit(
+            latents,
+            timesteps,
+            text,
+            text_mask,
+            attention=attention,
+            attention_inputs=attention_inputs,
+            return_aux=return_aux,
+        )

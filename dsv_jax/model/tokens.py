@@ -80,8 +80,15 @@ def token_layout(grid: tuple[int, int, int], tile: tuple[int, int, int], multipl
     n_real = int(valid.sum())
     raster = (coords[:, 0] * grid[1] + coords[:, 1]) * grid[2] + coords[:, 2]
     order = np.where(valid, raster, n_real).astype(np.int32)
-    return TokenLayout(grid=grid, tile=tile, n_real=n_real, seq_len=len(coords), order=order,
-                       coords=coords.astype(np.int32), valid=valid)
+    return TokenLayout(
+        grid=grid,
+        tile=tile,
+        n_real=n_real,
+        seq_len=len(coords),
+        order=order,
+        coords=coords.astype(np.int32),
+        valid=valid,
+    )
 
 
 def grid_shape(latent_shape: tuple[int, int, int], patch: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -23,10 +23,24 @@ import numpy as np
 INT_BYTES = 4
 
 
-def context_bytes(*, hcp: int, scp: int, scp_strategy: str, batch: int, seq_len: int, heads: int, head_dim: int,
-                  itemsize: int, sparse: bool = False, top_k: int = 0, q_tile: int = 64, kv_block: int = 64,
-                  capacity: int = 0, mesh_devices: int | None = None, hcp_slots: int | None = None
-                  ) -> dict[str, float]:
+def context_bytes(
+    *,
+    hcp: int,
+    scp: int,
+    scp_strategy: str,
+    batch: int,
+    seq_len: int,
+    heads: int,
+    head_dim: int,
+    itemsize: int,
+    sparse: bool = False,
+    top_k: int = 0,
+    q_tile: int = 64,
+    kv_block: int = 64,
+    capacity: int = 0,
+    mesh_devices: int | None = None,
+    hcp_slots: int | None = None,
+) -> dict[str, float]:
     """Bytes one device sends in one context-parallel attention call (forward, backward, per part).
 
     batch: samples per device (the batch after the data axes); itemsize: bytes per q/k/v element
@@ -70,6 +84,7 @@ def context_bytes(*, hcp: int, scp: int, scp_strategy: str, batch: int, seq_len:
 
 
 # -- measuring the program ------------------------------------------------------------------------
+
 
 def _axis_size(sizes, names) -> int:
     names = names if isinstance(names, (tuple, list)) else (names,)

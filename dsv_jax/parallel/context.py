@@ -93,8 +93,9 @@ def resolve_degrees(strategy: str, n: int, *, degrees=None, scp_strategy=None, p
 
 def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, kv_mask, q_tile, kv_block):
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"context_attention expects q, k, v of one shape [B, S, H, D]; "
-                         f"got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"context_attention expects q, k, v of one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}"
+        )
     b, s, h, _ = q.shape
     if s % n:
         raise ValueError(f"sequence length {s} is not divisible by the context axis size {n}")
@@ -108,21 +109,45 @@ def _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, kv_mas
         if kv_lens is not None or kv_mask is not None:
             raise ValueError("kv_lens / kv_mask with a sparse selection: mask padded keys with kv_valid instead")
         if (s // n) % q_tile or (s // ps) % kv_block:
-            raise ValueError(f"sequence {s} over context {n}: each device's {s // n} tokens must be whole query "
-                             f"tiles of {q_tile}, and each SCP slice ({s // ps}) whole KV blocks of {kv_block}")
+            raise ValueError(
+                f"sequence {s} over context {n}: each device's {s // n} tokens must be whole query "
+                f"tiles of {q_tile}, and each SCP slice ({s // ps}) whole KV blocks of {kv_block}"
+            )
         tiles = s // q_tile
         if kv_index.ndim != 4 or kv_index.shape[:3] != (b, h, tiles) or kv_count.shape != (b, h, tiles):
-            raise ValueError(f"kv_index must be [B, H, S // q_tile, K] = [{b}, {h}, {tiles}, K] and kv_count "
-                             f"[{b}, {h}, {tiles}]; got {kv_index.shape}, {kv_count.shape}")
+            raise ValueError(
+                f"kv_index must be [B, H, S // q_tile, K] = [{b}, {h}, {tiles}, K] and kv_count "
+                f"[{b}, {h}, {tiles}]; got {kv_index.shape}, {kv_count.shape}"
+            )
 
 
-def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_mask=None, sm_scale: float | None = None,
-                      kv_index=None, kv_count=None, q_tile: int = 64, kv_block: int = 64,
-                      head_perm: Any = "auto", hcp_slots: int | None = None,
-                      degrees: tuple[int, int] | None = None, scp: str | None = None,
-                      capacity: int | float | None = None, sparsity: Any = None, backend: str = "auto",
-                      impl: str = "auto", q_chunk: int | None = 1024, kv_valid=None, return_lse: bool = False,
-                      return_stats: bool = False):
+def context_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh: Mesh,
+    strategy: str,
+    kv_lens=None,
+    kv_mask=None,
+    sm_scale: float | None = None,
+    kv_index=None,
+    kv_count=None,
+    q_tile: int = 64,
+    kv_block: int = 64,
+    head_perm: Any = "auto",
+    hcp_slots: int | None = None,
+    degrees: tuple[int, int] | None = None,
+    scp: str | None = None,
+    capacity: int | float | None = None,
+    sparsity: Any = None,
+    backend: str = "auto",
+    impl: str = "auto",
+    q_chunk: int | None = 1024,
+    kv_valid=None,
+    return_lse: bool = False,
+    return_stats: bool = False,
+):
     """softmax(q k^T * sm_scale) v with the sequence of q, k, v [B, S, H, D] split over `context`.
 
     mesh: from `dsv_jax.parallel.make_mesh`; batch stays on (data, fsdp), sequence on context.
@@ -157,12 +182,21 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
 
     def plan_fn():
         from dsv_jax.parallel.planner import default_plan
-        return default_plan(seq_len=s, heads=h, head_dim=d, batch=b, devices=n, sparse=sparse, sparsity=sparsity,
-                            dtype_bytes=jnp.dtype(q.dtype).itemsize)
+
+        return default_plan(
+            seq_len=s,
+            heads=h,
+            head_dim=d,
+            batch=b,
+            devices=n,
+            sparse=sparse,
+            sparsity=sparsity,
+            dtype_bytes=jnp.dtype(q.dtype).itemsize,
+        )
 
     ph, ps, scp_strategy = resolve_degrees(strategy, n, degrees=degrees, scp_strategy=scp, plan_fn=plan_fn)
     _check(q, k, v, n, ph, ps, scp_strategy, kv_index, kv_count, kv_lens, kv_mask, q_tile, kv_block)
-    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    scale = d**-0.5 if sm_scale is None else float(sm_scale)
 
     dp = _batch_axes(mesh)[1]
     bspec = _batch_spec(mesh, b)
@@ -187,8 +221,10 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
     head_loads = None
     slots = h // ph if hcp_slots is None else int(hcp_slots)
     if slots != h // ph and not (sparse and ph > 1 and h // ph < slots <= h):
-        raise ValueError(f"hcp_slots={hcp_slots}: extra head slots need a sparse selection and HCP degree > 1, "
-                         f"and lie in {h // ph}..{h} (H / HCP degree .. H)")
+        raise ValueError(
+            f"hcp_slots={hcp_slots}: extra head slots need a sparse selection and HCP degree > 1, "
+            f"and lie in {h // ph}..{h} (H / HCP degree .. H)"
+        )
     if ph > 1:
         if isinstance(head_perm, str):
             if head_perm != "auto":
@@ -203,21 +239,37 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
         if head_perm is not None:
             head_perm = jnp.asarray(head_perm, jnp.int32)
             if head_perm.shape != (ph * slots,):
-                raise ValueError(f"head_perm must hold HCP degree x slots = {ph} x {slots} head ids (H = {h} marks "
-                                 f"an empty slot); got shape {head_perm.shape}")
+                raise ValueError(
+                    f"head_perm must hold HCP degree x slots = {ph} x {slots} head ids (H = {h} marks "
+                    f"an empty slot); got shape {head_perm.shape}"
+                )
             args["perm"] = head_perm
             specs["perm"] = P()
     if capacity is None or isinstance(capacity, float):
         rows = (b // dp if bspec else b) * slots * (s // ps // kv_block)  # all of one peer's blocks
         capacity = rows if capacity is None else max(1, math.ceil(capacity * rows))
 
-    body = functools.partial(_device_attention, ph=ph, ps=ps, scp_strategy=scp_strategy, sm_scale=scale,
-                             q_tile=q_tile, kv_block=kv_block, capacity=int(capacity), backend=backend, impl=impl,
-                             q_chunk=q_chunk, stat_axes=tuple(mesh.axis_names), seq_group=seq_group,
-                             head_group=head_group, return_lse=return_lse)
+    body = functools.partial(
+        _device_attention,
+        ph=ph,
+        ps=ps,
+        scp_strategy=scp_strategy,
+        sm_scale=scale,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        capacity=int(capacity),
+        backend=backend,
+        impl=impl,
+        q_chunk=q_chunk,
+        stat_axes=tuple(mesh.axis_names),
+        seq_group=seq_group,
+        head_group=head_group,
+        return_lse=return_lse,
+    )
     o_spec = (P(bspec, "context"), P(bspec, None, "context")) if return_lse else P(bspec, "context")
-    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(o_spec, P()),
-                               check_vma=False)(_as_specs(args, specs, mesh))
+    out, stats = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(o_spec, P()), check_vma=False)(
+        _as_specs(args, specs, mesh)
+    )
     if _explicit(mesh):  # the output in the layout q came in (its type under explicit sharding)
         sharding = jax.typeof(q).sharding
         out = (jax.reshard(out[0], sharding), out[1]) if return_lse else jax.reshard(out, sharding)
@@ -234,8 +286,18 @@ def context_attention(q, k, v, *, mesh: Mesh, strategy: str, kv_lens=None, kv_ma
     return out, stats
 
 
-def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_block: int = 64, block_reduce="mean",
-                     keep=None, kv_valid=None):
+def select_kv_blocks(
+    q_lr,
+    k_lr,
+    top_k,
+    *,
+    mesh: Mesh,
+    q_tile: int = 64,
+    kv_block: int = 64,
+    block_reduce="mean",
+    keep=None,
+    kv_valid=None,
+):
     """Block selection of every query tile with q_lr, k_lr [B, S, H, r] sharded over `context`:
     each device all-gathers the low-rank keys (rank r: cheap) and selects for its own query tiles.
     Returns (kv_index [B, H, S // q_tile, K], kv_count) sharded over the tiles, ready for
@@ -245,17 +307,27 @@ def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_bloc
     n = mesh.shape["context"]
     b, s, h, _ = q_lr.shape
     if k_lr.shape != q_lr.shape or (s // n) % q_tile or s % kv_block:
-        raise ValueError(f"q_lr {q_lr.shape} / k_lr {k_lr.shape}: need one shape [B, S, H, r] with S / context "
-                         f"({s} / {n}) whole query tiles of {q_tile} and S whole KV blocks of {kv_block}")
+        raise ValueError(
+            f"q_lr {q_lr.shape} / k_lr {k_lr.shape}: need one shape [B, S, H, r] with S / context "
+            f"({s} / {n}) whole query tiles of {q_tile} and S whole KV blocks of {kv_block}"
+        )
     bspec = _batch_spec(mesh, b)
     top_k = tuple(int(t) for t in top_k) if isinstance(top_k, (tuple, list, np.ndarray)) else int(top_k)
 
     def body(a):
         k_all = jax.lax.all_gather(a["k_lr"], "context", axis=1, tiled=True)
         row0 = jax.lax.axis_index("context") * a["q_lr"].shape[1]
-        return scp.local_selection(a["q_lr"], k_all, top_k, q_tile=q_tile, kv_block=kv_block,
-                                   block_reduce=block_reduce, keep=a.get("keep"), kv_valid=a.get("kv_valid"),
-                                   row0=row0)
+        return scp.local_selection(
+            a["q_lr"],
+            k_all,
+            top_k,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            block_reduce=block_reduce,
+            keep=a.get("keep"),
+            kv_valid=a.get("kv_valid"),
+            row0=row0,
+        )
 
     spec_in = P(bspec, "context")
     spec_out = P(bspec, None, "context")
@@ -270,8 +342,9 @@ def select_kv_blocks(q_lr, k_lr, top_k, *, mesh: Mesh, q_tile: int = 64, kv_bloc
 
 def _report_overflow(blocks, fallback):
     if int(fallback):
-        log.warning("selective context attention: %d requested KV blocks over capacity; took the all-gather path",
-                    int(blocks))
+        log.warning(
+            "selective context attention: %d requested KV blocks over capacity; took the all-gather path", int(blocks)
+        )
 
 
 def _extend(x, fill, axis):
@@ -284,13 +357,23 @@ def _selection_to_heads(kv_index, kv_count, perm, head_group):
     if perm is not None:
         kv_index = jnp.take(_extend(kv_index, 0, 1), perm, axis=1)
         kv_count = jnp.take(_extend(kv_count, 1, 1), perm, axis=1)
-    return (hcp.seq_to_heads(kv_index, head_group, head_axis=1, seq_axis=2),
-            hcp.seq_to_heads(kv_count, head_group, head_axis=1, seq_axis=2))
+    return (
+        hcp.seq_to_heads(kv_index, head_group, head_axis=1, seq_axis=2),
+        hcp.seq_to_heads(kv_count, head_group, head_axis=1, seq_axis=2),
+    )
 
 
-def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, int] | None = None,
-                       head_perm: Any = "auto", hcp_slots: int | None = None, q_tile: int = 64,
-                       kv_block: int = 64) -> jax.Array:
+def selective_capacity(
+    kv_index,
+    kv_count,
+    *,
+    mesh: Mesh,
+    degrees: tuple[int, int] | None = None,
+    head_perm: Any = "auto",
+    hcp_slots: int | None = None,
+    q_tile: int = 64,
+    kv_block: int = 64,
+) -> jax.Array:
     """The per-peer capacity `selective` needs for this selection without overflow: the largest
     number of remote KV blocks any device requests from one peer (int32 scalar), under the head
     assignment context_attention would use (same head_perm / hcp_slots). Selection bookkeeping
@@ -318,11 +401,28 @@ def selective_capacity(kv_index, kv_count, *, mesh: Mesh, degrees: tuple[int, in
 
     spec = P(bspec, None, "context")
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, P()), out_specs=P(), check_vma=False)(
-        kv_index.astype(jnp.int32), kv_count.astype(jnp.int32), jnp.asarray(head_perm, jnp.int32))
+        kv_index.astype(jnp.int32), kv_count.astype(jnp.int32), jnp.asarray(head_perm, jnp.int32)
+    )
 
 
-def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block, capacity, backend, impl, q_chunk,
-                      stat_axes, seq_group, head_group, return_lse=False):
+def _device_attention(
+    args,
+    *,
+    ph,
+    ps,
+    scp_strategy,
+    sm_scale,
+    q_tile,
+    kv_block,
+    capacity,
+    backend,
+    impl,
+    q_chunk,
+    stat_axes,
+    seq_group,
+    head_group,
+    return_lse=False,
+):
     q, k, v = args["q"], args["k"], args["v"]
     heads = q.shape[2]
     kv_lens, perm = args.get("kv_lens"), args.get("perm")
@@ -332,8 +432,11 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
     kv_index, kv_count, kv_valid = args.get("kv_index"), args.get("kv_count"), args.get("kv_valid")
     sparse = kv_index is not None
     lse = None
-    stats = {"requested_blocks": jnp.zeros((), jnp.int32), "overflow_blocks": jnp.zeros((), jnp.int32),
-             "fallback": jnp.zeros((), jnp.int32)}
+    stats = {
+        "requested_blocks": jnp.zeros((), jnp.int32),
+        "overflow_blocks": jnp.zeros((), jnp.int32),
+        "fallback": jnp.zeros((), jnp.int32),
+    }
 
     if ph > 1:  # HCP: sequence shards -> head shards (heads gathered into their device's slots first)
         if perm is not None:  # head id H: an empty slot, a zero head selecting one block
@@ -344,24 +447,75 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
 
     if ps == 1:
         if sparse:
-            out = local.sparse_local(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                                     sm_scale=sm_scale, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
+            out = local.sparse_local(
+                q,
+                k,
+                v,
+                kv_index,
+                kv_count,
+                q_tile=q_tile,
+                kv_block=kv_block,
+                sm_scale=sm_scale,
+                impl=impl,
+                kv_valid=kv_valid,
+                return_lse=return_lse,
+            )
         else:
-            out = local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend, kv_mask=kv_mask,
-                                    return_lse=return_lse)
+            out = local.dense_local(
+                q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend, kv_mask=kv_mask, return_lse=return_lse
+            )
     elif scp_strategy == "allgather":
-        out = scp.allgather_attention(q, k, v, axis=seq_group, kv_lens=kv_lens, kv_mask=kv_mask, sm_scale=sm_scale,
-                                      backend=backend, kv_index=kv_index, kv_count=kv_count, q_tile=q_tile,
-                                      kv_block=kv_block, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
+        out = scp.allgather_attention(
+            q,
+            k,
+            v,
+            axis=seq_group,
+            kv_lens=kv_lens,
+            kv_mask=kv_mask,
+            sm_scale=sm_scale,
+            backend=backend,
+            kv_index=kv_index,
+            kv_count=kv_count,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            impl=impl,
+            kv_valid=kv_valid,
+            return_lse=return_lse,
+        )
     elif scp_strategy == "ring":
-        out = scp.ring_attention(q, k, v, axis=seq_group, sm_scale=sm_scale, kv_lens=kv_lens, kv_mask=kv_mask,
-                                 kv_index=kv_index, kv_count=kv_count, kv_valid=kv_valid, q_chunk=q_chunk,
-                                 q_tile=q_tile, kv_block=kv_block, impl=impl)
+        out = scp.ring_attention(
+            q,
+            k,
+            v,
+            axis=seq_group,
+            sm_scale=sm_scale,
+            kv_lens=kv_lens,
+            kv_mask=kv_mask,
+            kv_index=kv_index,
+            kv_count=kv_count,
+            kv_valid=kv_valid,
+            q_chunk=q_chunk,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            impl=impl,
+        )
         out = out if return_lse else out[0]
     else:
-        out, st = scp.selective_attention(q, k, v, kv_index, kv_count, axis=seq_group, capacity=capacity,
-                                          sm_scale=sm_scale, q_tile=q_tile, kv_block=kv_block, impl=impl,
-                                          kv_valid=kv_valid, return_lse=return_lse)
+        out, st = scp.selective_attention(
+            q,
+            k,
+            v,
+            kv_index,
+            kv_count,
+            axis=seq_group,
+            capacity=capacity,
+            sm_scale=sm_scale,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            impl=impl,
+            kv_valid=kv_valid,
+            return_lse=return_lse,
+        )
         stats.update(st)
     if return_lse:
         out, lse = out
@@ -375,9 +529,11 @@ def _device_attention(args, *, ph, ps, scp_strategy, sm_scale, q_tile, kv_block,
             lse = hcp.heads_to_seq(lse, head_group, head_axis=1, seq_axis=2)
             lse = lse if order is None else jnp.take(lse, order, axis=1)
     if scp_strategy == "selective" and ps > 1:  # totals over the mesh (other strategies: constant zeros)
-        stats = {"requested_blocks": jax.lax.psum(stats["requested_blocks"], stat_axes),
-                 "overflow_blocks": jax.lax.psum(stats["overflow_blocks"], stat_axes),
-                 "fallback": jax.lax.pmax(stats["fallback"], stat_axes)}
+        stats = {
+            "requested_blocks": jax.lax.psum(stats["requested_blocks"], stat_axes),
+            "overflow_blocks": jax.lax.psum(stats["overflow_blocks"], stat_axes),
+            "fallback": jax.lax.pmax(stats["fallback"], stat_axes),
+        }
     return ((out, lse) if return_lse else out), stats
 
 
@@ -409,8 +565,17 @@ class ContextAttention:
             if options.get("kv_mask") is not None:
                 mask = jnp.asarray(options["kv_mask"], bool)
                 options["kv_mask"] = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)])
-        out = context_attention(q, k, v, mesh=self.mesh, strategy=self.strategy, kv_lens=kv_lens, sm_scale=sm_scale,
-                                backend=self.backend, **{**dict(self.options), **options})
+        out = context_attention(
+            q,
+            k,
+            v,
+            mesh=self.mesh,
+            strategy=self.strategy,
+            kv_lens=kv_lens,
+            sm_scale=sm_scale,
+            backend=self.backend,
+            **{**dict(self.options), **options},
+        )
         if not pad:
             return out
         stats = options.get("return_stats")
@@ -428,8 +593,17 @@ class ContextAttention:
 
     def select_kv(self, q_lr, k_lr, top_k, keep=None, *, q_tile, kv_block, block_reduce="mean", kv_valid=None):
         """The DSV selection (as `dsv_jax.dsv.selection.select_kv`) computed where the query tiles live."""
-        return select_kv_blocks(q_lr, k_lr, top_k, mesh=self.mesh, q_tile=q_tile, kv_block=kv_block,
-                                block_reduce=block_reduce, keep=keep, kv_valid=kv_valid)
+        return select_kv_blocks(
+            q_lr,
+            k_lr,
+            top_k,
+            mesh=self.mesh,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            block_reduce=block_reduce,
+            keep=keep,
+            kv_valid=kv_valid,
+        )
 
     def cross_attention(self, q, k, v, *, kv_lens=None, return_lse=False):
         """Queries sharded over `context` attending to keys every device holds (DiT's text tokens): no
@@ -439,13 +613,22 @@ class ContextAttention:
         if s % self.mesh.shape["context"]:  # uneven split: let XLA partition it
             return local.dense_local(q, k, v, kv_lens=kv_lens, sm_scale=None, backend="xla", return_lse=return_lse)
         bspec = _batch_spec(self.mesh, b)
-        lens = jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None else jnp.broadcast_to(
-            jnp.asarray(kv_lens, jnp.int32), (b,))
-        body = lambda q, k, v, lens: local.dense_local(q, k, v, kv_lens=lens, sm_scale=None, backend=self.backend,
-                                                       return_lse=return_lse)
+        lens = (
+            jnp.full((b,), k.shape[1], jnp.int32)
+            if kv_lens is None
+            else jnp.broadcast_to(jnp.asarray(kv_lens, jnp.int32), (b,))
+        )
+        body = lambda q, k, v, lens: local.dense_local(
+            q, k, v, kv_lens=lens, sm_scale=None, backend=self.backend, return_lse=return_lse
+        )
         out_specs = (P(bspec, "context"), P(bspec, None, "context")) if return_lse else P(bspec, "context")
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(bspec, "context"), P(bspec), P(bspec), P(bspec)),
-                             out_specs=out_specs, check_vma=False)(q, k, v, lens)
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(P(bspec, "context"), P(bspec), P(bspec), P(bspec)),
+            out_specs=out_specs,
+            check_vma=False,
+        )(q, k, v, lens)
 
     def partial_attention(self, q, k, v, *, kv_mask=None):
         """Queries every device holds (MMDiT's text tokens) attending to keys sharded over `context`:
@@ -460,13 +643,18 @@ class ContextAttention:
         mask = jnp.ones((b, sk), bool) if kv_mask is None else jnp.broadcast_to(jnp.asarray(kv_mask, bool), (b, sk))
 
         def body(q, k, v, mask):
-            o, lse = local.dense_local(q, k, v, kv_lens=None, sm_scale=None, backend=self.backend, kv_mask=mask,
-                                       return_lse=True)
+            o, lse = local.dense_local(
+                q, k, v, kv_lens=None, sm_scale=None, backend=self.backend, kv_mask=mask, return_lse=True
+            )
             return o[None], lse[None]
 
-        return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=(P(bspec), P(bspec, "context"), P(bspec, "context"), P(bspec, "context")),
-                             out_specs=(P("context", bspec), P("context", bspec)), check_vma=False)(q, k, v, mask)
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(P(bspec), P(bspec, "context"), P(bspec, "context"), P(bspec, "context")),
+            out_specs=(P("context", bspec), P("context", bspec)),
+            check_vma=False,
+        )(q, k, v, mask)
 
     def constrain(self, x):
         """Keep a [B, S, ...] activation sharded as the attention wants it: batch over (data, fsdp), sequence
@@ -485,11 +673,21 @@ class ContextAttention:
 
         def plan_fn():
             from dsv_jax.parallel.planner import default_plan
-            return default_plan(seq_len=seq_len, heads=heads, head_dim=head_dim, batch=batch, devices=n,
-                                sparse=False, sparsity=opts.get("sparsity"), dtype_bytes=itemsize)
 
-        return resolve_degrees(self.strategy, n, degrees=opts.get("degrees"), scp_strategy=opts.get("scp"),
-                               plan_fn=plan_fn)
+            return default_plan(
+                seq_len=seq_len,
+                heads=heads,
+                head_dim=head_dim,
+                batch=batch,
+                devices=n,
+                sparse=False,
+                sparsity=opts.get("sparsity"),
+                dtype_bytes=itemsize,
+            )
+
+        return resolve_degrees(
+            self.strategy, n, degrees=opts.get("degrees"), scp_strategy=opts.get("scp"), plan_fn=plan_fn
+        )
 
 
 ContextPlan = ContextAttention  # the earlier name (issue text, user code)

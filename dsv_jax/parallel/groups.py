@@ -88,5 +88,7 @@ def context_groups(n: int, hcp_degree: int, scp_degree: int) -> tuple[GroupAxis,
     neighbouring devices, SCP groups every ph-th device; a pure strategy's group spans the axis."""
     if hcp_degree * scp_degree != n:
         raise ValueError(f"HCP degree {hcp_degree} x SCP degree {scp_degree} != context axis size {n}")
-    return (GroupAxis("context", scp_degree, stride=hcp_degree, total=n),
-            GroupAxis("context", hcp_degree, stride=1, total=n))
+    return (
+        GroupAxis("context", scp_degree, stride=hcp_degree, total=n),
+        GroupAxis("context", hcp_degree, stride=1, total=n),
+    )

@@ -24,8 +24,10 @@ from dsv_jax.parallel.groups import GroupAxis
 
 def check_heads(heads: int, degree: int) -> None:
     if heads % degree:
-        raise ValueError(f"head-wise context parallelism splits {heads} heads over an HCP degree of {degree}: "
-                         f"{heads} is not divisible by {degree}; pick an HCP degree that divides the head count")
+        raise ValueError(
+            f"head-wise context parallelism splits {heads} heads over an HCP degree of {degree}: "
+            f"{heads} is not divisible by {degree}; pick an HCP degree that divides the head count"
+        )
 
 
 def _slots(h, degree, slots):

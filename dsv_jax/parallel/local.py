@@ -29,8 +29,9 @@ def dense_local(q, k, v, *, kv_lens, sm_scale, backend="auto", kv_mask=None, ret
     return attention(q, k, v, backend=backend, kv_lens=kv_lens, sm_scale=sm_scale, return_lse=return_lse, **masks)
 
 
-def sparse_local(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, impl="auto", kv_valid=None,
-                 return_lse=False):
+def sparse_local(
+    q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, impl="auto", kv_valid=None, return_lse=False
+):
     """Block-sparse attention of q (the first q.shape[1] rows) against a key buffer k, v that may be longer.
 
     kv_index [B, H, Sq // q_tile, K] holds block ids of the buffer; kv_valid [B, Skv // kv_block] the
@@ -46,8 +47,19 @@ def sparse_local(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, imp
         dummy_idx = jnp.broadcast_to(spread, (b, h, n_dummy, kv_index.shape[-1]))
         kv_index = jnp.concatenate([kv_index, dummy_idx], axis=2)
         kv_count = jnp.concatenate([kv_count, jnp.ones((b, h, n_dummy), kv_count.dtype)], axis=2)
-    out = sparse_attention(q, k, v, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block, sm_scale=sm_scale,
-                           impl=impl, kv_valid=kv_valid, return_lse=return_lse)
+    out = sparse_attention(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        impl=impl,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+    )
     if return_lse:
         return out[0][:, :sq], out[1][:, :, :sq]
     return out[:, :sq]
@@ -93,8 +105,12 @@ def block_lse(q, k, v, mask_fn, *, sm_scale, q_chunk=None):
         l = jnp.sum(p, axis=-1)
         lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.maximum(l, 1e-37)), NEG)
         # probabilities in the input dtype for the matmul (bf16 tensor cores), accumulated in float32
-        o = jnp.einsum("bhqk,bkhd->bqhd", (p / jnp.maximum(l, 1e-37)[..., None]).astype(v.dtype), v,
-                       preferred_element_type=jnp.float32)
+        o = jnp.einsum(
+            "bhqk,bkhd->bqhd",
+            (p / jnp.maximum(l, 1e-37)[..., None]).astype(v.dtype),
+            v,
+            preferred_element_type=jnp.float32,
+        )
         return o, lse
 
     o, lse = jax.lax.map(one, (jnp.arange(q.shape[1] // c), _split_q(q, c)))
@@ -125,6 +141,7 @@ def block_grads(q, k, v, do, lse, delta, mask_fn, *, sm_scale, q_chunk=None):
         return (dk, dv), dq
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    (dk, dv), dq = jax.lax.scan(one, (zeros, zeros),
-                                (jnp.arange(q.shape[1] // c), _split_q(q, c), _split_q(do, c), lse_c, delta_c))
+    (dk, dv), dq = jax.lax.scan(
+        one, (zeros, zeros), (jnp.arange(q.shape[1] // c), _split_q(q, c), _split_q(do, c), lse_c, delta_c)
+    )
     return _merge_q(dq), dk, dv

@@ -54,7 +54,7 @@ def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def fsdp_spec(path: str, shape: tuple[int, ...], fsdp: int, min_size: int = 2 ** 14) -> P:
+def fsdp_spec(path: str, shape: tuple[int, ...], fsdp: int, min_size: int = 2**14) -> P:
     """Shard the largest dimension divisible by the fsdp degree (never the stacked-layer axis)."""
     if fsdp == 1 or math.prod(shape) < min_size:
         return P()

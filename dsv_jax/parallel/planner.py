@@ -205,8 +205,18 @@ def _link_time(nbytes, group: int, stride: int, hw: Hardware, pattern: str) -> f
     return max(nbytes * on / nvl, nbytes * (1 - on) / ib)
 
 
-def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardware, km: KernelModel, *,
-                   rebalance: bool = True, memory_cap: float | None = None, slots: int | None = None) -> Cost:
+def candidate_cost(
+    w: Workload,
+    hcp: int,
+    scp: int,
+    scp_strategy: str,
+    hw: Hardware,
+    km: KernelModel,
+    *,
+    rebalance: bool = True,
+    memory_cap: float | None = None,
+    slots: int | None = None,
+) -> Cost:
     """Cost of one candidate; slots: head slots per HCP device (sparse; default heads / hcp)."""
     keep = w.keep
     sparse = w.sparse
@@ -238,11 +248,27 @@ def candidate_cost(w: Workload, hcp: int, scp: int, scp_strategy: str, hw: Hardw
 
     nb_loc = w.seq_len // scp // w.kv_block
     need = np.minimum(1.0, w.needed_factor * keep)
-    capacity = max(int(math.ceil(w.batch * nb_loc * (float(np.sum(need[g])) + (slots - len(g)) / nb)))
-                   for g in groups) if sparse else 0
-    b = context_bytes(hcp=hcp, scp=scp, scp_strategy=scp_strategy, batch=w.batch, seq_len=w.seq_len,
-                      heads=w.heads, head_dim=w.head_dim, itemsize=w.itemsize, sparse=sparse, top_k=w.top_k,
-                      q_tile=w.q_tile, kv_block=w.kv_block, capacity=capacity, hcp_slots=slots)
+    capacity = (
+        max(int(math.ceil(w.batch * nb_loc * (float(np.sum(need[g])) + (slots - len(g)) / nb))) for g in groups)
+        if sparse
+        else 0
+    )
+    b = context_bytes(
+        hcp=hcp,
+        scp=scp,
+        scp_strategy=scp_strategy,
+        batch=w.batch,
+        seq_len=w.seq_len,
+        heads=w.heads,
+        head_dim=w.head_dim,
+        itemsize=w.itemsize,
+        sparse=sparse,
+        top_k=w.top_k,
+        q_tile=w.q_tile,
+        kv_block=w.kv_block,
+        capacity=capacity,
+        hcp_slots=slots,
+    )
     again = 1 if w.recompute_forward else 0
     hcp_bytes = b["hcp_forward"] * (1 + again) + b["hcp_backward"]
     scp_bytes = b["scp_forward"] * (1 + again) + b["scp_backward"]
@@ -278,9 +304,16 @@ def factorisations(devices: int, heads: int) -> list[tuple[int, int]]:
     return [(h, devices // h) for h in range(1, devices + 1) if devices % h == 0 and heads % h == 0]
 
 
-def plan_attention(w: Workload, devices: int, hardware: Hardware | None = None, kernels: KernelModel | None = None,
-                   *, memory_cap: float | None = None, rebalance: bool = True,
-                   strategies: tuple[str, ...] | None = None) -> Placement:
+def plan_attention(
+    w: Workload,
+    devices: int,
+    hardware: Hardware | None = None,
+    kernels: KernelModel | None = None,
+    *,
+    memory_cap: float | None = None,
+    rebalance: bool = True,
+    strategies: tuple[str, ...] | None = None,
+) -> Placement:
     """The fastest factorisation of `devices` for this block; ties go to fewer bytes, then more HCP."""
     hw, km = hardware or Hardware(), kernels or KernelModel()
     if strategies is None:
@@ -292,14 +325,17 @@ def plan_attention(w: Workload, devices: int, hardware: Hardware | None = None, 
         slot_options = range(equal, min(w.heads, 2 * equal) + 1) if w.sparse and ph > 1 and rebalance else (equal,)
         for s in strategies if ps > 1 else ("allgather",):
             for slots in slot_options:
-                cands.append(candidate_cost(w, ph, ps, s, hw, km, rebalance=rebalance, memory_cap=memory_cap,
-                                            slots=slots))
+                cands.append(
+                    candidate_cost(w, ph, ps, s, hw, km, rebalance=rebalance, memory_cap=memory_cap, slots=slots)
+                )
     fitting = [c for c in cands if c.fits]
     if not fitting:
         least = min(cands, key=lambda c: c.memory_bytes)
-        raise ValueError(f"no context-parallel plan of {devices} devices fits the memory cap {memory_cap:.3g} B "
-                         f"for S={w.seq_len}; the smallest needs {least.memory_bytes:.3g} B "
-                         f"(HCP {least.hcp} x SCP {least.scp} {least.scp_strategy})")
+        raise ValueError(
+            f"no context-parallel plan of {devices} devices fits the memory cap {memory_cap:.3g} B "
+            f"for S={w.seq_len}; the smallest needs {least.memory_bytes:.3g} B "
+            f"(HCP {least.hcp} x SCP {least.scp} {least.scp_strategy})"
+        )
     best = min(fitting, key=lambda c: (round(c.time_s, 12), c.bytes_sent, -c.hcp, c.hcp_slots))
     return Placement(best.hcp, best.scp, best.scp_strategy, best, tuple(cands))
 

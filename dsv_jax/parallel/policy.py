@@ -50,8 +50,16 @@ class ContextPolicy:
     batch_size(shape) -> global batch of a bucket (the placements are per device: divided by the
     data-parallel size here)."""
 
-    def __init__(self, inner, cfg, mesh, batch_size: Callable[[Any], int], *, hardware: Hardware | None = None,
-                 kernels: KernelModel | None = None):
+    def __init__(
+        self,
+        inner,
+        cfg,
+        mesh,
+        batch_size: Callable[[Any], int],
+        *,
+        hardware: Hardware | None = None,
+        kernels: KernelModel | None = None,
+    ):
         self.inner, self.cfg, self.mesh = inner, cfg, mesh
         self.n = mesh.shape["context"]
         self.dp = math.prod(mesh.shape[a] for a in mesh.axis_names if a != "context")
@@ -95,8 +103,9 @@ class ContextPolicy:
         plans = self.inner.plans(shape)
         per_block = isinstance(plans, (list, tuple))
         blocks = plans if per_block else [plans] * self.cfg.model.depth
-        rec["cp/bytes_per_step"] = float(sum(self._bytes(shape, i if per_block else None, p)
-                                             for i, p in enumerate(blocks)))
+        rec["cp/bytes_per_step"] = float(
+            sum(self._bytes(shape, i if per_block else None, p) for i, p in enumerate(blocks))
+        )
         return rec
 
     def summary(self, shapes) -> dict[str, Any]:
@@ -136,13 +145,20 @@ class ContextPolicy:
             self.placements[key] = self._place(shape, plan, keep_heads)
             p = self.placements[key]
             where = "every block" if block is None else f"block {block}"
-            self._events.append(f"context parallel {_key(shape)} {where}: {p['hcp']}x{p['scp']} {p['scp_strategy']}"
-                                f" ({p['bytes'] / 1e6:.1f} MB sent per device per step)")
+            self._events.append(
+                f"context parallel {_key(shape)} {where}: {p['hcp']}x{p['scp']} {p['scp_strategy']}"
+                f" ({p['bytes'] / 1e6:.1f} MB sent per device per step)"
+            )
         p = self.placements[key]
-        options = (("degrees", (int(p["hcp"]), int(p["scp"]))), ("scp", p["scp_strategy"]),
-                   ("hcp_slots", int(p["slots"])), ("capacity", float(p["capacity"])))
-        return dataclasses.replace(plan, backend=ContextAttention(self.mesh, "hybrid", backend=dense_name,
-                                                                  options=options))
+        options = (
+            ("degrees", (int(p["hcp"]), int(p["scp"]))),
+            ("scp", p["scp_strategy"]),
+            ("hcp_slots", int(p["slots"])),
+            ("capacity", float(p["capacity"])),
+        )
+        return dataclasses.replace(
+            plan, backend=ContextAttention(self.mesh, "hybrid", backend=dense_name, options=options)
+        )
 
     def _geometry(self, shape, plan):
         m = self.cfg.model
@@ -164,9 +180,19 @@ class ContextPolicy:
             keep = np.full(m.heads, plan.keep) if keep_heads is None else np.minimum(np.asarray(keep_heads), plan.keep)
         keep = np.clip(keep, 1.0 / nb, 1.0)
         top_k = plan.top_k(nb) if plan.mode == "dsv" else int(round(keep[0] * nb))
-        w = Workload(seq_len=s, heads=m.heads, head_dim=m.head_dim, batch=self._local_batch(shape),
-                     itemsize=self._itemsize(), head_sparsity=tuple(float(1 - k) for k in keep), q_tile=q_tile,
-                     kv_block=kv_block, top_k=top_k, recompute_forward=m.remat, needed_factor=CAPACITY_FACTOR)
+        w = Workload(
+            seq_len=s,
+            heads=m.heads,
+            head_dim=m.head_dim,
+            batch=self._local_batch(shape),
+            itemsize=self._itemsize(),
+            head_sparsity=tuple(float(1 - k) for k in keep),
+            q_tile=q_tile,
+            kv_block=kv_block,
+            top_k=top_k,
+            recompute_forward=m.remat,
+            needed_factor=CAPACITY_FACTOR,
+        )
         forced = self.cfg.parallel
         if forced.hcp_degree or forced.context_strategy != "hybrid":
             ph = forced.hcp_degree or (self.n if forced.context_strategy == "ulysses" else 1)
@@ -177,9 +203,15 @@ class ContextPolicy:
             best = plan_attention(w, self.n, self.hardware, self.kernels).cost
         # of a peer's KV blocks over all rows, as the planner counts it; overflow takes the exact path
         capacity = float(np.mean(np.minimum(1.0, CAPACITY_FACTOR * keep)))
-        return {"hcp": best.hcp, "scp": best.scp, "scp_strategy": best.scp_strategy if best.scp > 1 else "ulysses",
-                "slots": best.hcp_slots, "capacity": capacity, "bytes": float(best.bytes_sent),
-                "time_s": float(best.time_s)}
+        return {
+            "hcp": best.hcp,
+            "scp": best.scp,
+            "scp_strategy": best.scp_strategy if best.scp > 1 else "ulysses",
+            "slots": best.hcp_slots,
+            "capacity": capacity,
+            "bytes": float(best.bytes_sent),
+            "time_s": float(best.time_s),
+        }
 
     def _bytes(self, shape, block, plan) -> float:
         """Bytes one device sends per step in one block's attention (forward, backward, remat forward)."""
@@ -187,16 +219,25 @@ class ContextPolicy:
             return float(self.placements.get(_placement_key(shape, block, plan), {}).get("bytes", 0.0))
         _, parts = self._dense_parts(shape)
         again = 1 if self.cfg.model.remat else 0
-        return float(parts["hcp_forward"] + parts["scp_forward"]) * (1 + again) + \
-            float(parts["hcp_backward"] + parts["scp_backward"])
+        return float(parts["hcp_forward"] + parts["scp_forward"]) * (1 + again) + float(
+            parts["hcp_backward"] + parts["scp_backward"]
+        )
 
     def _dense_parts(self, shape):
         """((hcp, scp, scp_strategy), comm.context_bytes parts) of dense attention on a bucket."""
         m = self.cfg.model
         s, b = self._seq_len(shape), self._local_batch(shape)
         ph, ps, strategy = self._dense().resolve(s, m.heads, m.head_dim, b, self._itemsize())
-        parts = context_bytes(hcp=ph, scp=ps, scp_strategy=strategy, batch=b, seq_len=s, heads=m.heads,
-                              head_dim=m.head_dim, itemsize=self._itemsize())
+        parts = context_bytes(
+            hcp=ph,
+            scp=ps,
+            scp_strategy=strategy,
+            batch=b,
+            seq_len=s,
+            heads=m.heads,
+            head_dim=m.head_dim,
+            itemsize=self._itemsize(),
+        )
         return (ph, ps, strategy), parts
 
     def _seq_len(self, shape) -> int:
@@ -238,9 +279,13 @@ def check_context(cfg, mesh, shapes) -> None:
         if not sparse:
             continue
         if s < n * tile:
-            raise ConfigError(f"bucket {name}: {s} tokens are fewer than parallel.context={n} x the {tile}-token "
-                              f"tile (model.tile={tuple(m.tile)}); use fewer context devices or longer clips")
+            raise ConfigError(
+                f"bucket {name}: {s} tokens are fewer than parallel.context={n} x the {tile}-token "
+                f"tile (model.tile={tuple(m.tile)}); use fewer context devices or longer clips"
+            )
         block = max(tile, cfg.dsv.kv_block)
         if s % (n * block):
-            raise ConfigError(f"bucket {name}: {s} tokens do not split into whole {block}-token tiles over "
-                              f"parallel.context={n} devices ({s / (n * block):.2f} tiles each)")
+            raise ConfigError(
+                f"bucket {name}: {s} tokens do not split into whole {block}-token tiles over "
+                f"parallel.context={n} devices ({s / (n * block):.2f} tiles each)"
+            )

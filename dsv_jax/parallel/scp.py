@@ -99,16 +99,29 @@ class RingSteps:
         """attend(src, k_chunk, v_chunk) -> (o [B, S_local, H, D], lse [B, H, S_local] fp32, local.NEG where
         a row sees no key) of the local queries against the group's key chunk src."""
         if self.sparse:
+
             def sparse_block(src, k, v):
                 index, count, valid = self._selection(masks, src, k.shape[1])
-                o, lse = local.sparse_local(q, k, v, index, count, q_tile=self.q_tile, kv_block=self.kv_block,
-                                            sm_scale=self.sm_scale, impl=self.impl, kv_valid=valid, return_lse=True)
+                o, lse = local.sparse_local(
+                    q,
+                    k,
+                    v,
+                    index,
+                    count,
+                    q_tile=self.q_tile,
+                    kv_block=self.kv_block,
+                    sm_scale=self.sm_scale,
+                    impl=self.impl,
+                    kv_valid=valid,
+                    return_lse=True,
+                )
                 return o, jnp.maximum(lse, local.NEG)  # the kernel's -inf as the ring's finite "no key"
 
             return sparse_block
         kv_lens, kv_mask = masks
-        return lambda src, k, v: local.block_lse(q, k, v, _mask_fn(src, k.shape[1], kv_lens, kv_mask),
-                                                 sm_scale=self.sm_scale, q_chunk=self.q_chunk)
+        return lambda src, k, v: local.block_lse(
+            q, k, v, _mask_fn(src, k.shape[1], kv_lens, kv_mask), sm_scale=self.sm_scale, q_chunk=self.q_chunk
+        )
 
     def grads(self, q, masks, o, lse, do, dlse):
         """grads(src, k_chunk, v_chunk) -> (dq, dk, dv) of chunk src's share of the attention whose merged
@@ -118,19 +131,56 @@ class RingSteps:
 
             def sparse_grads(src, k, v):
                 index, count, valid = self._selection(masks, src, k.shape[1])
-                return sparse_attention_backward(q, k, v, index, count, o, visible, do, dlse, q_tile=self.q_tile,
-                                                 kv_block=self.kv_block, sm_scale=self.sm_scale, kv_valid=valid,
-                                                 impl=self.impl)
+                return sparse_attention_backward(
+                    q,
+                    k,
+                    v,
+                    index,
+                    count,
+                    o,
+                    visible,
+                    do,
+                    dlse,
+                    q_tile=self.q_tile,
+                    kv_block=self.kv_block,
+                    sm_scale=self.sm_scale,
+                    kv_valid=valid,
+                    impl=self.impl,
+                )
 
             return sparse_grads
         kv_lens, kv_mask = masks
         delta = row_term(o, do, dlse)
-        return lambda src, k, v: local.block_grads(q, k, v, do, lse, delta, _mask_fn(src, k.shape[1], kv_lens, kv_mask),
-                                                   sm_scale=self.sm_scale, q_chunk=self.q_chunk)
+        return lambda src, k, v: local.block_grads(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            _mask_fn(src, k.shape[1], kv_lens, kv_mask),
+            sm_scale=self.sm_scale,
+            q_chunk=self.q_chunk,
+        )
 
 
-def ring_attention(q, k, v, *, axis: GroupAxis, sm_scale, kv_lens=None, kv_mask=None, kv_index=None, kv_count=None,
-                   kv_valid=None, q_chunk=None, q_tile=64, kv_block=64, impl="auto"):
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    axis: GroupAxis,
+    sm_scale,
+    kv_lens=None,
+    kv_mask=None,
+    kv_index=None,
+    kv_count=None,
+    kv_valid=None,
+    q_chunk=None,
+    q_tile=64,
+    kv_block=64,
+    impl="auto",
+):
     """Attention of the local queries over the whole group's keys, dense or block-sparse.
     -> (o, lse [B, H, S_local] fp32, -inf for a query that sees no key); differentiable in both.
 
@@ -199,14 +249,42 @@ def gather_kv(k, v, axis: GroupAxis):
     return axis.all_gather(k, 1), axis.all_gather(v, 1)
 
 
-def allgather_attention(q, k, v, *, axis, kv_lens, sm_scale, backend="auto", kv_index=None, kv_count=None,
-                        q_tile=64, kv_block=64, impl="auto", kv_mask=None, kv_valid=None, return_lse=False):
+def allgather_attention(
+    q,
+    k,
+    v,
+    *,
+    axis,
+    kv_lens,
+    sm_scale,
+    backend="auto",
+    kv_index=None,
+    kv_count=None,
+    q_tile=64,
+    kv_block=64,
+    impl="auto",
+    kv_mask=None,
+    kv_valid=None,
+    return_lse=False,
+):
     k_all, v_all = gather_kv(k, v, axis)
     if kv_index is None:
-        return local.dense_local(q, k_all, v_all, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend,
-                                 kv_mask=kv_mask, return_lse=return_lse)
-    return local.sparse_local(q, k_all, v_all, kv_index, kv_count, q_tile=q_tile, kv_block=kv_block,
-                              sm_scale=sm_scale, impl=impl, kv_valid=kv_valid, return_lse=return_lse)
+        return local.dense_local(
+            q, k_all, v_all, kv_lens=kv_lens, sm_scale=sm_scale, backend=backend, kv_mask=kv_mask, return_lse=return_lse
+        )
+    return local.sparse_local(
+        q,
+        k_all,
+        v_all,
+        kv_index,
+        kv_count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        impl=impl,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+    )
 
 
 def _compact(mask, capacity):
@@ -230,8 +308,22 @@ def peer_requests(kv_index, kv_count, *, axis: GroupAxis, nb_loc):
     return need, jnp.sum(need, axis=1, dtype=jnp.int32)
 
 
-def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacity, sm_scale, q_tile=64, kv_block=64,
-                        impl="auto", kv_valid=None, return_lse=False):
+def selective_attention(
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    *,
+    axis: GroupAxis,
+    capacity,
+    sm_scale,
+    q_tile=64,
+    kv_block=64,
+    impl="auto",
+    kv_valid=None,
+    return_lse=False,
+):
     """Sparse attention fetching only the selected remote KV blocks. Returns (out, stats), out being
     o or (o, lse [B, H, S_local]) with return_lse.
 
@@ -291,26 +383,50 @@ def selective_attention(q, k, v, kv_index, kv_count, *, axis: GroupAxis, capacit
             recv = kv_valid[jnp.where(ok, r_row, 0) // h, r_blk] * ok  # [n, C]; empty slots count 0
             buf_valid = jnp.concatenate([own, recv.reshape(-1), jnp.zeros((pad,), own.dtype)])[None]
         q_flat = jnp.swapaxes(q, 1, 2).reshape(1, bh * s_loc, 1, d)
-        out = local.sparse_local(q_flat, k_buf.reshape(1, -1, 1, d), v_buf.reshape(1, -1, 1, d), idx,
-                                 kv_count.reshape(1, 1, -1), q_tile=q_tile, kv_block=kv_block, sm_scale=sm_scale,
-                                 impl=impl, kv_valid=buf_valid, return_lse=return_lse)
+        out = local.sparse_local(
+            q_flat,
+            k_buf.reshape(1, -1, 1, d),
+            v_buf.reshape(1, -1, 1, d),
+            idx,
+            kv_count.reshape(1, 1, -1),
+            q_tile=q_tile,
+            kv_block=kv_block,
+            sm_scale=sm_scale,
+            impl=impl,
+            kv_valid=buf_valid,
+            return_lse=return_lse,
+        )
         o = out[0] if return_lse else out
         o = jnp.swapaxes(o.reshape(b, h, s_loc, d), 1, 2)
         return (o, out[1].reshape(b, h, s_loc)) if return_lse else o
 
     def fallback(q, k, v):
-        return allgather_attention(q, k, v, axis=axis, kv_lens=None, sm_scale=sm_scale, kv_index=kv_index,
-                                   kv_count=kv_count, q_tile=q_tile, kv_block=kv_block, impl=impl,
-                                   kv_valid=kv_valid, return_lse=return_lse)
+        return allgather_attention(
+            q,
+            k,
+            v,
+            axis=axis,
+            kv_lens=None,
+            sm_scale=sm_scale,
+            kv_index=kv_index,
+            kv_count=kv_count,
+            q_tile=q_tile,
+            kv_block=kv_block,
+            impl=impl,
+            kv_valid=kv_valid,
+            return_lse=return_lse,
+        )
 
     out = jax.lax.cond(axis_overflow > 0, fallback, exchange, q, k, v)
-    stats = {"requested_blocks": jnp.sum(requested), "overflow_blocks": overflow,
-             "fallback": (axis_overflow > 0).astype(jnp.int32)}
+    stats = {
+        "requested_blocks": jnp.sum(requested),
+        "overflow_blocks": overflow,
+        "fallback": (axis_overflow > 0).astype(jnp.int32),
+    }
     return out, stats
 
 
-def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean", keep=None, kv_valid=None,
-                    row0=0):
+def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="mean", keep=None, kv_valid=None, row0=0):
     """Selection of this device's query tiles against the whole sequence's low-rank keys.
 
     q_lr [B, S_local, H, r] (the sequence's rows row0 .. row0 + S_local), k_lr_all [B, S, H, r] ->
@@ -327,8 +443,11 @@ def local_selection(q_lr, k_lr_all, top_k, *, q_tile, kv_block, block_reduce="me
         q_rows = jax.lax.dynamic_slice_in_dim(row_flags(kv_valid, kv_block), row0, s_loc, axis=1)
     proxy = tile_proxies(q_lr, q_tile, q_rows)  # [B, T_local, H, r]
     scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr_all.astype(jnp.float32))
-    scores = reduce_block(scores.reshape(b, h, s_loc // q_tile, nb, kv_block), block_reduce,
-                          None if kv_valid is None else kv_valid.astype(jnp.int32)[:, None, None, :])
+    scores = reduce_block(
+        scores.reshape(b, h, s_loc // q_tile, nb, kv_block),
+        block_reduce,
+        None if kv_valid is None else kv_valid.astype(jnp.int32)[:, None, None, :],
+    )
     if isinstance(top_k, (tuple, list)):  # one count per head (no keep ratios, no padding)
         k_max = int(max(top_k))
         per_head = jnp.asarray(top_k, jnp.int32)

@@ -71,7 +71,7 @@ class KeepLatestAndGood:
 
     def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
         steps = [c.step for c in checkpoints]
-        keep = set(sorted(steps)[-self.n:])
+        keep = set(sorted(steps)[-self.n :])
         good = [s for s in steps if self.is_good(s)]
         if good:
             keep.add(max(good))
@@ -83,9 +83,12 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint in {self.directory} (no such directory)")
-        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_save, create=not read_only,
-                                               read_only=read_only,
-                                               preservation_policy=KeepLatestAndGood(keep, self.is_good))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+            preservation_policy=KeepLatestAndGood(keep, self.is_good),
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: dict[int, tuple[bool, str] | None] = {}  # saved steps -> verdict, until marked
         self._state_bytes = 0
@@ -128,8 +131,11 @@ class Checkpointer:
         self._state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
         self.wait()  # the previous save is committed and marked before rotation looks for the newest good step
         self._check_space(step)
-        items = dict(state=ocp.args.StandardSave(_on_disk(state)), data=ocp.args.JsonSave(data_state),
-                     config=ocp.args.JsonSave(cfg.to_dict()))
+        items = dict(
+            state=ocp.args.StandardSave(_on_disk(state)),
+            data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(cfg.to_dict()),
+        )
         if controller_state is not None:
             items["dsv"] = ocp.args.JsonSave(controller_state)
         self._last_saved = step
@@ -155,8 +161,9 @@ class Checkpointer:
         needed, measured = self._needed_bytes()
         free = shutil.disk_usage(self.directory).free
         if measured and free < needed:
-            raise DiskFull(f"disk full: checkpoint step {step} needs about {mib(needed)} in {self.directory}, "
-                           f"{mib(free)} free")
+            raise DiskFull(
+                f"disk full: checkpoint step {step} needs about {mib(needed)} in {self.directory}, {mib(free)} free"
+            )
 
     @contextlib.contextmanager
     def _disk_errors(self, step: int | None):
@@ -170,8 +177,10 @@ class Checkpointer:
             what = f"checkpoint step {step}" if step is not None else "a checkpoint"
             needed, measured = self._needed_bytes()
             size = f"needs about {mib(needed)}" if measured else f"holds {mib(needed)} of arrays (uncompressed)"
-            raise DiskFull(f"disk full while writing {what} to {self.directory}: it {size}, "
-                           f"{mib(shutil.disk_usage(self.directory).free)} free") from e
+            raise DiskFull(
+                f"disk full while writing {what} to {self.directory}: it {size}, "
+                f"{mib(shutil.disk_usage(self.directory).free)} free"
+            ) from e
 
     def await_verdict(self, step: int | None) -> None:
         """Let `judge` mark `step` (a restored step nobody judged yet)."""
@@ -239,12 +248,17 @@ class Checkpointer:
             fields = "; ".join(f"{k}: checkpoint {a!r} != requested {b!r}" for k, a, b in diffs)
             raise IncompatibleCheckpoint(
                 f"the checkpoint at {self.directory} (step {step}) has another model ({fields}); "
-                "use another --workdir, or the checkpoint's settings")
+                "use another --workdir, or the checkpoint's settings"
+            )
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """Restore into `abstract_state` (ShapeDtypeStructs with shardings): any device count works."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_on_disk(abstract_state)), data=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_on_disk(abstract_state)), data=ocp.args.JsonRestore()
+            ),
+        )
         return abstract_state.replace(**out["state"]), out["data"]
 
     def restore_params(self, step: int, abstract_params, item: str = "params") -> Any:
@@ -253,16 +267,25 @@ class Checkpointer:
         on the default device). item "ema": the EMA of the parameters instead (a run with train.ema_decay > 0)."""
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         tree = {item: abstract_params}
-        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=getattr(a, "sharding", None) or device),
-                                    tree)
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=getattr(a, "sharding", None) or device), tree
+        )
         with ocp.PyTreeCheckpointer() as reader:  # the state item alone, read partially
-            out = reader.restore(os.path.join(self.directory, str(step), "state"),
-                                 args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args,
-                                                             partial_restore=True))
+            out = reader.restore(
+                os.path.join(self.directory, str(step), "state"),
+                args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args, partial_restore=True),
+            )
         return out[item]
 
-    def restore_readable(self, abstract_state, cfg: Config | None = None, *, step: int | None = None,
-                         params_only: bool = False, item=None):
+    def restore_readable(
+        self,
+        abstract_state,
+        cfg: Config | None = None,
+        *,
+        step: int | None = None,
+        params_only: bool = False,
+        item=None,
+    ):
         """(step, saved config, state, data state) of `step`, or else of the newest readable step that
         is not rejected; (None, None, None, None) when there is no checkpoint. `abstract_state`: the
         ShapeDtypeStructs to restore into, or a function of the saved config giving them. `cfg`: the
@@ -272,18 +295,22 @@ class Checkpointer:
         saved config) then names the state's field to read, "params" (default) or "ema"."""
         steps = self.all_steps()
         if step is not None and step not in steps:
-            raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
-                                  f"(steps: {', '.join(map(str, steps)) or 'none'})")
+            raise CheckpointError(
+                f"no checkpoint at step {step} in {self.directory} (steps: {', '.join(map(str, steps)) or 'none'})"
+            )
         rejected = {s for s in steps if (self.validation(s) or {}).get("status") == "rejected"}
         if step in rejected:
-            log.warning("checkpoint step %d was rejected (%s); restoring it as asked", step,
-                        self.validation(step).get("reason"))
+            log.warning(
+                "checkpoint step %d was rejected (%s); restoring it as asked", step, self.validation(step).get("reason")
+            )
         elif step is None and rejected:
             log.info("skipping rejected checkpoint step(s) %s", ", ".join(map(str, sorted(rejected))))
         candidates = [step] if step is not None else [s for s in reversed(steps) if s not in rejected]
         if steps and not candidates:
-            raise CheckpointError(f"every checkpoint in {self.directory} was rejected (a bad loss after it); "
-                                  f"--checkpoint STEP restores one anyway (steps: {', '.join(map(str, steps))})")
+            raise CheckpointError(
+                f"every checkpoint in {self.directory} was rejected (a bad loss after it); "
+                f"--checkpoint STEP restores one anyway (steps: {', '.join(map(str, steps))})"
+            )
         failed = []
         for s in candidates:
             try:
@@ -311,8 +338,10 @@ class Checkpointer:
                 log.warning("restored checkpoint step %d, the newest readable one", s)
             return s, saved, state, data
         if failed:
-            raise CheckpointError(f"no readable checkpoint in {self.directory} (steps {', '.join(map(str, failed))} "
-                                  "failed, see above); move the folder away to start afresh")
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory} (steps {', '.join(map(str, failed))} "
+                "failed, see above); move the folder away to start afresh"
+            )
         return None, None, None, None
 
     def set_aside_after(self, step: int | None) -> None:
@@ -361,8 +390,10 @@ def verify_step_dir(root: str) -> str | None:
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d != "d")  # array chunks (binary)
         for name in sorted(files):
-            if not (name in ("_CHECKPOINT_METADATA", "metadata", "_METADATA", "_sharding")
-                    or os.path.basename(folder) == "array_metadatas"):
+            if not (
+                name in ("_CHECKPOINT_METADATA", "metadata", "_METADATA", "_sharding")
+                or os.path.basename(folder) == "array_metadatas"
+            ):
                 continue
             path = os.path.join(folder, name)
             try:
@@ -394,7 +425,7 @@ def describe_failure(step_dir: str, e: BaseException) -> str:
         paths = _PATH.findall(text)
         if paths:
             array = _ARRAY.search(text)
-            reason = text[text.rfind(f'"{paths[-1]}"') + len(paths[-1]) + 2:].lstrip(": ").strip()
+            reason = text[text.rfind(f'"{paths[-1]}"') + len(paths[-1]) + 2 :].lstrip(": ").strip()
             where = f"{paths[-1]} (array {array.group(1).removesuffix('.value')})" if array else paths[-1]
             return f"{where}: {(reason.splitlines() or ['unreadable'])[0][:300]}"
     first = next((t.strip().splitlines()[0] for t in texts[::-1] if t.strip()), "")
@@ -423,11 +454,13 @@ def has_ema(cfg: Config) -> bool:
 
 
 def weights_used(cfg: Config, weights: str) -> str:
-    """"ema" or "raw": the weights that a request `weights` (auto | ema | raw) reads from the checkpoints of a
+    """ "ema" or "raw": the weights that a request `weights` (auto | ema | raw) reads from the checkpoints of a
     run with config `cfg`. "ema" where the run kept none is an error (NoEMA)."""
     if weights == "ema" and not has_ema(cfg):
-        raise NoEMA("has no EMA of the weights (the run trained with train.ema_decay=0); use the trained weights "
-                    "(--weights raw)")
+        raise NoEMA(
+            "has no EMA of the weights (the run trained with train.ema_decay=0); use the trained weights "
+            "(--weights raw)"
+        )
     return "ema" if has_ema(cfg) and weights != "raw" else "raw"
 
 
@@ -452,8 +485,9 @@ def load_trained(workdir: str, step: int | None = None, weights: str = "auto"):
             raise NoEMA(f"checkpoint {ckpt.directory} {e}") from None
 
     try:
-        step, cfg, params, _ = ckpt.restore_readable(lambda saved: abstract_model(saved)[1], step=step,
-                                                     params_only=True, item=item)
+        step, cfg, params, _ = ckpt.restore_readable(
+            lambda saved: abstract_model(saved)[1], step=step, params_only=True, item=item
+        )
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
         controller = ckpt.controller_state(step)
@@ -462,8 +496,9 @@ def load_trained(workdir: str, step: int | None = None, weights: str = "auto"):
     which = weights_used(cfg, weights)
     if not _all_finite(params):
         raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} holds NaN/Inf parameters")
-    what = f"the EMA of the weights (train.ema_decay={cfg.train.ema_decay:g})" if which == "ema" \
-        else "the trained weights"
+    what = (
+        f"the EMA of the weights (train.ema_decay={cfg.train.ema_decay:g})" if which == "ema" else "the trained weights"
+    )
     log.info("using %s of checkpoint step %d", what, step)
     graphdef, _ = abstract_model(cfg)
     return cfg, graphdef, params, controller, step

@@ -26,17 +26,18 @@ log = logging.getLogger("dsv_jax")
 
 
 def launcher() -> str | None:
-    """"slurm" or "openmpi" when this process is one task of several started by that launcher."""
-    if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) \
-            and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    """ "slurm" or "openmpi" when this process is one task of several started by that launcher."""
+    if (
+        all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID"))
+        and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    ):
         return "slurm"
     if "OMPI_MCA_orte_hnp_uri" in os.environ and int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
         return "openmpi"
     return None
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
     """Start jax.distributed when this process is one of several; returns whether it did. Must run
     before anything else uses jax."""
     env = os.environ
@@ -47,11 +48,20 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         process_id = int(env["JAX_PROCESS_ID"])
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if explicit:
-        missing = [name for name, v in (("--coordinator", coordinator), ("--num-processes", num_processes),
-                                        ("--process-id", process_id)) if v is None]
+        missing = [
+            name
+            for name, v in (
+                ("--coordinator", coordinator),
+                ("--num-processes", num_processes),
+                ("--process-id", process_id),
+            )
+            if v is None
+        ]
         if missing and not launcher():
-            raise ConfigError(f"a multi-process run needs --coordinator, --num-processes and --process-id (or "
-                              f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing {missing}")
+            raise ConfigError(
+                f"a multi-process run needs --coordinator, --num-processes and --process-id (or "
+                f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing {missing}"
+            )
         if num_processes == 1:
             return False
         if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
@@ -59,8 +69,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     elif launcher() is None:
         return False
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    log.info("process %d of %d (%s); %d devices here, %d in all", jax.process_index(), jax.process_count(),
-             launcher() or "explicit", jax.local_device_count(), jax.device_count())
+    log.info(
+        "process %d of %d (%s); %d devices here, %d in all",
+        jax.process_index(),
+        jax.process_count(),
+        launcher() or "explicit",
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -74,8 +90,10 @@ def check_same_config(cfg: Config) -> None:
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
     differ = [i for i, row in enumerate(every) if not np.array_equal(row, every[0])]
     if differ:
-        raise ConfigError(f"processes {differ} were given a different config than process 0 (compare each "
-                          "process's command line, config file and overrides); all must train the same model")
+        raise ConfigError(
+            f"processes {differ} were given a different config than process 0 (compare each "
+            "process's command line, config file and overrides); all must train the same model"
+        )
 
 
 def any_process(flag: bool) -> bool:

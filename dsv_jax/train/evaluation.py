@@ -17,8 +17,18 @@ def to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-def held_out_loss(cfg: Config, graphdef, params, attention_for: Callable, feed, batches: int, *,
-                  put: Callable = to_device, cache: dict | None = None, name: str = "eval_loss") -> dict[str, float]:
+def held_out_loss(
+    cfg: Config,
+    graphdef,
+    params,
+    attention_for: Callable,
+    feed,
+    batches: int,
+    *,
+    put: Callable = to_device,
+    cache: dict | None = None,
+    name: str = "eval_loss",
+) -> dict[str, float]:
     """{name: mean over buckets and EVAL_T, name/TxHxW: per bucket, name/t_T: per timestep}.
 
     feed: anything with `.shapes` and `.batch_at(i, shape)` (the eval split of a data feed, or
@@ -32,8 +42,10 @@ def held_out_loss(cfg: Config, graphdef, params, attention_for: Callable, feed, 
         plans, inputs = attention_for(shape)
         if plans not in cache:
             cache[plans] = jax.jit(make_eval_step(cfg, graphdef, plans))
-        losses = [np.asarray(cache[plans](params, put(feed.batch_at(i, shape)), jax.random.key(i), inputs))
-                  for i in range(batches)]
+        losses = [
+            np.asarray(cache[plans](params, put(feed.batch_at(i, shape)), jax.random.key(i), inputs))
+            for i in range(batches)
+        ]
         mean = np.mean(losses, axis=0)
         out[f"{name}/{'x'.join(map(str, shape))}"] = float(mean.mean())
         all_losses.append(mean)

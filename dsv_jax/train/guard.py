@@ -42,7 +42,8 @@ class DivergenceGuard:
         """`history`: good losses of earlier steps (a resumed run's metrics), oldest first."""
         self.max_bad, self.factor = train.max_bad_steps, train.divergence_factor
         self._good: collections.deque[float] = collections.deque(
-            (x for x in history if math.isfinite(x)), maxlen=train.divergence_window)
+            (x for x in history if math.isfinite(x)), maxlen=train.divergence_window
+        )
         self.streak = 0  # bad steps in a row
         self.last: Verdict | None = None
 
@@ -51,8 +52,9 @@ class DivergenceGuard:
         if not (finite and math.isfinite(loss)):
             verdict = Verdict(step, loss, "skipped", f"non-finite loss or gradient (loss {loss}), update skipped")
         elif self.factor and self._good and loss > self.factor * (median := float(np.median(self._good))):
-            verdict = Verdict(step, loss, "diverged",
-                              f"loss {loss:.4g} > {self.factor:g} x the running median {median:.4g}")
+            verdict = Verdict(
+                step, loss, "diverged", f"loss {loss:.4g} > {self.factor:g} x the running median {median:.4g}"
+            )
             log.warning("step %d: %s: diverging", step, verdict.reason)
         else:
             verdict = Verdict(step, loss)
@@ -73,7 +75,10 @@ class DivergenceGuard:
     def error(self, last_good: int | None) -> TrainingDiverged:
         """The exception a run ends with while unhealthy, naming the cause and the checkpoint to go back to."""
         v = self.last
-        where = (f"the last good checkpoint is step {last_good}, where a rerun resumes (lower train.lr first?)"
-                 if last_good is not None else "no good checkpoint was saved")
+        where = (
+            f"the last good checkpoint is step {last_good}, where a rerun resumes (lower train.lr first?)"
+            if last_good is not None
+            else "no good checkpoint was saved"
+        )
         what = f"{self.streak} bad step(s) in a row" if self.should_stop else "the last step was bad"
         return TrainingDiverged(f"training stopped at step {v.step}: {what}, last {v.reason}; {where}")

@@ -39,8 +39,9 @@ def noised(x0, eps, t):
     return (1.0 - tb) * x0 + tb * eps, eps - x0
 
 
-def flow_matching_loss(model, batch, key, cfg: TrainConfig, attention="auto", attention_inputs=None,
-                       return_aux: bool = False):
+def flow_matching_loss(
+    model, batch, key, cfg: TrainConfig, attention="auto", attention_inputs=None, return_aux: bool = False
+):
     """Rectified-flow MSE; with `return_aux`, (loss, the blocks' DSV outputs) (see VideoDiT)."""
     x0 = batch["latents"].astype(jnp.float32)
     b = x0.shape[0]

@@ -46,8 +46,13 @@ def cut_metrics(path: str, step: int | None) -> list[dict[str, Any]]:
         records, torn = _parse(f)
     kept = [r for r in records if step is not None and r.get("step", 0) <= step]
     if len(kept) != len(records) or torn:
-        log.info("metrics.jsonl: kept %d records up to step %s, dropped %d after it%s", len(kept), step,
-                 len(records) - len(kept), f" and {torn} torn line(s)" if torn else "")
+        log.info(
+            "metrics.jsonl: kept %d records up to step %s, dropped %d after it%s",
+            len(kept),
+            step,
+            len(records) - len(kept),
+            f" and {torn} torn line(s)" if torn else "",
+        )
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)

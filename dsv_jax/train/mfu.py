@@ -1,8 +1,8 @@
 """MFU of the training loop: the FLOPs of each step (dsv_jax/model/flops.py) over a logging window.
 
-    meter = StepFlops(cfg, mesh)
-    window += meter(shape, global_batch, plans, inputs)     # per step: [dense-equivalent, work] FLOPs
-    record.update(meter.metrics(window, seconds))           # tflops_per_device, mfu/dense_equiv, mfu/work
+meter = StepFlops(cfg, mesh)
+window += meter(shape, global_batch, plans, inputs)     # per step: [dense-equivalent, work] FLOPs
+record.update(meter.metrics(window, seconds))           # tflops_per_device, mfu/dense_equiv, mfu/work
 """
 
 from __future__ import annotations

@@ -47,8 +47,10 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 # optax.multi_transform masks each group out of the other's transform, so gradient clipping, moments
 # and weight decay of the model never see predictor parameters, and vice versa.
 
+
 def param_labels(params):
-    """"predictor" for the DSV predictor's parameters, "main" for everything else."""
+    """ "predictor" for the DSV predictor's parameters, "main" for everything else."""
+
     def label(path, _):
         return "predictor" if any(getattr(p, "key", getattr(p, "name", None)) == "predictor" for p in path) else "main"
 
@@ -68,23 +70,26 @@ def make_train_optimizer(cfg) -> optax.GradientTransformation:
     """The optimizer of a run (cfg: Config): `make_optimizer`, split with the predictor's under DSV."""
     if not cfg.predictor_rank:
         return make_optimizer(cfg.train)
-    return optax.multi_transform({"main": make_optimizer(cfg.train), "predictor": make_predictor_optimizer(cfg)},
-                                 param_labels)
+    return optax.multi_transform(
+        {"main": make_optimizer(cfg.train), "predictor": make_predictor_optimizer(cfg)}, param_labels
+    )
 
 
 def scale_updates(updates, lr, predictor_lr=None):
     """-lr * update for model parameters, -predictor_lr * update for predictor parameters."""
     if predictor_lr is None:
         return jax.tree.map(lambda u: -lr * u, updates)
-    return jax.tree.map(lambda u, lab: -(predictor_lr if lab == "predictor" else lr) * u, updates,
-                        param_labels(updates))
+    return jax.tree.map(
+        lambda u, lab: -(predictor_lr if lab == "predictor" else lr) * u, updates, param_labels(updates)
+    )
 
 
 def keep_predictor(params, opt_state, old_params, old_opt_state):
     """(params, opt_state) with the DSV predictor's parameters and AdamW state taken from the old ones: a step
     without the predictor loss leaves the predictor untouched (a zero-gradient AdamW step would still
     move it by its momentum and decay its moments). The state is `make_train_optimizer`'s multi_transform."""
-    params = jax.tree.map(lambda new, old, lab: old if lab == "predictor" else new, params, old_params,
-                          param_labels(params))
+    params = jax.tree.map(
+        lambda new, old, lab: old if lab == "predictor" else new, params, old_params, param_labels(params)
+    )
     inner = dict(opt_state.inner_states, predictor=old_opt_state.inner_states["predictor"])
     return params, opt_state._replace(inner_states=inner)

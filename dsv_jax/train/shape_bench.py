@@ -64,8 +64,14 @@ class StepBench:
     def compiled(self, b: int, shape):
         key = (int(b), tuple(shape))
         if key not in self._compiled:
-            self._compiled[key] = compile_train_step(self.cfg, self.graphdef, self.cfg.attention, self.abstract_state,
-                                                     self.state_sharding, batch_spec(self.cfg, self.mesh, b, shape))
+            self._compiled[key] = compile_train_step(
+                self.cfg,
+                self.graphdef,
+                self.cfg.attention,
+                self.abstract_state,
+                self.state_sharding,
+                batch_spec(self.cfg, self.mesh, b, shape),
+            )
         return self._compiled[key]
 
     def memory(self, b: int, shape) -> dict[str, int]:
@@ -128,11 +134,20 @@ def memory_per_token(points: Sequence[dict]) -> tuple[float, float]:
     return max(float(c0), 0.0), max(float(c1), 1e-9)
 
 
-def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = None,
-             shares: Sequence[float] | None = None, batch_sizes: Sequence[int] = (1, 2, 4),
-             target_s: float | None = None,
-             memory_bytes: int | None = None, mem_fraction: float = 0.9, warmup: int = 2, iters: int = 5,
-             devices=None, progress: bool = True) -> CostModel:
+def fit_cost(
+    cfg: Config,
+    *,
+    shapes: Sequence[tuple[int, int, int]] | None = None,
+    shares: Sequence[float] | None = None,
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    target_s: float | None = None,
+    memory_bytes: int | None = None,
+    mem_fraction: float = 0.9,
+    warmup: int = 2,
+    iters: int = 5,
+    devices=None,
+    progress: bool = True,
+) -> CostModel:
     """Benchmark, fit and derive budgets (see the module doc). batch_sizes are per data-parallel
     device (multiplied by the mesh's data-parallel size). shares: samples per shape (default: the
     config's bucket weights when the shapes are its buckets, else equal)."""
@@ -171,19 +186,36 @@ def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = Non
             bench.reset_state()  # the failed step may have consumed the donated state
             skipped.append({"batch": b, "shape": list(shape), "reason": "out of memory"})
             continue
-        points.append({"batch": b, "shape": list(shape), "seq_len": seq, "time_s": statistics.median(times),
-                       "times_s": times, **mem})
+        points.append(
+            {
+                "batch": b,
+                "shape": list(shape),
+                "seq_len": seq,
+                "time_s": statistics.median(times),
+                "times_s": times,
+                **mem,
+            }
+        )
         log.info("B=%d shape=%s S=%d: %.2f ms", b, shape, seq, 1e3 * points[-1]["time_s"])
     if len(points) < 3:
         raise ValueError(f"only {len(points)} grid point(s) ran ({skipped}); use smaller shapes or batch sizes")
-    model = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points],
-                           [p["time_s"] for p in points])
+    model = fit_cost_model([p["batch"] for p in points], [p["seq_len"] for p in points], [p["time_s"] for p in points])
     if model.p < 1.0:
-        log.warning("fitted p = %.2f < 1: step time grows slower than the tokens, so these shapes do not fill "
-                    "the device (fixed costs dominate); benchmark larger shapes or batches", model.p)
-    info: dict[str, Any] = {"config": cfg.name, "mesh": dict(bench.mesh.shape), "device": jax.devices()[0].device_kind,
-                            "jax": jax.__version__, "points": points, "skipped": skipped,
-                            "memory_cap_bytes": capacity, "mem_fraction": mem_fraction}
+        log.warning(
+            "fitted p = %.2f < 1: step time grows slower than the tokens, so these shapes do not fill "
+            "the device (fixed costs dominate); benchmark larger shapes or batches",
+            model.p,
+        )
+    info: dict[str, Any] = {
+        "config": cfg.name,
+        "mesh": dict(bench.mesh.shape),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "points": points,
+        "skipped": skipped,
+        "memory_cap_bytes": capacity,
+        "mem_fraction": mem_fraction,
+    }
     m_mem = None
     if all("temp_bytes" in p for p in points):
         c0, c1 = memory_per_token(points)
@@ -200,14 +232,31 @@ def fit_cost(cfg: Config, *, shapes: Sequence[tuple[int, int, int]] | None = Non
         equal = [equal_token_batch_size(x, m_mem, cfg.data.max_batch, bench.dp) for x in seq]
 
         def dual(target):
-            rule = BatchRule("dual", max_batch=cfg.data.max_batch, multiple=bench.dp, m_mem=m_mem,
-                             m_comp=model.compute_budget_for(target), p=model.p)
+            rule = BatchRule(
+                "dual",
+                max_batch=cfg.data.max_batch,
+                multiple=bench.dp,
+                m_mem=m_mem,
+                m_comp=model.compute_budget_for(target),
+                p=model.p,
+            )
             return [rule(x) for x in seq]
 
         target_s, sweep = balance_target(model, seq, shares, dual, equal)
-        info.update(target_rule="most even predicted step times within 3% of equal-token tokens/s",
-                    shares=list(shares), target_sweep=sweep)
+        info.update(
+            target_rule="most even predicted step times within 3% of equal-token tokens/s",
+            shares=list(shares),
+            target_sweep=sweep,
+        )
     info["target_step_s"] = target_s
     m_comp = model.compute_budget_for(target_s)
-    return CostModel(a=model.a, b=model.b, p=model.p, r2=model.r2, max_rel_error=model.max_rel_error,
-                     m_mem=float(m_mem) if m_mem is not None else None, m_comp=float(m_comp), info=info)
+    return CostModel(
+        a=model.a,
+        b=model.b,
+        p=model.p,
+        r2=model.r2,
+        max_rel_error=model.max_rel_error,
+        m_mem=float(m_mem) if m_mem is not None else None,
+        m_comp=float(m_comp),
+        info=info,
+    )

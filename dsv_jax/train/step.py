@@ -38,10 +38,14 @@ def abstract_model(cfg: Config):
 def init_state(cfg: Config) -> TrainState:
     model = TextToVideo(cfg, rngs=nnx.Rngs(cfg.train.seed))
     _, params = nnx.split(model, nnx.Param)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_train_optimizer(cfg).init(params),
-                      rng=jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
-                      skipped=jnp.zeros((), jnp.int32), ema=init_ema(cfg, params))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=make_train_optimizer(cfg).init(params),
+        rng=jax.random.key_data(jax.random.key(cfg.train.seed + 1)),
+        skipped=jnp.zeros((), jnp.int32),
+        ema=init_ema(cfg, params),
+    )
 
 
 def init_ema(cfg: Config, params):
@@ -85,8 +89,11 @@ def create_state(cfg: Config, sharding) -> TrainState:
 
 
 def _norm(tree, labels=None, want="main"):
-    leaves = jax.tree.leaves(tree) if labels is None else [
-        g for g, lab in zip(jax.tree.leaves(tree), jax.tree.leaves(labels)) if lab == want]
+    leaves = (
+        jax.tree.leaves(tree)
+        if labels is None
+        else [g for g, lab in zip(jax.tree.leaves(tree), jax.tree.leaves(labels)) if lab == want]
+    )
     return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in leaves)) if leaves else jnp.zeros(())
 
 
@@ -110,8 +117,9 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
         block_inputs = {k: v for k, v in inputs.items() if k != "predictor_lr"} or None
 
         def loss_fn(params):
-            loss, aux = flow_matching_loss(nnx.merge(graphdef, params), batch, key, cfg.train, attention,
-                                           block_inputs, return_aux=True)
+            loss, aux = flow_matching_loss(
+                nnx.merge(graphdef, params), batch, key, cfg.train, attention, block_inputs, return_aux=True
+            )
             total = loss + jnp.sum(aux["predictor_loss"]) if "predictor_loss" in aux else loss
             return total, (loss, aux)
 
@@ -134,9 +142,13 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
             decay = ema_decay_at(cfg.train, state.step)
             ema = keep(update_ema(ema, new_params, decay), ema)
             metrics["ema_decay"] = decay
-        new_state = state.replace(step=state.step + 1, params=new_params,
-                                  opt_state=keep(opt_state, state.opt_state),
-                                  skipped=state.skipped + (~finite).astype(jnp.int32), ema=ema)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=new_params,
+            opt_state=keep(opt_state, state.opt_state),
+            skipped=state.skipped + (~finite).astype(jnp.int32),
+            ema=ema,
+        )
         # per block: [depth] or [depth, H]; DSV's outputs under dsv/, context-parallel exchange stats under cp/
         metrics.update({(k if k.startswith("cp/") else f"dsv/{k}"): v for k, v in aux.items()})
         return new_state, metrics

@@ -130,8 +130,10 @@ class Prefetcher:
 def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStruct]:
     """Abstract global batch of b samples of latent `shape` (T, H, W), sharded over the batch axes."""
     t, h, w = shape
-    spec = {"latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
-            "text_mask": ((b, cfg.text.max_len), jnp.bool_)}
+    spec = {
+        "latents": ((b, t, h, w, cfg.model.in_channels), jnp.float32),
+        "text_mask": ((b, cfg.text.max_len), jnp.bool_),
+    }
     if cfg.text.encoder == "builtin":
         spec["text_ids"] = ((b, cfg.text.max_len), jnp.int32)
     else:
@@ -139,8 +141,7 @@ def batch_spec(cfg: Config, mesh, b: int, shape) -> dict[str, jax.ShapeDtypeStru
     return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(mesh, len(s))) for k, (s, d) in spec.items()}
 
 
-def lower_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch,
-                     attention_inputs=None):
+def lower_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch, attention_inputs=None):
     """The lowered train step for one abstract batch (state donated); `attention_inputs` (abstract) are
     the DSV controller's runtime arrays when attention is DSV. `.compile()` it (possibly on another thread)."""
     step = make_train_step(cfg, graphdef, attention)
@@ -151,16 +152,22 @@ def lower_train_step(cfg: Config, graphdef, attention, abstract_state, state_sha
     return jitted.lower(*args)
 
 
-def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch,
-                       attention_inputs=None):
+def compile_train_step(cfg: Config, graphdef, attention, abstract_state, state_sharding, batch, attention_inputs=None):
     """The ahead-of-time compiled train step (see `lower_train_step`)."""
-    return lower_train_step(cfg, graphdef, attention, abstract_state, state_sharding, batch,
-                            attention_inputs).compile()
+    return lower_train_step(cfg, graphdef, attention, abstract_state, state_sharding, batch, attention_inputs).compile()
 
 
 class Trainer:
-    def __init__(self, cfg: Config, workdir: str, *, devices=None, resume: bool = True, progress: bool = True,
-                 checkpoint: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        workdir: str,
+        *,
+        devices=None,
+        resume: bool = True,
+        progress: bool = True,
+        checkpoint: int | None = None,
+    ):
         """`checkpoint`: the step to resume from (default: the newest readable one)."""
         cfg = resolve_data_config(cfg)  # a prepared dataset's buckets and codec go into the saved config
         check_same_config(cfg)  # the processes of a multi-host run must agree
@@ -172,8 +179,9 @@ class Trainer:
         enable_compilation_cache()
         self.is_main = jax.process_index() == 0
         dp = data_parallel_size(self.mesh)
-        self.feed = make_feed(cfg, batch_multiple=dp, process_index=jax.process_index(),
-                              process_count=jax.process_count())
+        self.feed = make_feed(
+            cfg, batch_multiple=dp, process_index=jax.process_index(), process_count=jax.process_count()
+        )
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
         self.graphdef, abstract_params = abstract_model(cfg)
         self.abstract_state, self.state_sharding = state_layout(cfg, self.mesh)
@@ -223,13 +231,19 @@ class Trainer:
         train.ema_decay=0, or older) lacks starts from its parameters; one the config turned off is dropped."""
         want = self.cfg.train.ema_decay > 0
         if want and state.ema is None:
-            log.warning("checkpoint step %d has no EMA of the weights (trained with train.ema_decay=0): the "
-                        "EMA starts from its parameters", step)
+            log.warning(
+                "checkpoint step %d has no EMA of the weights (trained with train.ema_decay=0): the "
+                "EMA starts from its parameters",
+                step,
+            )
             copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.state_sharding.params)
             return state.replace(ema=copy(state.params))
         if not want and state.ema is not None:
-            log.warning("checkpoint step %d has an EMA of the weights; train.ema_decay=0 drops it (sampling "
-                        "will use the trained weights)", step)
+            log.warning(
+                "checkpoint step %d has an EMA of the weights; train.ema_decay=0 drops it (sampling "
+                "will use the trained weights)",
+                step,
+            )
             return state.replace(ema=None)
         return state
 
@@ -239,8 +253,10 @@ class Trainer:
 
     def attention_for(self, shape, *, train: bool = True, profile: bool = False, step: int | None = None):
         """(plans, runtime inputs or None) of a step on `shape` (training step `step`), from the attention policy."""
-        return (self.policy.plans(shape, train=train, profile=profile, step=step),
-                self.policy.inputs(shape, train=train, step=step))
+        return (
+            self.policy.plans(shape, train=train, profile=profile, step=step),
+            self.policy.inputs(shape, train=train, step=step),
+        )
 
     def compiled_step(self, shape, plans=None):
         """The compiled train step of a bucket shape and attention plan (cached by (shape, plans))."""
@@ -251,14 +267,20 @@ class Trainer:
             if self._warm and all(tuple(shape) != k[0] for k in self._compiled):
                 log.warning("compiling bucket %s after warm-up: it is not among the feed's shapes", shape)
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-            inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated),
-                                  self.policy.inputs(shape))
+            inputs = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated),
+                self.policy.inputs(shape),
+            )
             t0 = time.perf_counter()
-            self._compiled[key] = compile_train_step(self.cfg, self.graphdef, plans, self.abstract_state,
-                                                     self.state_sharding, self.batch_spec(shape), inputs)
+            self._compiled[key] = compile_train_step(
+                self.cfg, self.graphdef, plans, self.abstract_state, self.state_sharding, self.batch_spec(shape), inputs
+            )
             if self._warm:  # a new DSV decision (precompiled variants are not logged)
-                log.info("compiled a new attention variant for %s in %.1fs", "x".join(map(str, shape)),
-                         time.perf_counter() - t0)
+                log.info(
+                    "compiled a new attention variant for %s in %.1fs",
+                    "x".join(map(str, shape)),
+                    time.perf_counter() - t0,
+                )
         return self._compiled[key]
 
     def precompile(self) -> float:
@@ -274,8 +296,9 @@ class Trainer:
         return time.perf_counter() - t0
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(batch_sharding(self.mesh, v.ndim), v)
-                for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(batch_sharding(self.mesh, v.ndim), v) for k, v in batch.items()
+        }
 
     # -- loop -------------------------------------------------------------------------------
     @property
@@ -291,21 +314,32 @@ class Trainer:
         total = cfg.train.steps
         end = min(total, stop_at) if stop_at is not None else total
         writer = self._writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=self._logged_step)
-        self.guard = guard = DivergenceGuard(cfg.train, history=[
-            r["loss"] for r in writer.history if "loss" in r and not r.get("skipped") and not r.get("diverged")])
+        self.guard = guard = DivergenceGuard(
+            cfg.train,
+            history=[
+                r["loss"] for r in writer.history if "loss" in r and not r.get("skipped") and not r.get("diverged")
+            ],
+        )
         records: list[dict[str, Any]] = []
         step = int(self.state.step)  # not start_step: run() may be called again (stop_at in rounds)
         if step >= end:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
             compile_s = self.precompile()
-            writer.write(step, {"compile_seconds": compile_s, "buckets": len(self.feed.shapes),
-                                **self.policy.summary(self.feed.shapes)})
+            writer.write(
+                step,
+                {
+                    "compile_seconds": compile_s,
+                    "buckets": len(self.feed.shapes),
+                    **self.policy.summary(self.feed.shapes),
+                },
+            )
             if self._data_state is not None:  # a second run() continues with the next batch, not past it
                 self.feed.set_state(self._data_state)
             prefetch = Prefetcher(self.feed)
-            bar = tqdm(total=end, initial=step, desc="train", disable=not (self.progress and self.is_main),
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=end, initial=step, desc="train", disable=not (self.progress and self.is_main), dynamic_ncols=True
+            )
             pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
             # Host time spent beside the steps in the current log window (compiling a new attention variant,
             # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
@@ -406,14 +440,25 @@ class Trainer:
                 if k != "finite":
                     rec.update(flatten_metric(k, v))
             rec.update(extra)
-            rec.update(step=step, bucket="x".join(map(str, shape)), batch=b, step_time=per_step,
-                       tokens_per_s=tokens / max(elapsed, 1e-9), skipped=int(not bool(m["finite"])), **mfu)
+            rec.update(
+                step=step,
+                bucket="x".join(map(str, shape)),
+                batch=b,
+                step_time=per_step,
+                tokens_per_s=tokens / max(elapsed, 1e-9),
+                skipped=int(not bool(m["finite"])),
+                **mfu,
+            )
             if not m["finite"]:
                 log.warning("step %d: non-finite loss or gradient, update skipped", step)
             if m.get("cp/fallback") is not None and np.any(m["cp/fallback"]):
-                log.warning("step %d: selective context attention overflowed its capacity in %d block(s) (%d KV "
-                            "blocks over); those took the exact all-gather path", step,
-                            int(np.sum(m["cp/fallback"] > 0)), int(np.sum(m["cp/overflow_blocks"])))
+                log.warning(
+                    "step %d: selective context attention overflowed its capacity in %d block(s) (%d KV "
+                    "blocks over); those took the exact all-gather path",
+                    step,
+                    int(np.sum(m["cp/fallback"] > 0)),
+                    int(np.sum(m["cp/overflow_blocks"])),
+                )
             out.append(rec)
         return out
 
@@ -435,17 +480,32 @@ class Trainer:
         --eval-fraction: the loss is then measured on training records). Both of the trained weights;
         with an EMA of the weights the same of the EMA too, as `eval_loss_ema` (what `dsv-jax eval` reports)."""
         cfg = self.cfg
-        eval_feed = make_feed(cfg, batch_multiple=data_parallel_size(self.mesh),
-                              process_index=jax.process_index(), process_count=jax.process_count(), split="eval")
+        eval_feed = make_feed(
+            cfg,
+            batch_multiple=data_parallel_size(self.mesh),
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            split="eval",
+        )
         name = "eval_loss" if getattr(eval_feed, "heldout", True) else "train_records_loss"
         weights = [(self.state.params, name)]
         if self.state.ema is not None:
             weights.append((self.state.ema, f"{name}_ema"))
         out = {}
         for params, key in weights:
-            out.update(held_out_loss(cfg, self.graphdef, params, lambda s: self.attention_for(s, train=False),
-                                     eval_feed, cfg.train.eval_batches, put=self.to_global, cache=self._eval_fns,
-                                     name=key))
+            out.update(
+                held_out_loss(
+                    cfg,
+                    self.graphdef,
+                    params,
+                    lambda s: self.attention_for(s, train=False),
+                    eval_feed,
+                    cfg.train.eval_batches,
+                    put=self.to_global,
+                    cache=self._eval_fns,
+                    name=key,
+                )
+            )
         return out
 
     def close(self) -> None:
@@ -480,8 +540,16 @@ def flatten_metric(name: str, value) -> dict[str, float]:
     return out
 
 
-def train(cfg: Config, workdir: str, *, stop_at: int | None = None, devices=None, progress: bool = True,
-          sample: bool | None = None, checkpoint: int | None = None) -> list[dict[str, Any]]:
+def train(
+    cfg: Config,
+    workdir: str,
+    *,
+    stop_at: int | None = None,
+    devices=None,
+    progress: bool = True,
+    sample: bool | None = None,
+    checkpoint: int | None = None,
+) -> list[dict[str, Any]]:
     """Train (resuming from workdir, or from its `checkpoint` step), then write a sample GIF of the
     trained model if configured. Raises TrainingDiverged (no sample) when the guard stops the run."""
     trainer = Trainer(cfg, workdir, devices=devices, progress=progress, checkpoint=checkpoint)
@@ -503,8 +571,11 @@ def sample_at_end(trainer: Trainer) -> str | None:
     them); the main process samples on its own device and writes the file."""
     cfg = trainer.cfg
     if cfg.text.encoder != "builtin":
-        log.warning("no end-of-run sample: the model takes precomputed text embeddings; sample it with "
-                    "`dsv-jax sample --model %s --text-encoder pkg.module:make`", trainer.workdir)
+        log.warning(
+            "no end-of-run sample: the model takes precomputed text embeddings; sample it with "
+            "`dsv-jax sample --model %s --text-encoder pkg.module:make`",
+            trainer.workdir,
+        )
         return None
     from dsv_jax.sample import sample_from_state
 
@@ -514,11 +585,21 @@ def sample_at_end(trainer: Trainer) -> str | None:
         return None
     path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
     try:
-        sample_from_state(cfg, trainer.graphdef, params, path, steps=cfg.train.sample_steps,
-                          guidance=cfg.train.guidance, controller_state=trainer.policy.state_dict())
+        sample_from_state(
+            cfg,
+            trainer.graphdef,
+            params,
+            path,
+            steps=cfg.train.sample_steps,
+            guidance=cfg.train.guidance,
+            controller_state=trainer.policy.state_dict(),
+        )
     except Exception as e:  # the checkpoint is saved: sampling again later is always possible
-        log.warning("no end-of-run sample (%s: %s); the checkpoint is saved, sample it with `dsv-jax sample`",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "no end-of-run sample (%s: %s); the checkpoint is saved, sample it with `dsv-jax sample`",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         log.debug("end-of-run sampling failed", exc_info=True)
         return None
     log.info("wrote %s (%s)", path, "the EMA of the weights" if ema else "the trained weights")

@@ -63,13 +63,35 @@ def main(process_id: int, port: str) -> None:
     lens = jnp.array([100], jnp.int32)
     dense_ref = lambda q, k, v: attention(q, k, v, backend="xla", kv_lens=lens)
     for strategy, degrees, scp in (("ring", None, None), ("hybrid", (2, 4), "allgather")):
-        check(strategy, lambda q, k, v: context_attention(q, k, v, mesh=mesh, strategy=strategy, degrees=degrees,
-                                                          scp=scp, kv_lens=lens), dense_ref)
-    sparse_ref = lambda q, k, v: sparse_attention_reference(q, k, v, jnp.asarray(idx), jnp.asarray(cnt),
-                                                            q_tile=tile, kv_block=tile)
-    check("hybrid-selective", lambda q, k, v, i, c: context_attention(
-        q, k, v, mesh=mesh, strategy="hybrid", degrees=(2, 4), scp="selective", kv_index=i, kv_count=c,
-        q_tile=tile, kv_block=tile), sparse_ref, g_idx, g_cnt)
+        check(
+            strategy,
+            lambda q, k, v: context_attention(
+                q, k, v, mesh=mesh, strategy=strategy, degrees=degrees, scp=scp, kv_lens=lens
+            ),
+            dense_ref,
+        )
+    sparse_ref = lambda q, k, v: sparse_attention_reference(
+        q, k, v, jnp.asarray(idx), jnp.asarray(cnt), q_tile=tile, kv_block=tile
+    )
+    check(
+        "hybrid-selective",
+        lambda q, k, v, i, c: context_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            strategy="hybrid",
+            degrees=(2, 4),
+            scp="selective",
+            kv_index=i,
+            kv_count=c,
+            q_tile=tile,
+            kv_block=tile,
+        ),
+        sparse_ref,
+        g_idx,
+        g_cnt,
+    )
     jax.distributed.shutdown()
 
 
