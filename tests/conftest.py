@@ -94,7 +94,7 @@ SLOW_FIRST = [
     "tests/test_multihost.py",
     "tests/test_cli.py::test_train_then_sample_gif",
     "tests/test_fit_cost.py",
-    "tests/test_sparsity_emergence.py::test_study_records_resumes_and_stops_at_the_budget",
+    "tests/experiments/test_sparsity_emergence.py::test_study_records_resumes_and_stops_at_the_budget",
     "tests/test_train.py::test_restore_onto_fewer_devices",
     "tests/test_export.py::test_precomputed_run_from_a_config_file_exports_loads_and_samples",
     "tests/test_cli.py::test_sigterm_saves_and_rerun_resumes",
@@ -102,7 +102,7 @@ SLOW_FIRST = [
     "tests/test_pipeline.py::test_trainer_resumes_the_identical_batch_sequence_and_never_compiles_after_warmup",
     "tests/test_notebook.py::test_quickstart_notebook_executes",
     "tests/test_train.py::test_loss_decreases_on_eight_devices_with_fsdp",
-    "tests/test_bench_multigpu.py::test_part3_data_parallel_both_modes",
+    "tests/experiments/test_bench_multigpu.py::test_part3_data_parallel_both_modes",
     "tests/test_context_parallel.py::test_cli_trains_with_context_parallelism",
     "tests/test_context_multiprocess.py",
 ]

@@ -158,7 +158,7 @@ def test_step_time_cv():
 
 
 def test_everything_but_the_dataset_path_works_without_grain():
-    """The GPU machine has no grain: importing dsv_jax, the trainer, fit-cost and the experiment, and
+    """The GPU machine has no grain: importing dsv_jax, the trainer and fit-cost, and
     feeding the embedded dataset, must not import grain or array_record."""
     import os
     import subprocess
@@ -167,7 +167,7 @@ def test_everything_but_the_dataset_path_works_without_grain():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
         "import sys; sys.modules['grain'] = None; sys.modules['array_record'] = None\n"
-        "import dsv_jax.cli, dsv_jax.train.trainer, dsv_jax.train.shape_bench, experiments.load_balance\n"
+        "import dsv_jax.cli, dsv_jax.train.trainer, dsv_jax.train.shape_bench\n"
         "from dsv_jax.data.feed import make_feed\n"
         "from tests.conftest import small_config\n"
         "feed = make_feed(small_config('data.batching=dual', 'data.m_mem=512', 'data.m_comp=600', 'data.cost_p=1.5'),"

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.bench_sparse_mgpu import dense_masked_reference
 from pallas_kernels import sparse_attention_mgpu as mgpu
+from pallas_kernels.dense_reference import dense_masked_reference
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu, sparse_attention_mgpu_backward
 from tests.test_sparse_attention_padded import split_selection

@@ -8,7 +8,7 @@ import sys
 
 from tests.conftest import FAST_COMPILE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_bench(tmp_path, *args, devices=2, timeout=240):

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import FAST_COMPILE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_study(tmp_path, *args, timeout=400):

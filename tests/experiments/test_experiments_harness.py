@@ -14,7 +14,7 @@ from dsv_jax.config import get_config
 from dsv_jax.data.feed import tokens_per_sample
 from experiments import harness, quick_cpu, training
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("local_share", [0.0, 0.5, 1.0])
