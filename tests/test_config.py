@@ -195,11 +195,12 @@ def test_missing_file_and_unknown_preset():
         load_config("huge")
 
 
-def test_readme_preset_table_is_what_the_model_code_counts():
+def test_guide_preset_table_is_what_the_model_code_counts():
     from dsv_jax.cli import preset_table
 
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    lines = [line for line in open(readme, encoding="utf-8") if line.startswith("| preset |") or line.startswith("| `")]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    guide = os.path.join(root, "docs", "guide", "training.md")
+    lines = [line for line in open(guide, encoding="utf-8") if line.startswith("| preset |") or line.startswith("| `")]
     header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
     shown = {}
     for line in lines[1:]:
