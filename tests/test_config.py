@@ -29,8 +29,9 @@ def test_dit_alias_and_every_preset_builds():
 
 
 def test_tiny_motion_preset_is_the_measured_w50_run():
-    """`tiny-motion` is the tiny MMDiT with the overrides of the run whose scores README quotes (its record in
-    tiny_first_run.json) and the guidance README samples it at: a preset edit that drifts from it fails here."""
+    """`tiny-motion` is the tiny MMDiT with the overrides of the run whose scores the docs quote (its record in
+    tiny_first_run.json; experiments/results/RESULTS.md, "Tiny first run", run "w50") and the guidance it samples
+    at: a preset edit that drifts from it fails here."""
     import json
 
     results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "results")
