@@ -163,7 +163,7 @@ def _count(n: float) -> str:
 
 def preset_table(names=None) -> list[dict[str, str]]:
     """One row per preset: architecture, sizes, parameters (counted on the model, without allocating) and
-    tokens; `dsv-jax presets` prints it and README's table shows it."""
+    tokens; `dsv-jax presets` prints it and docs/guide/training.md's table shows it."""
     from dsv_jax.model.flops import layout_of, parameter_count
 
     rows = []

@@ -71,7 +71,8 @@ class ModelConfig:
     remat: bool = True  # jax.checkpoint per block
     # with remat: keep each block's flash-attention output and softmax statistics (DSV's sparse kernels,
     # cuDNN self-attention) for the backward instead of running attention's forward again. H200, 2.7B at
-    # 128k: full attention's step -19%, DSV 0.9's -11%, +15-17 GiB (experiments/results/RESULTS.md, 2026-12-03 (later))
+    # 128k: full attention's step -19%, DSV 0.9's -11%, +15-17 GiB (experiments/results/RESULTS.md,
+    # "Keeping attention across the remat")
     remat_keep_attention: bool = False
     scan_layers: bool = True  # lax.scan over blocks when all blocks share one static attention plan
 
@@ -285,7 +286,7 @@ class DSVConfig:
     stage2_lr_scale: float = 0.1  # the predictor keeps training in stage 2 at predictor_lr * this
     predictor_weight_decay: float = 0.0  # the loss is scale-invariant: decay would only shrink weights
     # The loss on logit rows minus their mean (ours, not the paper's): softmax ignores a row's offset;
-    # measured against raw rows in experiments/results/RESULTS.md, "DSV quality parity".
+    # measured against raw rows in experiments/results/RESULTS.md, "Quality parity".
     center_logits: bool = True
     query_stride: int = 64  # predictor loss and profiling use every Nth query ...
     max_queries: int = 256  # ... at most this many per sample (the paper's every-64th up to 16k tokens;
@@ -307,7 +308,7 @@ class DSVConfig:
     switch_loss: float = 0.01  # stage 2 once the predictor loss averaged over blocks is below this ...
     stage1_steps: int = 0  # ... or after this many steps (0: only the loss criterion)
     # A block goes sparse only when 1 - its mean head keep ratio is at least this: where the sparse
-    # kernels beat dense attention (experiments/results/RESULTS.md, "Sparse attention kernels").
+    # kernels beat dense attention (experiments/results/RESULTS.md, "Sparse attention kernels (Triton)").
     threshold: float = 0.5
     hysteresis: float = 0.05  # margin before a decision is reversed (sparse -> dense, or a smaller rung)
     # Static keep ratios (top_k = ceil(rung * KV blocks)); per-head counts below the rung are runtime.
@@ -411,9 +412,9 @@ def _tiny() -> Config:
 
 def _tiny_motion() -> Config:
     # The tiny MMDiT set up for a first sample whose objects move as prompted within ~5 minutes on 2 CPU cores
-    # (experiments/results/RESULTS.md, run "w50"): absolute positions beside a short-range RoPE, half the batches
-    # stills (the shapes and colours cheaply) and half 8-frame clips (the motion), training weighted towards
-    # high noise where the layout and the direction are decided, and a mild guidance.
+    # (experiments/results/RESULTS.md, "Tiny first run", run "w50"): absolute positions beside a short-range RoPE,
+    # half the batches stills (the shapes and colours cheaply) and half 8-frame clips (the motion), training
+    # weighted towards high noise where the layout and the direction are decided, and a mild guidance.
     cfg = _mmdit(_tiny(), 2.0)
     return dataclasses.replace(
         cfg,

@@ -6,8 +6,8 @@ with a fresh mmap (a non-main arena's heap holds at most 64 MB) and returns it w
 the step ends, so the next step faults every page in again: on the 2-core machine 72k page
 faults a step, a third of the CPU time in the kernel. With one arena, no mmap and a high trim
 threshold the buffer stays mapped between steps: system time 15.4 s -> 1.3 s over the first 100
-tiny-MMDiT steps, wall 30.6 s -> 24.7 s (experiments/results/RESULTS.md, "2026-12-03: the CPU
-step's page faults").
+tiny-MMDiT steps, wall 30.6 s -> 24.7 s (experiments/results/RESULTS.md, "The CPU step's
+page faults").
 
 The arena limit only stops new arenas from being made: threads that already have one keep it, and
 later threads are handed the existing ones in turn. So the call must come before any other thread

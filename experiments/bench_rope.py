@@ -42,7 +42,7 @@ SIZES = {
 
 
 def autodiff_parts(x, rope):
-    """The apply_rope this module's variants replace (dsv-jax before 2026-12-03)."""
+    """The apply_rope this module's variants replace (dsv-jax before its custom VJP: docs/journal.md)."""
     cos, sin = (jnp.asarray(t, jnp.float32)[None, :, None, :] for t in rope)
     xf = x.astype(jnp.float32)
     out, start_x, start_a = [], 0, 0

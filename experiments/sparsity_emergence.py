@@ -10,7 +10,7 @@ at several sequence lengths.
     python -m experiments.sparsity_emergence --workdir runs/emergence --steps 1000 --budget-s 540
     python -m experiments.sparsity_emergence --workdir runs/emergence --tokens 65536 --steps 200 \
         --budget-s 540
-    # one S trained longer, in its own results file (sparsity_emergence_16k_long.json, 2026-12-02):
+    # one S trained longer, in its own results file (sparsity_emergence_16k_long.json):
     python -m experiments.sparsity_emergence --workdir runs/emergence16 --tokens 16384 --steps 1500 \
         --every 250 --budget-s 490 --name sparsity_emergence_16k_long
     # CPU, tiny sizes (~25 s of CPU with warm compile caches, ~90 s cold; the CI test):

@@ -6,7 +6,7 @@
 It uses only what every version of the library since the DSV controller has (get_config, init_state,
 the trainer's batch_spec / lower_train_step, DSVController), and nothing of experiments/ (which an older
 checkout may lack: run by its path, the script takes the library from PYTHONPATH), so one command times a
-change before and after (experiments/results/RESULTS.md: MMDiT's sparse merge). Random latents and caption
+change before and after (experiments/results/RESULTS.md, "MMDiT"). Random latents and caption
 ids, B = 1, one warm-up step, then the median of --steps; the state is donated from step to step. Prints one
 JSON line and appends it to --out when given, with the compiled program's cost analysis (FLOPs and bytes that
 XLA counts; a scanned block counted once).

@@ -203,7 +203,8 @@ class WorkItems:
     element: their randomly selected blocks come from that head's K and V (32 MB at 64k tokens, D 128),
     which the 50 MB L2 holds, and each block fetched from HBM serves every resident CTA that selected it.
     heads_fastest: (pairs, batch, heads) instead; the resident CTAs then span all heads and read all of
-    K and V, which does not fit (L2 hit rate 11% against 83% measured; experiments/results/mgpu_notes.md).
+    K and V, which does not fit (L2 hit rate 11% against 83% measured; docs/kernels/mgpu_notes.md, "Which
+    CTAs run together").
 
     programs == 0: one CTA per item on a grid of those three axes. Pallas' Mosaic GPU lowering gives the
     grid's last axis to CUDA's x, which the hardware starts first: the row-major order above. programs ==

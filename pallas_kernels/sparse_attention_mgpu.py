@@ -93,10 +93,10 @@ def default_config(
     """The launch config of one call: `tuning`'s fields over the defaults, with the forward's ring as
     deep as fits in SMEM (3 stages at most) unless tuning sets it (1 KiB left for barriers and alignment).
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
-    measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json).
+    measured 13% faster, dQ 0-1.5% (H200, S = 64k, docs/kernels/mgpu_notes.md, "Two KV blocks per step").
     The forward is persistent, one CTA per SM: 2.5-4% faster than one CTA per work item at 32k and 64k
     tokens, where the persistent dQ measured the same and the persistent dK/dV 6-15% slower (register
-    spills), so those two stay one CTA per item (experiments/results/bench_sparse_mgpu_persistent_fwd.json)."""
+    spills), so those two stay one CTA per item (docs/kernels/mgpu_notes.md, "Which CTAs run together")."""
     tuning = dict(tuning or {})
     unknown = set(tuning) - TUNABLE
     if unknown:

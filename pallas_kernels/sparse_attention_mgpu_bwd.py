@@ -271,7 +271,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                     """S^T = K Q^T and dP^T = V dO^T together (one wait), P^T and dS^T in their registers, then
                     dV += P^T dO and dK += dS^T Q together: two waits a step, and at most two fp32 64 x 64 tiles
                     live beside the accumulators. (S^T; dV with dP^T; dK, three waits, kept P^T alive across a
-                    product and spilled registers: 2% slower at 64k, experiments/results/mgpu_notes.md.)"""
+                    product and spilled registers: 2% slower at 64k, docs/kernels/mgpu_notes.md.)"""
                     dk_acc, dv_acc = carry
                     slot = base + lax.rem(done + step, stages)
                     plgpu.barrier_wait(a_ready.at[slot])

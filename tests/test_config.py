@@ -29,8 +29,9 @@ def test_dit_alias_and_every_preset_builds():
 
 
 def test_tiny_motion_preset_is_the_measured_w50_run():
-    """`tiny-motion` is the tiny MMDiT with the overrides of the run whose scores README quotes (its record in
-    tiny_first_run.json) and the guidance README samples it at: a preset edit that drifts from it fails here."""
+    """`tiny-motion` is the tiny MMDiT with the overrides of the run whose scores the docs quote (its record in
+    tiny_first_run.json; experiments/results/RESULTS.md, "Tiny first run", run "w50") and the guidance it samples
+    at: a preset edit that drifts from it fails here."""
     import json
 
     results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "results")
@@ -195,11 +196,12 @@ def test_missing_file_and_unknown_preset():
         load_config("huge")
 
 
-def test_readme_preset_table_is_what_the_model_code_counts():
+def test_guide_preset_table_is_what_the_model_code_counts():
     from dsv_jax.cli import preset_table
 
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    lines = [line for line in open(readme, encoding="utf-8") if line.startswith("| preset |") or line.startswith("| `")]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    guide = os.path.join(root, "docs", "guide", "training.md")
+    lines = [line for line in open(guide, encoding="utf-8") if line.startswith("| preset |") or line.startswith("| `")]
     header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
     shown = {}
     for line in lines[1:]:

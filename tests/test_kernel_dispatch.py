@@ -81,8 +81,8 @@ print("ok")
 
 
 def test_a_128_token_layout_tile_with_64_token_kv_blocks_reaches_the_hopper_kernels():
-    """README: `model.tile` of 128 tokens with dsv.kv_block=64 gives 128-row query tiles over 64-token KV
-    blocks (the faster Mosaic GPU geometry, experiments/results/mgpu_notes.md), which Hopper runs."""
+    """docs/guide/kernels.md: `model.tile` of 128 tokens with dsv.kv_block=64 gives 128-row query tiles over 64-token KV
+    blocks (the faster Mosaic GPU geometry, docs/kernels/mgpu_notes.md), which Hopper runs."""
     from dsv_jax.dsv.plan import AttentionPlan
     from dsv_jax.model.attention import sparse_geometry
     from dsv_jax.model.tokens import token_layout

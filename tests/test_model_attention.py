@@ -169,7 +169,7 @@ def test_remat_keep_attention_traces_the_mosaic_gpu_forward_once(monkeypatch):
 def test_kept_residuals_sit_behind_an_optimization_barrier():
     """name_residuals' values come out of an optimization barrier: without it, XLA on GPU compiled the sparse
     forward's custom call twice when a policy kept its outputs, one copy inside a dynamic-slice fusion
-    (experiments/remat_programs.py, RESULTS.md 2026-12-03 (later))."""
+    (experiments/remat_programs.py; experiments/results/RESULTS.md, "Remat: what the compiled step runs")."""
     from pallas_kernels.sparse_attention import RESIDUAL_NAME, name_residuals
 
     o, lse = jnp.ones((1, 128, 2, 64), jnp.bfloat16), jnp.zeros((1, 2, 128), jnp.float32)

@@ -6,7 +6,7 @@ from other photographs moving across it, and a caption that says what moves wher
 
 The photographs are the sample images inside the scikit-image wheel (`pip install 'dsv-jax[photos]'`;
 the files are located with importlib and read with Pillow, scikit-image itself is never imported;
-their licences are listed in README.md), or a copy of those files in $DSV_JAX_PHOTOS_DIR. Each clip
+their licences are listed in docs/guide/data.md), or a copy of those files in $DSV_JAX_PHOTOS_DIR. Each clip
 draws, from (seed, key) alone:
   * a scene (SCENES), seen through a window that pans left/right/up/down, zooms in/out, or stays still
     (CAMERA); "camera pans left" means the window moves left, so the picture slides right;

@@ -68,9 +68,9 @@ def remat_policy(keep_attention: bool = False):
     again; keeps B S H (2 D + 4) bytes per block (bf16), 0.5 GiB per block at 128k tokens and 16 x 128
     heads. Cross attention (few text keys) is recomputed, and XLA's dense attention keeps nothing more
     (its backward would need the whole probability matrix). Measured on an H200 (2.7B, 128k tokens):
-    cuDNN's step 19% faster, DSV 0.9's 11% (experiments/results/RESULTS.md, 2026-12-03 (later)); the sparse
-    kernels keep their residuals behind an optimization barrier, without which XLA ran their forward twice
-    (pallas_kernels.sparse_attention.name_residuals)."""
+    cuDNN's step 19% faster, DSV 0.9's 11% (experiments/results/RESULTS.md, "Keeping attention across the
+    remat"); the sparse kernels keep their residuals behind an optimization barrier, without which XLA ran
+    their forward twice (pallas_kernels.sparse_attention.name_residuals)."""
     if not keep_attention:
         return jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
     named = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME, RESIDUAL_NAME)
