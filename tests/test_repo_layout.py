@@ -37,3 +37,23 @@ def test_the_checker_sees_an_experiments_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from experiments.harness import write_results\n")
     assert "experiments.harness" in list(_imported_modules(str(probe)))
+
+
+def test_readme_starts_with_the_install_and_stays_short():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; the guide (docs/guide/) takes the rest"
+    assert "## Install" in lines[:40], "README.md: '## Install' must come within the first 40 lines"
+    install = lines[lines.index("## Install") :]
+    assert any("pip install -e ." in line and "dsv-jax train" in line for line in install[:20])
+    assert any('pip install -e ".[test]"' in line and "pytest" in line for line in install[:20])
+
+
+def test_results_hold_current_runs_only():
+    """One current JSON per benchmark at the top of experiments/results/ (superseded runs go to archive/<date>/),
+    and RESULTS.md is current tables, not a log (the log is docs/journal.md)."""
+    results = os.path.join(ROOT, "experiments", "results")
+    files = [n for n in os.listdir(results) if os.path.isfile(os.path.join(results, n)) and "_quick" not in n]
+    assert len(files) <= 40, f"{len(files)} files at the top of experiments/results/; archive superseded runs"
+    with open(os.path.join(results, "RESULTS.md"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 600
