@@ -54,9 +54,10 @@ Which in-tile order makes each box one contiguous (and box-aligned) range of the
 most significant at each level): `contiguity` in the JSON, per box. A kernel that reads a box as one range
 needs its box contiguous in the layout it adopts.
 
-Results: experiments/results/granularity.json (--name; also to $OUT): per measured step the keep ratios per
-t / theta / method / q_tile / box / block / head, and `rows`: per step, theta, method, q_tile and box the
-mean over t, blocks and heads with the sparsest and densest block (mean over t and heads). Plot
+Results: experiments/results/granularity.json (--name; also to $OUT): `rows`, per step, theta, method, q_tile
+and box: the keep ratio, mean over t, blocks and heads, with the sparsest and densest block (each block's mean
+over t and heads); `records`, per measured step and t: the keep ratios per block (mean over heads; per head in
+--workdir/records.json) and the recall curves (mean over blocks and heads); `contiguity`; `train`. Plot
 granularity.png: keep ratio against the box, per step and theta. --quick writes granularity_quick.*
 (git-ignored): the tiny model of the quick runs with 4x4x4 tiles on a 4 x 8 x 8 token grid.
 """
