@@ -217,15 +217,26 @@ def sampled_reference(q, k, v, index, count, tiles, q_tile, kv_block, kv_valid=N
     return out, lse, rows
 
 
-def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
-    """On sampled tiles: agreement with an exact (fp32 'highest') top-k, and whether the picks are a top-k."""
+def exact_scores(q_lr, k_lr, *, q_tile, kv_block, tiles):
+    """The reference's block scores (block_scores, "mean" reduce) in fp32 at 'highest' precision, for the
+    sampled query tiles only so that the score matrix stays small: [B, H, len(tiles), S // kv_block]."""
     b, s, h, r = q_lr.shape
     rows = (tiles[:, None] * q_tile + jnp.arange(q_tile)).ravel()
-    # The reference's scores (block_scores) for the sampled tiles only, so the score matrix stays small.
     proxy = jnp.mean(q_lr[:, rows].astype(jnp.float32).reshape(b, len(tiles), q_tile, h, r), axis=2)
     with jax.default_matmul_precision("highest"):
         scores = jnp.einsum("bthr,bshr->bhts", proxy, k_lr.astype(jnp.float32))
-    scores = jnp.mean(scores.reshape(b, h, len(tiles), s // kv_block, kv_block), axis=-1)
+    return jnp.mean(scores.reshape(b, h, len(tiles), s // kv_block, kv_block), axis=-1)
+
+
+def exact_topk(q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
+    """The exact top-k ids of the sampled tiles (exact_scores + lax.top_k), ascending: [B, H, len(tiles), K]."""
+    scores = exact_scores(q_lr, k_lr, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
+    return jnp.sort(jax.lax.top_k(scores, top_k)[1], axis=-1)
+
+
+def check_selection(ids, q_lr, k_lr, top_k, *, q_tile, kv_block, tiles):
+    """On sampled tiles: agreement with an exact (fp32 'highest') top-k, and whether the picks are a top-k."""
+    scores = exact_scores(q_lr, k_lr, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
     exact = jnp.sort(jax.lax.top_k(scores, top_k)[1], axis=-1)
     got = ids[:, :, tiles]
     picked = jnp.take_along_axis(scores, got, axis=-1)

@@ -105,28 +105,27 @@ def _stats_fn(graphdef, plans: tuple):
     return stats
 
 
-def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int, kv_block: int = 0):
+def heldout_aux(cfg, graphdef, params, plans, inputs, shape, t: float, batches: int, seed: int):
+    """The blocks' outputs (aux, on the device) of the model under `plans` for each of `batches` held-out
+    batches (the eval split) of latent `shape` noised to level t, batch i with noise key seed + i."""
     from dsv_jax.data.feed import make_feed
+
+    feed = make_feed(cfg, batch_multiple=1, process_index=0, process_count=1, split="eval")
+    stats = _stats_fn(graphdef, tuple(plans))
+    for i in range(batches):
+        batch = {k: jnp.asarray(v) for k, v in feed.batch_at(i, shape).items()}
+        yield stats(params, batch, jnp.float32(t), jax.random.key(seed + i), inputs)
+
+
+def analyse(cfg, graphdef, params, controller, shape, t_values, batches: int, seed: int, kv_block: int = 0):
     from dsv_jax.dsv.predictor import sample_positions
     from dsv_jax.model.tokens import grid_shape, token_layout
 
     plans, inputs = analysis_plans(cfg, shape, controller, kv_block)
-    feed = make_feed(cfg, batch_multiple=1, process_index=0, process_count=1, split="eval")
-    stats = _stats_fn(graphdef, tuple(plans))
-
     per_t = {}
     for t in t_values:
         runs = [
-            jax.device_get(
-                stats(
-                    params,
-                    {k: jnp.asarray(v) for k, v in feed.batch_at(i, shape).items()},
-                    jnp.float32(t),
-                    jax.random.key(seed + i),
-                    inputs,
-                )
-            )
-            for i in range(batches)
+            jax.device_get(aux) for aux in heldout_aux(cfg, graphdef, params, plans, inputs, shape, t, batches, seed)
         ]
         per_t[t] = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     layout = token_layout(grid_shape(shape, cfg.model.patch), cfg.model.tile)

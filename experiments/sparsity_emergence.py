@@ -270,6 +270,86 @@ def plot(runs: dict, summary: dict, out_dir: str, suffix: str, base: str = "spar
     return paths
 
 
+def trainer_logging() -> None:
+    """INFO lines of the trainer (e.g. "resumed from step") on stderr, without the libraries' chatter."""
+    # force: orbax logs while it is imported (through experiments.training's trainer import), which gives the
+    # root logger a WARNING handler first, and the trainer's INFO lines would be lost
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("absl", "jax._src", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def load_records(path: str) -> dict:
+    """The runs recorded by an earlier call with the same workdir ({} for none)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        runs = json.load(f)
+    steps = {k: sorted(v["records"], key=int) for k, v in runs.items()}
+    print(f"resuming the records of {path}: {steps}")
+    return runs
+
+
+def run_rounds(
+    trainers: dict, runs: dict, targets, budget: Budget, measure, save, measure_at=None, measure_cost=None
+) -> None:
+    """Train every run (trainers[S], recorded in runs[str(S)]) to each of `targets` in turn, all S together,
+    and at a target in `measure_at` (None: every target) record measure(S, trainer, run) in
+    run["records"][step], then save(). A round or a measurement that the budget does not allow is not
+    started: a round's time is estimated from the rounds before (the median step time, and the least
+    overhead of compiles and checkpoints), a measurement's by measure_cost(S) (None, or None returned: the
+    last measurement's time). Once a round does not fit or the budget's SIGTERM stopped one, no S trains
+    further, so all stay at (about) the same step. Each round's training (loss, step time) goes into
+    run["train"]."""
+    timing = {s: {"step_s": None, "overhead_s": None, "measure_s": None} for s in trainers}
+    halted = False
+    for target in targets:
+        for s, trainer in trainers.items():
+            run, tm = runs[str(s)], timing[s]
+            step = int(trainer.state.step)
+            if step < target and not halted:
+                need = (target - step) * tm["step_s"] + tm["overhead_s"] if tm["step_s"] else 0.0
+                if not budget.allows(need):
+                    halted = True
+                    print(
+                        f"budget: S={s} stays at step {step} ({budget.elapsed():.0f} s used, the next "
+                        f"{target - step} steps need ~{need:.0f} s)",
+                        flush=True,
+                    )
+                else:
+                    t0 = time.perf_counter()
+                    logged = trainer.run(stop_at=target)
+                    wall, done = time.perf_counter() - t0, int(trainer.state.step) - step
+                    halted = int(trainer.state.step) < target  # the budget's SIGTERM stopped it
+                    if done:
+                        median = lambda key: float(np.median([r[key] for r in logged if key in r]))
+                        losses = [r["loss"] for r in logged if "loss" in r][-max(1, done // 4) :]
+                        # steps at their measured rate; the rest (compiles, the checkpoint) the least seen
+                        tm["step_s"] = median("step_time")
+                        rest = max(0.0, wall - done * tm["step_s"])
+                        tm["overhead_s"] = rest if tm["overhead_s"] is None else min(tm["overhead_s"], rest)
+                        run.setdefault("train", []).append(
+                            {
+                                "step": int(trainer.state.step),
+                                "loss": float(np.mean(losses)),
+                                "median_step_s": tm["step_s"],
+                                "tokens_per_s": median("tokens_per_s"),
+                                "chunk_wall_s": wall,
+                            }
+                        )
+                step = int(trainer.state.step)
+            if str(step) in run["records"] or step != target or (measure_at is not None and step not in measure_at):
+                continue
+            cost = measure_cost(s) if measure_cost is not None else None
+            if not budget.allows((tm["measure_s"] or 0.0) if cost is None else cost):
+                print(f"budget: no measurement of S={s} at step {step}", flush=True)
+                continue
+            t0 = time.perf_counter()
+            run["records"][str(step)] = measure(s, trainer, run)
+            tm["measure_s"] = time.perf_counter() - t0
+            save()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny CPU run")
@@ -305,11 +385,7 @@ def main(argv=None) -> int:
     args.lr = args.lr or (1e-3 if quick else 5e-4)
     for s in tokens:  # bad input fails here, before any compile
         config_for(args, s)
-    # force: orbax logs while it is imported (through experiments.training's trainer import), which gives the
-    # root logger a WARNING handler first, and the trainer's INFO lines (e.g. "resumed from step") would be lost
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("absl", "jax._src", "orbax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    trainer_logging()
     budget = StopAtBudget(args.budget_s, args.reserve_s)
     workdir = args.workdir or (
         tempfile.mkdtemp(prefix="sparsity_emergence_") if quick else os.path.join("runs", "sparsity_emergence")
@@ -318,23 +394,17 @@ def main(argv=None) -> int:
     suffix = "_quick" if quick else ""
     name = args.name + suffix
     records_path = os.path.join(workdir, "records.json")
-    runs = {}
-    if os.path.exists(records_path):
-        with open(records_path) as f:
-            runs = json.load(f)  # every S measured so far stays in the results, trained now or not
-        steps = {k: sorted(v["records"], key=int) for k, v in runs.items()}
-        print(f"resuming the records of {records_path}: {steps}")
+    runs = load_records(records_path)  # every S measured so far stays in the results, trained now or not
 
     from dsv_jax.train.step import abstract_model
     from dsv_jax.train.trainer import Trainer
 
-    trainers, timing = {}, {}
+    trainers = {}
     for s in tokens:
         cfg, overrides = config_for(args, s)
         trainers[s] = Trainer(cfg, os.path.join(workdir, f"s{s}"), progress=False)
         run = runs.setdefault(str(s), {"records": {}})
         run.update(shape=list(cfg.data.buckets[0]), config_overrides=overrides, workdir=trainers[s].workdir)
-        timing[s] = {"step_s": None, "overhead_s": None, "measure_s": None}
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_model(trainers[tokens[0]].cfg)[1]))
 
     def save():
@@ -357,61 +427,21 @@ def main(argv=None) -> int:
         return path, summary
 
     targets = sorted(set(list(range(0, args.steps + 1, args.every)) + [args.steps]))
-    halted = False  # once a round does not fit, no S trains further: all stay at (about) the same step
+
+    def measured(s, trainer, run):
+        record = measure(trainer, tuple(run["shape"]), args)
+        h = headline(record)
+        print(
+            f"S={s} step {int(trainer.state.step)}: keep@95% tokens {h['0.95']['tokens'][0]:.3f} blocks "
+            f"{h['0.95']['blocks'][0]:.3f} rule {h['0.95']['rule'][0]:.3f} predictor "
+            f"{h['0.95'].get('predictor', (float('nan'),))[0]:.3f}; controller: "
+            f"{record['controller']['sparse_blocks']} sparse blocks ({budget.elapsed():.0f} s)",
+            flush=True,
+        )
+        return record
+
     try:
-        for target in targets:
-            for s in tokens:
-                trainer, run, tm = trainers[s], runs[str(s)], timing[s]
-                step = int(trainer.state.step)
-                if step < target and not halted:
-                    need = (target - step) * tm["step_s"] + tm["overhead_s"] if tm["step_s"] else 0.0
-                    if not budget.allows(need):
-                        halted = True
-                        print(
-                            f"budget: S={s} stays at step {step} ({budget.elapsed():.0f} s used, the next "
-                            f"{target - step} steps need ~{need:.0f} s)",
-                            flush=True,
-                        )
-                    else:
-                        t0 = time.perf_counter()
-                        logged = trainer.run(stop_at=target)
-                        wall, done = time.perf_counter() - t0, int(trainer.state.step) - step
-                        halted = int(trainer.state.step) < target  # the budget's SIGTERM stopped it
-                        if done:
-                            median = lambda key: float(np.median([r[key] for r in logged if key in r]))
-                            losses = [r["loss"] for r in logged if "loss" in r][-max(1, done // 4) :]
-                            # steps at their measured rate; the rest (compiles, the checkpoint) the least seen
-                            tm["step_s"] = median("step_time")
-                            rest = max(0.0, wall - done * tm["step_s"])
-                            tm["overhead_s"] = rest if tm["overhead_s"] is None else min(tm["overhead_s"], rest)
-                            run.setdefault("train", []).append(
-                                {
-                                    "step": int(trainer.state.step),
-                                    "loss": float(np.mean(losses)),
-                                    "median_step_s": tm["step_s"],
-                                    "tokens_per_s": median("tokens_per_s"),
-                                    "chunk_wall_s": wall,
-                                }
-                            )
-                    step = int(trainer.state.step)
-                if str(step) in run["records"] or step != target:
-                    continue
-                if not budget.allows(tm["measure_s"] or 0.0):
-                    print(f"budget: no measurement of S={s} at step {step}", flush=True)
-                    continue
-                t0 = time.perf_counter()
-                run["records"][str(step)] = measure(trainer, tuple(run["shape"]), args)
-                tm["measure_s"] = time.perf_counter() - t0
-                h = headline(run["records"][str(step)])
-                print(
-                    f"S={s} step {step}: keep@95% tokens {h['0.95']['tokens'][0]:.3f} blocks "
-                    f"{h['0.95']['blocks'][0]:.3f} rule {h['0.95']['rule'][0]:.3f} predictor "
-                    f"{h['0.95'].get('predictor', (float('nan'),))[0]:.3f}; controller: "
-                    f"{run['records'][str(step)]['controller']['sparse_blocks']} sparse blocks "
-                    f"({budget.elapsed():.0f} s)",
-                    flush=True,
-                )
-                save()
+        run_rounds(trainers, runs, targets, budget, measured, save)
     finally:
         for trainer in trainers.values():
             trainer.close()

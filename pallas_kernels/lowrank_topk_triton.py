@@ -20,8 +20,9 @@ not fit registers for k in the thousands (token level). Counting does fit:
      the tile's scores that XLA sorts (`TopkTuning.sample` keys per tile). Token level at 128k keys
      then takes ~3.4 counting passes per tile instead of ~6.8 (a program runs its slowest tile's: ~4.5
      instead of ~7.9; experiments/bench_topk.py replays the bracketing in numpy); a sample that misses
-     (an unrepresentative stride) costs passes, never exactness. On the GPU the scores are TF32 dot
-     products: the ids are the exact top-k of those.
+     (an unrepresentative stride) costs passes, never exactness. On the GPU the scores are dot products
+     at TopkTuning.precision (TF32 by default): the ids are the exact top-k of those; experiments/bench_topk.py
+     measures what near-ties swapped against an fp32 top-k cost in attention mass.
   2. compaction: one more pass writes, in id order, every id with key > tau and the first
      (top_k - #{key > tau}) ids with key == tau, so the output is ascending and ties go to the lower
      id, as lax.top_k does. Positions come from a running count plus an in-chunk cumulative sum.
@@ -61,8 +62,30 @@ def sortable_key(score):
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def score_precision(name: str, interpret: bool):
+    """The `precision` of the kernel's score dot for TopkTuning.precision `name` (None: Triton's default for
+    fp32, TF32). Interpret mode runs the dot in XLA on the host, which has no TF32 (nor the TF32x3 algorithm):
+    fp32 there."""
+    if interpret or name == "ieee":
+        return lax.Precision.HIGHEST
+    return {
+        "tf32": None,
+        "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+        "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    }[name]
+
+
 def _select_kernel(
-    proxy_ref, table_ref, *refs, top_k: int, num_keys: int, reduce: str, tuning: TopkTuning, masked: bool, seeded: bool
+    proxy_ref,
+    table_ref,
+    *refs,
+    top_k: int,
+    num_keys: int,
+    reduce: str,
+    tuning: TopkTuning,
+    masked: bool,
+    seeded: bool,
+    interpret: bool,
 ):
     refs = list(refs)
     seeds_ref = refs.pop(0) if seeded else None
@@ -73,6 +96,7 @@ def _select_kernel(
     step = tuning.keys_per_step
     n_steps = padded_keys // step
     proxy = proxy_ref[...].astype(jnp.float32)  # [tp, r]
+    dot_precision = score_precision(tuning.precision, interpret)
 
     def keys_of(chunk):
         """int32 sort keys [tp, step] of keys chunk * step ... + step; padding keys get INT_MIN."""
@@ -81,7 +105,7 @@ def _select_kernel(
         n_valid = None if valid_ref is None else valid_ref[sl][None, :]  # [1, step] valid rows per block
 
         def row_scores(j):
-            score = plgpu.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True)
+            score = plgpu.dot(proxy, table_ref[j, sl, :].astype(jnp.float32), trans_b=True, precision=dot_precision)
             if n_valid is not None and rows > 1:  # the max skips padded rows
                 score = jnp.where(j < n_valid, score, -jnp.inf)
             return score
@@ -248,7 +272,14 @@ def _select(q_lr, k_lr, static, kv_valid=None):
         in_specs.append(pl.BlockSpec((None, keys_p), lambda i, bi, hi: (bi, 0)))
         args.append(jnp.pad(kv_valid, ((0, 0), (0, keys_p - num_keys))))
     kernel = functools.partial(
-        _select_kernel, top_k=top_k, num_keys=num_keys, reduce=block_reduce, tuning=tuning, masked=masked, seeded=seeded
+        _select_kernel,
+        top_k=top_k,
+        num_keys=num_keys,
+        reduce=block_reduce,
+        tuning=tuning,
+        masked=masked,
+        seeded=seeded,
+        interpret=interpret,
     )
     out = pl.pallas_call(
         kernel,

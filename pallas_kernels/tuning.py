@@ -38,6 +38,9 @@ class SparseAttentionTuning:
                 raise ValueError(f"SparseAttentionTuning.{name}={val} must be a power of two >= 16")
 
 
+TOPK_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "ieee")
+
+
 @dataclasses.dataclass(frozen=True)
 class TopkTuning:
     """lowrank_topk (Pallas Triton lowering).
@@ -49,6 +52,10 @@ class TopkTuning:
     sample: scores per query tile, sorted in XLA, whose order statistics are the first pass's thresholds
       (0: none, every pass splits evenly); used where a block's score is one dot product (token level, or
       block_reduce "mean") and a tile has at least 4x as many keys.
+    precision: how the kernel's score dots (fp32 proxy . fp32 key rows) run on the GPU: "tf32" (one TF32
+      tensor-core product, ~10 mantissa bits: near-ties at the k-th score may swap against an fp32
+      top-k), "tf32x3" (three TF32 products, ~fp32), "bf16x3" (three bf16 products) or "ieee" (fp32 FMA).
+      Interpret mode computes in fp32 whatever the choice.
     """
 
     tiles_per_program: int = 16
@@ -57,6 +64,7 @@ class TopkTuning:
     warps: int = 4
     stages: int = 2
     sample: int = 2048
+    precision: str = "tf32"
 
     def __post_init__(self):
         for name in ("tiles_per_program", "keys_per_step"):
@@ -67,6 +75,8 @@ class TopkTuning:
             raise ValueError(f"TopkTuning.radix_bits={self.radix_bits} must divide 32 (1, 2, 4 or 8)")
         if self.sample < 0:
             raise ValueError(f"TopkTuning.sample={self.sample} must be >= 0 (0: no sampled first pass)")
+        if self.precision not in TOPK_PRECISIONS:
+            raise ValueError(f"TopkTuning.precision={self.precision!r} is not one of {TOPK_PRECISIONS}")
 
 
 # Hopper (H100/H200): 64-row query tiles leave registers for 64-row KV steps at D=128 with 4 warps;

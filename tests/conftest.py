@@ -95,6 +95,7 @@ SLOW_FIRST = [
     "tests/test_cli.py::test_train_then_sample_gif",
     "tests/test_fit_cost.py",
     "tests/experiments/test_sparsity_emergence.py::test_study_records_resumes_and_stops_at_the_budget",
+    "tests/experiments/test_granularity.py::test_study_measures_every_granularity_and_resumes",
     "tests/test_train.py::test_restore_onto_fewer_devices",
     "tests/test_export.py::test_precomputed_run_from_a_config_file_exports_loads_and_samples",
     "tests/test_cli.py::test_sigterm_saves_and_rerun_resumes",

@@ -179,3 +179,32 @@ def test_kept_residuals_sit_behind_an_optimization_barrier():
     assert len(barrier) == 1 and len(names) == 2
     assert {id(e.invars[0]) for e in names} == {id(v) for v in barrier[0].outvars}
     assert list(jaxpr.outvars) == [e.outvars[0] for e in names]
+
+
+@pytest.mark.parametrize("mode", ["dsv", "dense"])
+def test_capture_returns_the_q_k_and_projections_the_block_attends_and_profiles_with(mode):
+    """A capturing plan (experiments/granularity.py) returns each block's q, k and, with a predictor, its q_lr,
+    k_lr, stacked over blocks; they are the arrays the block's profile measured (its recall curve recomputed
+    from them is the same), and capturing leaves the output unchanged."""
+    from dsv_jax.dsv.predictor import sample_positions, true_logits
+    from dsv_jax.dsv.profiler import recall_curve
+    from dsv_jax.model.tokens import grid_shape, token_layout
+
+    model = dsv_model("dit", patch=(1, 4, 4), tile=(2, 2, 2))
+    x, t, text, mask = model_inputs((4, 16, 24))
+    plan = AttentionPlan(mode=mode, keep=0.5, profile=mode == "dsv", analysis=mode == "dsv", capture=True)
+    out, aux = model(x, t, text, mask, attention=plan, return_aux=True)
+    np.testing.assert_allclose(out, model(x, t, text, mask, attention="xla"), atol=3e-5)
+    s = 4 * 4 * 6
+    assert aux["capture/q"].shape == aux["capture/k"].shape == (2, 2, s, 2, 16)  # [blocks, B, S, H, D]
+    if mode == "dense":
+        assert "capture/q_lr" not in aux
+        return
+    assert aux["capture/q_lr"].shape == aux["capture/k_lr"].shape == (2, 2, s, 2, 4)
+    layout = token_layout(grid_shape((4, 16, 24), (1, 4, 4)), (2, 2, 2))
+    positions = layout.valid_positions[sample_positions(layout.n_real, plan.query_stride, plan.max_queries)]
+    for i in range(2):
+        z = true_logits(aux["capture/q"][i], aux["capture/k"][i], positions, layout.valid, 16**-0.5)
+        p = jax.nn.softmax(z, axis=-1)
+        curve = recall_curve(p, positions, aux["capture/q_lr"][i], aux["capture/k_lr"][i], 8, 8)
+        np.testing.assert_allclose(curve, aux["recall_curve"][i], atol=1e-5)

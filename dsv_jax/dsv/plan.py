@@ -31,6 +31,9 @@ class AttentionPlan:
     predictor: bool = False  # dsv: compute the predictor loss (training)
     profile: bool = False  # collect sparsity / recall statistics this step
     analysis: bool = False  # with profile: also top-key mass and critical-KV distances (analysis script)
+    # return the block's attention q, k (and, with a predictor, its q_lr, k_lr) in aux as capture/q, ...:
+    # what an analysis measures outside the model (experiments/granularity.py); forward only
+    capture: bool = False
     block_reduce: str = "mean"
     center_logits: bool = True  # dsv: the predictor loss compares mean-centred logit rows (dsv.center_logits)
     query_stride: int = 64

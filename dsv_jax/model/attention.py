@@ -8,6 +8,7 @@ DSV plan one call does, on the block's video tokens:
     loss:       predictor loss of sampled query rows vs the true logits (training)
     selection:  top-k KV blocks per query tile (DSV) or the static window lists
     profile:    sparsity / recall statistics of the sampled rows (profile steps)
+    capture:    the block's q, k (and q_lr, k_lr) themselves, for an analysis outside the model
     attention:  sparse through the selection, or dense
 
 and returns (output, aux), aux holding the predictor loss, profile statistics and, under context
@@ -130,11 +131,15 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
             "a DSV plan that selects or trains needs the block's predictor: build the model with "
             "attention=dsv (Config.predictor_rank > 0)"
         )
-    need_lr = plan.mode == "dsv" and (plan.predictor or (plan.selects and geometry is not None))
+    need_lr = plan.mode == "dsv" and (plan.predictor or plan.capture or (plan.selects and geometry is not None))
     z = true_logits(q, k, positions, layout.valid, d**-0.5) if (plan.predictor or plan.profile) else None
     q_lr = k_lr = None
     if need_lr:
         q_lr, k_lr = _lowrank(predictor, x, layout)
+    if plan.capture:
+        aux.update({"capture/q": q, "capture/k": k})
+        if q_lr is not None:
+            aux.update({"capture/q_lr": q_lr, "capture/k_lr": k_lr})
     if plan.mode == "dsv" and plan.predictor:
         aux["predictor_loss"] = predictor_loss(q_lr, k_lr, z, positions, layout.valid, center=plan.center_logits)
     selection = None
@@ -188,7 +193,7 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
 
 
 def _is_dense(plan) -> bool:
-    return not isinstance(plan, AttentionPlan) or plan.mode == "dense" and not plan.profile
+    return not isinstance(plan, AttentionPlan) or plan.mode == "dense" and not (plan.profile or plan.capture)
 
 
 def _backend(plan):
