@@ -414,24 +414,26 @@ class AttentionConfig:
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
     24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
     raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
+    The launch fields (the stages to heads_fastest) have their defaults in pallas_kernels.tuning
+    (MGPU_DEFAULTS, mgpu_defaults); sparse_attention_mgpu.default_config builds the config of a call.
     """
 
     q_tile: int
     kv_block: int
     head_dim: int
     sm_scale: float
+    fwd_stages: int
+    dq_stages: int
+    dkdv_stages: int
+    producer_registers: int
+    fwd_step_rows: int
+    dq_step_rows: int
+    dkdv_longest_first: bool
+    fwd_programs: int
+    dq_programs: int
+    dkdv_programs: int
+    heads_fastest: bool
     masked: bool = False
-    fwd_stages: int = 2
-    dq_stages: int = 2
-    dkdv_stages: int = 2
-    producer_registers: int = 40
-    fwd_step_rows: int = ROWS
-    dq_step_rows: int = ROWS
-    dkdv_longest_first: bool = True
-    fwd_programs: int = 0
-    dq_programs: int = 0
-    dkdv_programs: int = 0
-    heads_fastest: bool = False
     interpret: bool = False
 
     def __post_init__(self):
