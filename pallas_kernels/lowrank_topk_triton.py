@@ -45,8 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.lowrank_topk import block_mean_keys, row_flags, tile_proxies
-from pallas_kernels.sparse_attention_triton import partitioned_over_batch_and_heads
+from pallas_kernels.lowrank_topk_reference import block_mean_keys, row_flags, tile_proxies
+from pallas_kernels.partitioning import partitioned_over_batch_and_heads
 from pallas_kernels.sparse_index import result_type
 from pallas_kernels.tuning import TopkTuning
 

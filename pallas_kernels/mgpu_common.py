@@ -4,7 +4,9 @@ A kernel runs three warpgroups per CTA: two consumers (64 rows each, wgmma) and 
 streams the blocks named by a work list into a ring of SMEM stages by TMA. Each consumer walks one list
 (`lists=2`: two lists, two rings) or both walk the same list (`lists=1`: one ring, every stage is freed
 by both consumers). A ring stage carries one or more payload groups; each group has a `ready` barrier
-(one arrival per TMA copy) and a `free` barrier (one arrival per consumer of the stage).
+(one arrival per TMA copy) and a `free` barrier (one arrival per consumer of the stage). The producer
+warpgroup is the same in every kernel (`producer`); a kernel gives it what to copy per work item (the
+forward and dQ: `KVWalk.streams`).
 
 `Ops` hides what the GPU interpreter (jax's CPU simulation of Mosaic GPU, used by the tests) lacks:
 layout casts, `plgpu.load`, transposed and register wgmma operands. In interpret mode the products are
@@ -193,6 +195,24 @@ def drain(plgpu, groups: Sequence[Group], done: Sequence, stages: int):
                     plgpu.barrier_wait(group.free.at[list_id * stages + slot])
 
 
+def producer(plgpu, ops: Ops, work, *, lists: int, stages: int, registers: int, rings: Sequence[tuple], streams):
+    """The producer warpgroup of a kernel: gives up registers (keeps `registers` per thread), streams the
+    payloads of each of this CTA's work items (`work`: WorkItems) through the rings, then drains them.
+
+    rings: the (ready, free) barrier arrays of each payload group of a ring stage. streams(item) ->
+    (copies, counts) for work item (head, pair, batch): per group its `Group.copies`, and per list
+    the steps it takes. The rings carry on from one item to the next (`produce`'s done)."""
+    ops.set_registers(registers, "decrease")
+
+    def stream(i, item, done):
+        copies, counts = streams(item)
+        groups = [Group(c, ready, free) for c, (ready, free) in zip(copies, rings, strict=True)]
+        return tuple(produce(plgpu, groups, counts, stages, done))
+
+    done = work.loop(stream, (0,) * lists)
+    drain(plgpu, [Group(None, ready, free) for ready, free in rings], done, stages)
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkItems:
     """The work items (head, pair of 64-row tiles, batch) of a kernel, the order the GPU starts them in,
@@ -356,6 +376,19 @@ class KVWalk:
             carry = lax.fori_loop(full, n, functools.partial(step_fn, mask=True), carry)
         return carry[:-1]
 
+    def streams(self, plgpu, index_ref, count_ref, payloads: Sequence[tuple], lists: int, stages: int):
+        """`producer`'s streams of the forward and dQ: per work item, the K and V (payloads: (src_ref,
+        dst_smem) each) of the blocks that the item's lists select, kv_index[b, h, tile, entry]."""
+
+        def streams(item):
+            hi, _, bi = item
+            tiles, slices, steps = self.lists(count_ref, item, lists)
+            block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
+            copies = [self.copier(plgpu, src, dst, block_of, slices, stages, bi, hi) for src, dst in payloads]
+            return copies, steps
+
+        return streams
+
     def copier(self, plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi):
         """A producer Group's copies: step `step` of list `list_id` into its ring stage, one TMA copy per
         slice. block_of(list_id, entry): the KV block id; slices[list_id]: the list's slice count (>= 1)."""
@@ -415,24 +448,26 @@ class AttentionConfig:
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
     24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
     raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
+    The launch fields (the stages to heads_fastest) have their defaults in pallas_kernels.tuning
+    (MGPU_DEFAULTS, mgpu_defaults); sparse_attention_mgpu.default_config builds the config of a call.
     """
 
     q_tile: int
     kv_block: int
     head_dim: int
     sm_scale: float
+    fwd_stages: int
+    dq_stages: int
+    dkdv_stages: int
+    producer_registers: int
+    fwd_step_rows: int
+    dq_step_rows: int
+    dkdv_longest_first: bool
+    fwd_programs: int
+    dq_programs: int
+    dkdv_programs: int
+    heads_fastest: bool
     masked: bool = False
-    fwd_stages: int = 2
-    dq_stages: int = 2
-    dkdv_stages: int = 2
-    producer_registers: int = 40
-    fwd_step_rows: int = ROWS
-    dq_step_rows: int = ROWS
-    dkdv_longest_first: bool = True
-    fwd_programs: int = 0
-    dq_programs: int = 0
-    dkdv_programs: int = 0
-    heads_fastest: bool = False
     interpret: bool = False
 
     def __post_init__(self):

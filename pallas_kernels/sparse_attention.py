@@ -1,214 +1,136 @@
-"""Block-sparse attention: each query tile attends only to the KV blocks it selected.
+"""Block-sparse attention: the public entry points, which run the fastest implementation a call can have.
 
     o[tile] = softmax(q[tile] k[sel]^T * sm_scale) v[sel],   sel = blocks kv_index[b, h, tile, :kv_count[b, h, tile]]
 
-q, k, v [B, S, H, D] in tile-major token order; query tiles are q_tile consecutive tokens, KV blocks
-kv_block consecutive tokens (kv_block = 1 selects single tokens). Entries of kv_index at positions
->= kv_count are ignored whatever they hold.
+The definition (layouts, padded keys, lse, the backward under merged statistics) is the reference's:
+`pallas_kernels.sparse_attention_reference`. The implementations, fastest first (IMPLEMENTATIONS):
 
-Padded layouts: kv_valid (optional, int32 [B, S // kv_block]) is the number of valid keys of each KV
-block, 0..kv_block; the valid keys of a block are its first kv_valid rows (the token layout puts each
-tile's real tokens first), the others are never attended (at kv_block = 1 the entries are 0 or 1). A
-selection may hold fully masked blocks; they add nothing. A query row whose selected keys are all masked
-(or kv_count = 0) attends to nothing: o = 0, lse = -inf, zero gradients. Query rows that are padding are
-computed like any other (finite); the caller drops them.
+    sparse_attention_mgpu    Hopper (sm90), Pallas Mosaic GPU: wgmma, TMA, warp specialisation
+    sparse_attention_triton  any GPU while jax has Pallas' Triton lowering; interpret mode off a GPU
+    sparse_attention_reference  plain JAX, everywhere (impl="xla", and the fallback of impl="auto")
 
-return_lse: also return lse [B, H, S] fp32, the natural-log log-sum-exp of each query's selected valid
-logits (times sm_scale), so partial results over disjoint key sets merge exactly
-(`dsv_jax.attention.merge_attention`). The gradient takes a cotangent for lse: d lse_i / d s_ij = p_ij.
-
-sparse_attention_backward: the gradients of one key set's share of a larger attention whose softmax
-statistics are given, for callers that merge partial results themselves (the ring of context
-parallelism) and hand-write the backward. With o, lse the merged output and log-sum-exp (lse = -inf
-for a row that sees no key anywhere) and do, dlse their cotangents, over this call's selected valid keys:
-
-    p_ij = exp(s_ij - lse_i),  delta_i = rowsum(do_i * o_i) - dlse_i,
-    dv = p^T do,  ds = p * (do v^T - delta) * sm_scale,  dq = ds k,  dk = ds^T q.
-
-Summed over disjoint key sets that make up the merged attention, these are its gradients; with (o, lse)
-this call's own outputs, they are the VJP of sparse_attention(..., return_lse=True).
+Each implementation module imports only the reference and the shared helpers (mgpu_common, tuning,
+sparse_index, partitioning, lowering); this module imports them and re-exports the reference's names, so
+`from pallas_kernels.sparse_attention import sparse_attention_reference, RESIDUAL_NAME, ...` works.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from types import ModuleType
+
 import jax
-import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels import sparse_attention_mgpu
 from pallas_kernels.lowering import log_fallback, triton_missing
+from pallas_kernels.sparse_attention_reference import (
+    RESIDUAL_NAME,
+    check_sparse_inputs,
+    check_statistics,
+    masked_softmax_attend,
+    name_residuals,
+    row_term,
+    sparse_attention_reference,
+    sparse_attention_reference_backward,
+)
 
-# The custom VJPs name the forward's output and softmax statistics, the residuals their backward reads
-# besides q, k, v and the index, so that a jax.checkpoint policy can keep them for the backward instead
-# of running the forward kernel a second time (dsv_jax.model.attention.remat_policy(keep_attention=True)).
-RESIDUAL_NAME = "sparse_attention_residuals"
-
-
-def name_residuals(o, lse):
-    """A forward's (o, lse) tagged with RESIDUAL_NAME (visible to checkpoint policies), to be used as both its
-    output and its VJP's residuals (the layers after attention need o in their backward too).
-
-    Behind an optimization barrier: when a policy kept them (a scanned model stores them into its stack of
-    residuals), XLA on GPU (jax 0.11.2) compiled the kernel's custom call twice, one copy inside a
-    dynamic-slice fusion; with the barrier it runs once (experiments/remat_programs.py)."""
-    o, lse = jax.lax.optimization_barrier((o, lse))
-    return checkpoint_name(o, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
-
-
-def check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid=None):
-    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share one shape [B, S, H, D]; got {q.shape}, {k.shape}, {v.shape}")
-    b, s, h, _ = q.shape
-    if s % q_tile or s % kv_block:
-        raise ValueError(f"sequence length {s} must be divisible by q_tile={q_tile} and kv_block={kv_block}")
-    tiles = s // q_tile
-    if kv_index.ndim != 4 or kv_index.shape[:3] != (b, h, tiles):
-        raise ValueError(f"kv_index must be [B, H, S // q_tile, K] = [{b}, {h}, {tiles}, K]; got {kv_index.shape}")
-    if kv_count.shape != (b, h, tiles):
-        raise ValueError(f"kv_count must be [B, H, S // q_tile] = [{b}, {h}, {tiles}]; got {kv_count.shape}")
-    if not (jnp.issubdtype(kv_index.dtype, jnp.integer) and jnp.issubdtype(kv_count.dtype, jnp.integer)):
-        raise ValueError(f"kv_index and kv_count must be integers; got {kv_index.dtype}, {kv_count.dtype}")
-    if kv_valid is not None:
-        if kv_valid.shape != (b, s // kv_block):
-            raise ValueError(f"kv_valid must be [B, S // kv_block] = [{b}, {s // kv_block}]; got {kv_valid.shape}")
-        if not jnp.issubdtype(kv_valid.dtype, jnp.integer):
-            raise ValueError(f"kv_valid must be integers (valid keys per KV block); got {kv_valid.dtype}")
+__all__ = [
+    "IMPLEMENTATIONS",
+    "RESIDUAL_NAME",
+    "Implementation",
+    "check_sparse_inputs",
+    "check_statistics",
+    "kernel_path",
+    "masked_softmax_attend",
+    "name_residuals",
+    "row_term",
+    "sparse_attention",
+    "sparse_attention_backward",
+    "sparse_attention_reference",
+    "sparse_attention_reference_backward",
+]
 
 
-def masked_softmax_attend(logits, values):
-    """softmax(logits) @ values [..., q, D] (fp32) and the natural-log lse [..., q] of logits [..., q, n]
-    (fp32, -inf where masked); values [..., n, D] in its own dtype. A row with every logit masked gives
-    o = 0, lse = -inf and zero gradients (no NaN: exp only sees finite differences or -inf)."""
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    e = jnp.exp(logits - m)
-    l = jnp.sum(e, axis=-1, keepdims=True)
-    some = l > 0.0
-    l_safe = jnp.where(some, l, 1.0)
-    p = e / l_safe
-    o = jnp.einsum("...qn,...nd->...qd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
-    lse = jnp.where(some, m + jnp.log(l_safe), -jnp.inf)[..., 0]
-    return o, lse
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """A Pallas implementation of sparse attention, as the dispatcher sees it.
+
+    name: what kernel_path answers; label: how its reasons are named.
+    interprets: impl="pallas" runs it off a GPU (interpret mode); else only a GPU runs it.
+    missing(device): why this process cannot run it on `device` (None: it can), asked before `module()`.
+    module(): the implementation module, which defines
+        supported(q, k, v, *, q_tile, kv_block) -> None or why the call does not fit,
+        attention(q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, kv_valid, return_lse, interpret),
+        attention_backward(q, k, v, kv_index, kv_count, o, lse, do, dlse, *, q_tile, kv_block, sm_scale,
+                           kv_valid, interpret),
+    taking inputs that check_sparse_inputs accepted (tests/test_kernel_dispatch.py checks the signatures)."""
+
+    name: str
+    label: str
+    interprets: bool
+    missing: Callable
+    module: Callable[[], ModuleType]
 
 
-def sparse_attention_reference(
-    q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None, return_lse=False, impl="auto"
-):
-    """Plain JAX, one query tile at a time (lax.map), so memory is O(S * K * kv_block), never [S, S]."""
-    del impl
-    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
-    b, s, h, d = q.shape
-    n_sel = kv_index.shape[-1]
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    k_blocks = k.reshape(b, s // kv_block, kv_block, h, d).transpose(0, 3, 1, 2, 4)  # [B, H, nb, kvb, D]
-    v_blocks = v.reshape(b, s // kv_block, kv_block, h, d).transpose(0, 3, 1, 2, 4)
-    q_tiles = q.reshape(b, s // q_tile, q_tile, h, d).transpose(1, 0, 3, 2, 4)  # [T, B, H, qt, D]
-    if kv_valid is not None:
-        kv_valid = jnp.broadcast_to(jnp.clip(kv_valid.astype(jnp.int32), 0, kv_block)[:, None], (b, h, s // kv_block))
+def _triton() -> ModuleType:
+    from pallas_kernels import sparse_attention_triton  # imports Pallas' Triton lowering, which jax may lack
 
-    def one_tile(args):
-        q_t, idx, count = args  # [B, H, qt, D], [B, H, K], [B, H]
-        live = jnp.arange(n_sel)[None, None] < count[..., None]  # [B, H, K]
-        idx = jnp.where(live, idx, 0)
-        ks = jnp.take_along_axis(k_blocks, idx[..., None, None], axis=2)  # [B, H, K, kvb, D]
-        vs = jnp.take_along_axis(v_blocks, idx[..., None, None], axis=2)
-        keep = jnp.broadcast_to(live[..., None], (*live.shape, kv_block))  # [B, H, K, kvb]
-        if kv_valid is not None:
-            n_valid = jnp.take_along_axis(kv_valid, idx, axis=-1)  # [B, H, K]
-            keep = keep & (jnp.arange(kv_block) < n_valid[..., None])
-        logits = jnp.einsum("bhqd,bhkjd->bhqkj", q_t, ks, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(keep[:, :, None], logits, -jnp.inf).reshape(*logits.shape[:3], n_sel * kv_block)
-        return masked_softmax_attend(logits, vs.reshape(b, h, n_sel * kv_block, d))
-
-    out, lse = jax.lax.map(one_tile, (q_tiles, kv_index.transpose(2, 0, 1, 3), kv_count.transpose(2, 0, 1)))
-    out = out.transpose(1, 0, 3, 2, 4).reshape(b, s, h, d).astype(q.dtype)
-    if not return_lse:
-        return out
-    return out, lse.transpose(1, 2, 0, 3).reshape(b, h, s)
+    return sparse_attention_triton
 
 
-def row_term(o, do, dlse=None):
-    """delta = rowsum(o * do) - dlse [B, H, S] fp32 of the softmax backward: d lse_i / d s_ij = p_ij, so an
-    lse cotangent shifts the row term. One fused XLA reduction (memory-bound, as fast as a kernel)."""
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    return delta if dlse is None else delta - dlse.astype(jnp.float32)
+def _mgpu() -> ModuleType:
+    return sparse_attention_mgpu  # imports no GPU-only module until a kernel is built
 
 
-def _share_weight(lse_part, lse):
-    """exp(lse_part - lse): the part's share of the merged softmax mass; 0 where either has no key (no NaN)."""
-    none = (lse_part == -jnp.inf) | (lse == -jnp.inf)
-    return jnp.where(none, 0.0, jnp.exp(jnp.where(none, 0.0, lse_part - lse)))
-
-
-def sparse_attention_reference_backward(
-    q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None
-):
-    """sparse_attention_backward in plain JAX. With w = exp(lse_b - lse) for this call's (o_b, lse_b) and the
-    merged lse held constant, o_b * w = p v and w = rowsum(p); so the VJP of (q, k, v) -> (o_b * w, w) with
-    cotangents (do, -delta) is sum_ij p_ij (do_i.v_j - delta_i) differentiated: exactly the gradients."""
-    merged = jax.lax.stop_gradient(lse.astype(jnp.float32))
-
-    def share(q, k, v):
-        o_b, lse_b = sparse_attention_reference(
-            q,
-            k,
-            v,
-            kv_index,
-            kv_count,
-            q_tile=q_tile,
-            kv_block=kv_block,
-            sm_scale=sm_scale,
-            kv_valid=kv_valid,
-            return_lse=True,
-        )
-        w = _share_weight(lse_b, merged)
-        return o_b.astype(jnp.float32) * jnp.swapaxes(w, 1, 2)[..., None], w
-
-    _, pullback = jax.vjp(share, q, k, v)
-    return pullback((do.astype(jnp.float32), -row_term(o, do, dlse)))
+IMPLEMENTATIONS = (
+    Implementation(
+        name="mgpu",
+        label="Mosaic GPU kernels",
+        interprets=False,
+        missing=lambda device: sparse_attention_mgpu.available(device),
+        module=_mgpu,
+    ),
+    Implementation(
+        name="triton", label="Triton kernels", interprets=True, missing=lambda device: triton_missing(), module=_triton
+    ),
+)
 
 
 def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", device=None) -> tuple[str, list[str]]:
     """Which implementation `sparse_attention` runs, and why each faster one was passed over.
 
-    -> ("mgpu" | "triton" | "xla", reasons). On a GPU, "auto" and "pallas" take the Hopper kernels
-    (Pallas Mosaic GPU) where the device is sm90 and the geometry fits, else the portable Pallas
-    kernels (Triton lowering) while jax has them; "auto" then falls back to the XLA reference, "pallas"
-    stops with the reasons. Off a GPU "pallas" runs the Triton kernels in interpret mode (tests)."""
+    -> ("mgpu" | "triton" | "xla", reasons). On a GPU, "auto" and "pallas" take the first of
+    IMPLEMENTATIONS that this machine has and whose geometry fits (the Hopper kernels on sm90, else the
+    portable Triton-lowered kernels while jax has them); "auto" then falls back to the XLA reference,
+    "pallas" stops with the reasons. Off a GPU "pallas" runs the Triton kernels in interpret mode (tests)."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'xla'")
     if impl == "xla":
         return "xla", []
     device = device or jax.devices()[0]
-    reasons = []
-    if device.platform == "gpu":
-        from pallas_kernels import sparse_attention_mgpu as mgpu
-
-        reason = mgpu.available(device) or mgpu.supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
-        if reason is None:
-            return "mgpu", reasons
-        reasons.append(f"Mosaic GPU kernels: {reason}")
-    elif impl == "auto":
+    on_gpu = device.platform == "gpu"
+    if not on_gpu and impl == "auto":
         return "xla", [f"device {device.device_kind!r} is not a GPU"]
-    reason = triton_missing()
-    if reason is None:
-        from pallas_kernels import sparse_attention_triton as triton_path
-
-        reason = triton_path.supported(q_tile, kv_block)
-        if reason is None and not q.dtype == k.dtype == v.dtype:
-            reason = f"one dtype for q, k, v needed; got {q.dtype}, {k.dtype}, {v.dtype}"
-    if reason is None:
-        return "triton", reasons
-    reasons.append(f"Triton kernels: {reason}")
+    reasons = []
+    for path in IMPLEMENTATIONS:
+        if not (on_gpu or path.interprets):
+            continue
+        reason = path.missing(device) or path.module().supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
+        if reason is None:
+            return path.name, reasons
+        reasons.append(f"{path.label}: {reason}")
     if impl == "pallas":
         raise ValueError("sparse_attention(impl='pallas') has no Pallas path here: " + "; ".join(reasons))
     return "xla", reasons
 
 
-def _chosen_path(q, k, v, *, q_tile, kv_block, impl, caller):
-    path, reasons = kernel_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl)
+def _chosen(q, k, v, *, q_tile, kv_block, impl, caller) -> Implementation | None:
+    """The implementation to run (None: the reference), with the reasons logged once on a GPU."""
+    name, reasons = kernel_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl)
     if reasons and jax.default_backend() == "gpu":
-        log_fallback(caller, f"{path} path", "; ".join(reasons))
-    return path
+        log_fallback(caller, f"{name} path", "; ".join(reasons))
+    return next((path for path in IMPLEMENTATIONS if path.name == name), None)
 
 
 def sparse_attention(
@@ -219,10 +141,10 @@ def sparse_attention(
     on other GPUs, else the reference, with the reason logged once). The Pallas paths assume the live
     ids of a tile are distinct (as selections are).
 
-    Returns o [B, S, H, D] in q.dtype, or (o, lse [B, H, S] fp32) with return_lse (see the module)."""
+    Returns o [B, S, H, D] in q.dtype, or (o, lse [B, H, S] fp32) with return_lse (see the reference)."""
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
-    path = _chosen_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention")
-    if path == "xla":
+    path = _chosen(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention")
+    if path is None:
         return sparse_attention_reference(
             q,
             k,
@@ -235,26 +157,7 @@ def sparse_attention(
             kv_valid=kv_valid,
             return_lse=return_lse,
         )
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    if path == "mgpu":
-        from pallas_kernels import sparse_attention_mgpu
-
-        return sparse_attention_mgpu.sparse_attention_mgpu(
-            q,
-            k,
-            v,
-            kv_index,
-            kv_count,
-            q_tile=q_tile,
-            kv_block=kv_block,
-            sm_scale=scale,
-            kv_valid=kv_valid,
-            return_lse=return_lse,
-        )
-    from pallas_kernels import sparse_attention_triton as triton_path
-    from pallas_kernels.tuning import for_device
-
-    return triton_path.sparse_attention_pallas(
+    return path.module().attention(
         q,
         k,
         v,
@@ -262,22 +165,11 @@ def sparse_attention(
         kv_count,
         q_tile=q_tile,
         kv_block=kv_block,
-        sm_scale=scale,
-        tuning=for_device()[0],
-        interpret=jax.default_backend() != "gpu",
+        sm_scale=q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
         kv_valid=kv_valid,
         return_lse=return_lse,
+        interpret=jax.default_backend() != "gpu",
     )
-
-
-def _check_statistics(q, o, lse, do, dlse):
-    b, s, h, _ = q.shape
-    if o.shape != q.shape or do.shape != q.shape:
-        raise ValueError(f"o and do must be [B, S, H, D] = {q.shape}; got {o.shape}, {do.shape}")
-    if lse.shape != (b, h, s) or (dlse is not None and dlse.shape != (b, h, s)):
-        raise ValueError(
-            f"lse and dlse must be [B, H, S] = {(b, h, s)}; got {lse.shape}, {None if dlse is None else dlse.shape}"
-        )
 
 
 def sparse_attention_backward(
@@ -299,11 +191,11 @@ def sparse_attention_backward(
 ):
     """(dq, dk, dv) in the dtypes of q, k, v: the gradients of this call's share of an attention whose merged
     output o [B, S, H, D] and log-sum-exp lse [B, H, S] (fp32, natural log, -inf: no key) are given, for
-    cotangents do and dlse (None: 0). See the module. Same paths as sparse_attention (impl)."""
+    cotangents do and dlse (None: 0). See the reference. Same paths as sparse_attention (impl)."""
     check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
-    _check_statistics(q, o, lse, do, dlse)
-    path = _chosen_path(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention_backward")
-    if path == "xla":
+    check_statistics(q, o, lse, do, dlse)
+    path = _chosen(q, k, v, q_tile=q_tile, kv_block=kv_block, impl=impl, caller="sparse_attention_backward")
+    if path is None:
         return sparse_attention_reference_backward(
             q,
             k,
@@ -319,29 +211,7 @@ def sparse_attention_backward(
             sm_scale=sm_scale,
             kv_valid=kv_valid,
         )
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    if path == "mgpu":
-        from pallas_kernels import sparse_attention_mgpu
-
-        return sparse_attention_mgpu.sparse_attention_mgpu_backward(
-            q,
-            k,
-            v,
-            kv_index,
-            kv_count,
-            o,
-            lse,
-            do,
-            dlse,
-            q_tile=q_tile,
-            kv_block=kv_block,
-            sm_scale=scale,
-            kv_valid=kv_valid,
-        )
-    from pallas_kernels import sparse_attention_triton as triton_path
-    from pallas_kernels.tuning import for_device
-
-    return triton_path.sparse_attention_pallas_backward(
+    return path.module().attention_backward(
         q,
         k,
         v,
@@ -353,8 +223,7 @@ def sparse_attention_backward(
         dlse,
         q_tile=q_tile,
         kv_block=kv_block,
-        sm_scale=scale,
-        tuning=for_device()[0],
-        interpret=jax.default_backend() != "gpu",
+        sm_scale=q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
         kv_valid=kv_valid,
+        interpret=jax.default_backend() != "gpu",
     )

@@ -1,6 +1,6 @@
 """Block-sparse attention on Hopper (sm90) in Pallas Mosaic GPU: public entry, custom VJP, sharding.
 
-Same function as pallas_kernels.sparse_attention (see there), on kernels that use what the Triton
+Same function as pallas_kernels.sparse_attention_reference (see there), on kernels that use what the Triton
 lowering cannot reach: wgmma, TMA, warp specialisation (sparse_attention_mgpu_fwd, _bwd):
 
     o[tile] = softmax(q[tile] k[sel]^T * sm_scale) v[sel],   sel = blocks kv_index[b, h, tile, :kv_count[b, h, tile]]
@@ -24,28 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mgpu_common
+from pallas_kernels import sparse_attention_mgpu_bwd as bwd_kernels
+from pallas_kernels import sparse_attention_mgpu_fwd as fwd_kernels
 from pallas_kernels.mgpu_common import LN2, ROWS, AttentionConfig
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention import name_residuals
+from pallas_kernels.sparse_attention_reference import check_sparse_inputs, name_residuals
 from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_index
+from pallas_kernels.tuning import MGPU_TUNABLE, mgpu_defaults
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
-H100_SMS = 132  # SXM H100 and H200
-TUNABLE = frozenset(
-    {
-        "fwd_stages",
-        "dq_stages",
-        "dkdv_stages",
-        "fwd_step_rows",
-        "dq_step_rows",
-        "producer_registers",
-        "dkdv_longest_first",
-        "fwd_programs",
-        "dq_programs",
-        "dkdv_programs",
-        "heads_fastest",
-    }
-)
 KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 
 
@@ -80,30 +67,21 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
     return None
 
 
-def multiprocessors(device=None) -> int:
-    """SMs of `device` (default: the first): what jax reports as its core_count, else an H100/H200's 132."""
-    device = device or jax.devices()[0]
-    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return count if isinstance(count, int) and count > 0 else H100_SMS
-
-
 def default_config(
     q_tile, kv_block, head_dim, sm_scale, *, masked=False, interpret=False, tuning=None
 ) -> AttentionConfig:
-    """The launch config of one call: `tuning`'s fields over the defaults, with the forward's ring as
-    deep as fits in SMEM (3 stages at most) unless tuning sets it (1 KiB left for barriers and alignment).
+    """The launch config of one call: `tuning`'s fields over this device's defaults (pallas_kernels.tuning:
+    MGPU_TUNABLE, mgpu_defaults), with the forward's ring as deep as fits in SMEM (up to the default's
+    stages) unless tuning sets it (1 KiB left for barriers and alignment).
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
     measured 13% faster, dQ 0-1.5% (H200, S = 64k, docs/kernels/mgpu_notes.md, "Two KV blocks per step").
     The forward is persistent, one CTA per SM: 2.5-4% faster than one CTA per work item at 32k and 64k
     tokens, where the persistent dQ measured the same and the persistent dK/dV 6-15% slower (register
     spills), so those two stay one CTA per item (docs/kernels/mgpu_notes.md, "Which CTAs run together")."""
     tuning = dict(tuning or {})
-    unknown = set(tuning) - TUNABLE
+    unknown = set(tuning) - MGPU_TUNABLE
     if unknown:
-        raise ValueError(f"sparse_attention_mgpu: unknown tuning keys {sorted(unknown)}; known: {sorted(TUNABLE)}")
-    defaults = {"fwd_stages": 3, "fwd_programs": multiprocessors()}
-    if q_tile == 2 * ROWS:
-        defaults.update(fwd_step_rows=2 * ROWS, dq_step_rows=2 * ROWS)
+        raise ValueError(f"sparse_attention_mgpu: unknown tuning keys {sorted(unknown)}; known: {sorted(MGPU_TUNABLE)}")
     cfg = AttentionConfig(
         q_tile=q_tile,
         kv_block=kv_block,
@@ -111,7 +89,7 @@ def default_config(
         sm_scale=float(sm_scale),
         masked=masked,
         interpret=interpret,
-        **{**defaults, **tuning},
+        **{**mgpu_defaults(q_tile), **tuning},
     )
     while "fwd_stages" not in tuning and cfg.fwd_stages > 2 and cfg.smem_bytes("fwd") + 1024 > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, fwd_stages=cfg.fwd_stages - 1)
@@ -137,12 +115,10 @@ def check_smem(cfg: AttentionConfig, itemsize: int = 2):
 
 
 def _forward(*arrays):
-    from pallas_kernels.sparse_attention_mgpu_fwd import forward
-
     *arrays, cfg = arrays
     q, k, v, index, count = arrays[:5]
     valid = arrays[5] if cfg.masked else None
-    return forward(q, k, v, index, count, valid, cfg)
+    return fwd_kernels.forward(q, k, v, index, count, valid, cfg)
 
 
 def dkdv_schedule(index, count, cfg: AttentionConfig, seq_len: int):
@@ -160,8 +136,6 @@ def dkdv_schedule(index, count, cfg: AttentionConfig, seq_len: int):
 
 
 def _backward(*arrays):
-    from pallas_kernels import sparse_attention_mgpu_bwd as bwd
-
     *arrays, cfg = arrays
     if cfg.masked:
         q, k, v, index, count, valid, rows_valid, o, lse2, do, dlse = arrays
@@ -170,9 +144,9 @@ def _backward(*arrays):
     s = q.shape[1]
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # rows without valid keys: P = 0
-    dq = bwd.dq(q, k, v, do, lse2, delta, index, count, valid, cfg)
+    dq = bwd_kernels.dq(q, k, v, do, lse2, delta, index, count, valid, cfg)
     tiles, starts, blocks = dkdv_schedule(index, count, cfg, s)
-    dk, dv = bwd.dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg)
+    dk, dv = bwd_kernels.dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg)
     return dq, dk, dv
 
 
@@ -224,16 +198,6 @@ def _attend_bwd(cfg, res, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _check_kv_valid(kv_valid, b, s, kv_block):
-    if kv_valid is None:
-        return
-    if kv_valid.shape != (b, s // kv_block) or not jnp.issubdtype(kv_valid.dtype, jnp.integer):
-        raise ValueError(
-            f"kv_valid must be integer [B, S // kv_block] = [{b}, {s // kv_block}]; got "
-            f"{kv_valid.dtype} {kv_valid.shape}"
-        )
-
-
 def prepare_masks(index, kv_valid, kv_block: int, seq_len: int):
     """(valid keys of each selected block [B, H, T, K], valid keys of each 64 key rows [B, S // 64])."""
     blocks = jnp.clip(kv_valid.astype(jnp.int32), 0, kv_block)
@@ -246,14 +210,11 @@ def prepare_masks(index, kv_valid, kv_block: int, seq_len: int):
 
 def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scale, tuning, interpret):
     """Checks, the kernel config, the sanitized index and the key masks of one call."""
-    from pallas_kernels.sparse_attention import check_sparse_inputs
-
-    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block)
+    check_sparse_inputs(q, k, v, kv_index, kv_count, q_tile, kv_block, kv_valid)
     reason = supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
     if reason:
         raise ValueError(f"sparse_attention_mgpu: unsupported {reason}")
-    b, s, _, d = q.shape
-    _check_kv_valid(kv_valid, b, s, kv_block)
+    _, s, _, d = q.shape
     scale = d**-0.5 if sm_scale is None else sm_scale
     cfg = default_config(q_tile, kv_block, d, scale, masked=kv_valid is not None, interpret=interpret, tuning=tuning)
     check_smem(cfg, jnp.dtype(q.dtype).itemsize)
@@ -278,10 +239,9 @@ def sparse_attention_mgpu(
     interpret=False,
 ):
     """Block-sparse attention on the Mosaic GPU kernels (see the module). Returns o [B, S, H, D] in q's
-    dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of default_config's launch
-    fields ({"fwd_stages": 3, "dq_stages": 2, "dkdv_stages": 2, "fwd_step_rows": 128, "dq_step_rows": 128,
-    "producer_registers": 40, "dkdv_longest_first": False, "fwd_programs": 132, "dq_programs": 0,
-    "dkdv_programs": 0, "heads_fastest": True}). interpret=True simulates the kernels on a CPU (jax's GPU
+    dtype, or (o, lse [B, H, S] float32) with return_lse. tuning: overrides of the launch fields
+    (pallas_kernels.tuning.MGPU_DEFAULTS names them, e.g. {"fwd_stages": 2, "fwd_programs": 0}; their
+    meanings: mgpu_common.AttentionConfig). interpret=True simulates the kernels on a CPU (jax's GPU
     interpreter: slow, for tests; its products are plain dots)."""
     cfg, index, count, valid = _prepare(
         q,
@@ -337,3 +297,8 @@ def sparse_attention_mgpu_backward(
     dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     lse2 = lse.astype(jnp.float32) / LN2  # -inf stays -inf: the backward's own "no key" value
     return _grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg)
+
+
+# The dispatcher's interface (pallas_kernels.sparse_attention.Implementation).
+attention = sparse_attention_mgpu
+attention_backward = sparse_attention_mgpu_backward

@@ -28,14 +28,12 @@ from pallas_kernels.mgpu_common import (
     LOG2E,
     ROWS,
     AttentionConfig,
-    Group,
     KVWalk,
     Ops,
     compiler_params,
-    drain,
     import_plgpu,
     kernel_call,
-    produce,
+    producer,
     slice_limit,
     swizzled,
 )
@@ -144,24 +142,16 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            ops.set_registers(cfg.producer_registers, "decrease")
-            groups = lambda copier: [
-                Group(copier(k_ref, k_smem), k_ready, k_free),
-                Group(copier(v_ref, v_smem), v_ready, v_free),
-            ]
-
-            def stream(i, item, done):
-                hi, _, bi = item
-                tiles, slices, steps = walk.lists(count_ref, item, lists)
-
-                def copier(src_ref, dst_smem):
-                    block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
-                    return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
-
-                return tuple(produce(plgpu, groups(copier), steps, stages, done))
-
-            done = work.loop(stream, (0,) * lists)
-            drain(plgpu, groups(lambda *_: None), done, stages)
+            producer(
+                plgpu,
+                ops,
+                work,
+                lists=lists,
+                stages=stages,
+                registers=cfg.producer_registers,
+                rings=[(k_ready, k_free), (v_ready, v_free)],
+                streams=walk.streams(plgpu, index_ref, count_ref, [(k_ref, k_smem), (v_ref, v_smem)], lists, stages),
+            )
 
     def dsv_sparse_dq(*refs):  # the kernel's name in profiles
         if not masked:
@@ -311,9 +301,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            ops.set_registers(cfg.producer_registers, "decrease")
-
-            def groups(item, firsts):
+            def copies(item, firsts):  # group a: Q and lse2 of a step's 64 query rows; group b: dO and delta
                 hi, _, bi = item
 
                 def source(list_id, step):
@@ -331,17 +319,25 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                     plgpu.copy_gmem_to_smem(do_ref.at[bi, src, hi], do_ring.at[list_id * stages + slot], barrier)
                     plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot], barrier)
 
-                return [Group(copy_a, a_ready, a_free), Group(copy_b, b_ready, b_free)]
+                return [copy_a, copy_b]
 
-            def stream(i, item, done):
+            def streams(item):  # the query tiles that selected each list's row block
                 hi, _, bi = item
                 blocks = [block_of(item, j) for j in range(lists)]
                 firsts = [starts_ref[bi, hi, blk] for blk in blocks]
                 counts = [(starts_ref[bi, hi, blk + 1] - f) * per_tile for blk, f in zip(blocks, firsts)]
-                return tuple(produce(plgpu, groups(item, firsts), counts, stages, done))
+                return copies(item, firsts), counts
 
-            done = work.loop(stream, (0,) * lists)
-            drain(plgpu, [Group(None, a_ready, a_free), Group(None, b_ready, b_free)], done, stages)
+            producer(
+                plgpu,
+                ops,
+                work,
+                lists=lists,
+                stages=stages,
+                registers=cfg.producer_registers,
+                rings=[(a_ready, a_free), (b_ready, b_free)],
+                streams=streams,
+            )
 
     def dsv_sparse_dkdv(*refs):  # the kernel's name in profiles
         if not masked:

@@ -5,7 +5,7 @@ CTA (head, pair of 64-row query tiles, batch), three warpgroups:
     softmax in base 2 in registers, O += P V by wgmma with P from registers. A schedule barrier
     staggers the two (one's softmax runs while the other's products hold the tensor cores).
   producer: streams the 64-row K and V slices of the selected blocks, kv_index[tile, entry] for
-    kv_count[tile] blocks, into a ring of SMEM stages (mgpu_common.produce), cfg.fwd_step_rows // 64
+    kv_count[tile] blocks, into a ring of SMEM stages (mgpu_common.producer), cfg.fwd_step_rows // 64
     slices per stage: with 128-row steps S is [64, 128] and a step costs one rescale of O, one wait and
     two wgmma issues for twice the keys. An odd slice count ends in a half step whose second slice
     repeats the first (finite data) and is masked.
@@ -29,14 +29,12 @@ from pallas_kernels.mgpu_common import (
     LOG2E,
     ROWS,
     AttentionConfig,
-    Group,
     KVWalk,
     Ops,
     compiler_params,
-    drain,
     import_plgpu,
     kernel_call,
-    produce,
+    producer,
     schedule_round,
     slice_limit,
     swizzled,
@@ -158,24 +156,16 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            ops.set_registers(cfg.producer_registers, "decrease")
-            groups = lambda copier: [
-                Group(copier(k_ref, k_smem), k_ready, k_free),
-                Group(copier(v_ref, v_smem), v_ready, v_free),
-            ]
-
-            def stream(i, item, done):
-                hi, _, bi = item
-                tiles, slices, steps = walk.lists(count_ref, item, lists)
-
-                def copier(src_ref, dst_smem):
-                    block_of = lambda list_id, entry: index_ref[bi, hi, tiles[list_id], entry]
-                    return walk.copier(plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi)
-
-                return tuple(produce(plgpu, groups(copier), steps, stages, done))
-
-            done = work.loop(stream, (0,) * lists)
-            drain(plgpu, groups(lambda *_: None), done, stages)
+            producer(
+                plgpu,
+                ops,
+                work,
+                lists=lists,
+                stages=stages,
+                registers=cfg.producer_registers,
+                rings=[(k_ready, k_free), (v_ready, v_free)],
+                streams=walk.streams(plgpu, index_ref, count_ref, [(k_ref, k_smem), (v_ref, v_smem)], lists, stages),
+            )
 
     def dsv_sparse_fwd(*refs):  # the kernel's name in profiles
         if masked:

@@ -39,9 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention import name_residuals, row_term
+from pallas_kernels.sparse_attention_reference import name_residuals, row_term
 from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, sanitize_index
-from pallas_kernels.tuning import SparseAttentionTuning
+from pallas_kernels.tuning import SparseAttentionTuning, for_device
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -93,12 +93,14 @@ def padded_head_dim(d: int) -> int:
     return max(16, pl.next_power_of_2(d))
 
 
-def supported(q_tile: int, kv_block: int) -> str | None:
-    """None if the Pallas kernels handle this geometry, else the reason."""
+def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
+    """None if the Pallas kernels handle this geometry and these dtypes, else the reason."""
     if q_tile < 16 or q_tile & (q_tile - 1) or q_tile > 128:
         return f"q_tile={q_tile} must be a power of two in 16..128 for the Pallas kernels"
     if kv_block & (kv_block - 1):
         return f"kv_block={kv_block} must be a power of two for the Pallas kernels"
+    if not q.dtype == k.dtype == v.dtype:
+        return f"one dtype for q, k, v needed; got {q.dtype}, {k.dtype}, {v.dtype}"
     return None
 
 
@@ -435,11 +437,9 @@ def key_row_flags(kv_valid, kv_block: int):
 
 def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scale, tuning, interpret):
     """Checks, the launch config, the sanitized index and the key row flags of one call."""
-    reason = supported(q_tile, kv_block)
+    reason = supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
     if reason:
         raise ValueError(reason)
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"the Pallas kernels need one dtype for q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     launch = LaunchConfig(
         q_tile=q_tile,
         kv_block=kv_block,
@@ -510,3 +510,48 @@ def sparse_attention_pallas_backward(
     q, k, v, o, do = _pad_head(q, k, v, o, do.astype(q.dtype))
     grads = _grads(q, k, v, index, count, key_valid, o, kernel_lse(lse), do, dlse, launch)
     return tuple(g[..., :d] for g in grads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The dispatcher's interface (pallas_kernels.sparse_attention.Implementation): this GPU generation's tuning.
+
+
+def attention(
+    q, k, v, kv_index, kv_count, *, q_tile, kv_block, sm_scale, kv_valid=None, return_lse=False, interpret=False
+):
+    return sparse_attention_pallas(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=for_device()[0],
+        interpret=interpret,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+    )
+
+
+def attention_backward(
+    q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile, kv_block, sm_scale, kv_valid=None, interpret=False
+):
+    return sparse_attention_pallas_backward(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        o,
+        lse,
+        do,
+        dlse,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=for_device()[0],
+        interpret=interpret,
+        kv_valid=kv_valid,
+    )

@@ -1,8 +1,14 @@
-"""Block shapes and launch parameters of the DSV kernels, one small dataclass per kernel and GPU generation.
+"""Block shapes and launch parameters of every kernel, each path's defaults and their per-device choice.
 
-The block that a query tile or a KV block covers is fixed by the selection (q_tile, kv_block); what is
-tunable is how many KV rows one loop step handles, how many key rows a dK/dV program owns, and the
-Triton launch parameters. `for_device()` picks the entry of the current GPU generation.
+Sparse attention and selection on the Triton lowering: one small dataclass per kernel, one entry per GPU
+generation (`for_device()`). The block that a query tile or a KV block covers is fixed by the selection
+(q_tile, kv_block); what is tunable is how many KV rows one loop step handles, how many key rows a dK/dV
+program owns, and the Triton launch parameters.
+
+Sparse attention on Hopper (Pallas Mosaic GPU): the launch fields a caller may set (MGPU_TUNABLE) and
+their defaults on a device (`mgpu_defaults`).
+
+AdaLN (Triton lowering): `BlockSizes`, derived from the model width.
 """
 
 from __future__ import annotations
@@ -106,3 +112,107 @@ def generation(device=None) -> str:
 
 def for_device(device=None) -> tuple[SparseAttentionTuning, TopkTuning]:
     return {"hopper": _HOPPER, "ampere": _AMPERE}.get(generation(device), _DEFAULT)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sparse attention on Hopper (Pallas Mosaic GPU): the launch fields of mgpu_common.AttentionConfig that a
+# caller may set (sparse_attention_mgpu(..., tuning={key: value}); their meanings are documented there).
+
+MGPU_DEFAULTS = {
+    "fwd_stages": 3,  # the most; sparse_attention_mgpu.default_config lowers it to what SMEM holds
+    "dq_stages": 2,
+    "dkdv_stages": 2,
+    "fwd_step_rows": 64,
+    "dq_step_rows": 64,
+    "producer_registers": 40,
+    "dkdv_longest_first": True,
+    "fwd_programs": 0,
+    "dq_programs": 0,
+    "dkdv_programs": 0,
+    "heads_fastest": False,
+}
+MGPU_TUNABLE = frozenset(MGPU_DEFAULTS)
+H100_SMS = 132  # SXM H100 and H200
+
+
+def multiprocessors(device=None) -> int:
+    """SMs of `device` (default: the first): what jax reports as its core_count, else an H100/H200's 132."""
+    device = device or jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return count if isinstance(count, int) and count > 0 else H100_SMS
+
+
+def mgpu_defaults(q_tile: int, device=None) -> dict:
+    """The launch fields of one call on `device` (default: the first) before a tuning's overrides.
+
+    With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
+    measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json).
+    The forward is persistent, one CTA per SM: 2.5-4% faster than one CTA per work item at 32k and 64k
+    tokens, where the persistent dQ measured the same and the persistent dK/dV 6-15% slower (register
+    spills), so those two stay one CTA per item (experiments/results/bench_sparse_mgpu_persistent_fwd.json)."""
+    defaults = {**MGPU_DEFAULTS, "fwd_programs": multiprocessors(device)}
+    if q_tile == 128:
+        defaults.update(fwd_step_rows=128, dq_step_rows=128)
+    return defaults
+
+
+# ----------------------------------------------------------------------------------------------------
+# AdaLN (Triton lowering).
+
+
+def column_chunks(c: int, min_width: int = 1, max_chunks: int = 16, max_width: int = 2048) -> tuple[int, int]:
+    """(width, count): the AdaLN kernels' feature axis of c columns as `count` chunks of `width` (a power of
+    two, as Triton needs). Model widths split exactly (1152 = 9 x 128, 3072 = 3 x 1024, 5120 = 5 x 1024,
+    6144 = 3 x 2048), so no lane is wasted on padding; a width without a large power-of-two factor (or
+    whose chunks would be narrower than min_width) becomes one padded, masked chunk instead."""
+    width = min(c & -c, max_width)
+    if c // width > max_chunks or width < min_width:
+        width = 1 << (c - 1).bit_length()  # the next power of two
+    return width, -(-c // width)
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (int(v).bit_length() - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles and warps of the AdaLN kernels. The feature axis is never split: a row's statistics need
+    all of it, and the largest model width (6144 fp32 values a row) fits in one program's registers.
+
+    rows / warps:        forward, rows per program.
+    bwd_rows / bwd_warps: backward, rows per step of a program's walk down its sequence chunk.
+    bwd_programs:        backward, about how many programs share B x N (a few per SM of an H200, so
+                         all are resident at once and the partial sums stay small).
+    min_chunk:           column chunks narrower than this become one padded, masked chunk (wider
+                         vector loads, idle lanes) instead; see column_chunks.
+    All row counts are powers of two (Triton's tensors are).
+    """
+
+    rows: int
+    warps: int
+    bwd_rows: int
+    bwd_warps: int
+    bwd_programs: int = 528
+    min_chunk: int = 1
+
+    def __post_init__(self):
+        for name in ("rows", "warps", "bwd_rows", "bwd_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"BlockSizes.{name}={v} must be a power of two")
+        if self.bwd_programs < 1:
+            raise ValueError(f"BlockSizes.bwd_programs={self.bwd_programs} must be >= 1")
+
+    @classmethod
+    def default(cls, c: int, min_chunk: int = 1) -> BlockSizes:
+        """About 8k (forward) / 4k (backward) elements per tile, and warps so that each thread holds
+        8-32 values of each live tensor: enough bytes in flight without spilling registers (the gated
+        backward keeps three fp32 accumulators and about six tile-sized values live)."""
+        width, count = column_chunks(c, min_chunk)
+        width *= count  # the padded feature axis
+        rows = _pow2_floor(min(16, max(1, 8192 // width)))
+        bwd_rows = _pow2_floor(min(16, max(1, 4096 // width)))
+        warps = _pow2_floor(min(16, max(1, rows * width // 512)))
+        bwd_warps = _pow2_floor(min(16, max(1, bwd_rows * width // 256)))
+        return cls(rows=rows, warps=warps, bwd_rows=bwd_rows, bwd_warps=bwd_warps, min_chunk=min_chunk)

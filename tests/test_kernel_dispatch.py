@@ -90,3 +90,22 @@ def test_a_128_token_layout_tile_with_64_token_kv_blocks_reaches_the_hopper_kern
     geometry = sparse_geometry(AttentionPlan(mode="dsv", kv_block=64), token_layout((8, 16, 16), (2, 8, 8)), batch=1)
     assert (geometry.q_tile, geometry.kv_block, geometry.kv_valid) == (128, 64, None)
     assert sa.kernel_path(*qkv(s=2048, d=128), q_tile=128, kv_block=64, device=H200) == ("mgpu", [])
+
+
+def test_every_implementation_takes_the_dispatchers_calls():
+    """Each entry of sa.IMPLEMENTATIONS (a new kernel is one module and one entry) answers `supported` and
+    accepts the exact calls that sparse_attention and sparse_attention_backward make of it."""
+    import inspect
+
+    q, _, _ = qkv()
+    idx, cnt = jnp.zeros((1, 2, 4, 2), jnp.int32), jnp.ones((1, 2, 4), jnp.int32)
+    lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    common = dict(q_tile=64, kv_block=64, sm_scale=0.125, kv_valid=None, interpret=True)
+    assert [path.name for path in sa.IMPLEMENTATIONS] == ["mgpu", "triton"]  # fastest first
+    for path in sa.IMPLEMENTATIONS:
+        module = path.module()
+        assert module.supported(q, q, q, q_tile=64, kv_block=64) is None, path.name
+        assert "q_tile=8" in module.supported(q, q, q, q_tile=8, kv_block=64), path.name
+        inspect.signature(module.attention).bind(q, q, q, idx, cnt, return_lse=True, **common)
+        inspect.signature(module.attention_backward).bind(q, q, q, idx, cnt, q, lse, q, lse, **common)
+        assert path.missing(H200 if path.name == "mgpu" else A100) is None, path.name

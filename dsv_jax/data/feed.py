@@ -21,15 +21,16 @@ import logging
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.data.bucketing import batch_rule, equal_token_batch_size, warn_over_memory  # noqa: F401 (re-export)
+from dsv_jax.data.bucketing import (  # noqa: F401 (re-export)
+    batch_rule,
+    equal_token_batch_size,
+    tokens_per_sample,
+    warn_over_memory,
+)
 from dsv_jax.data.synthetic import render
 from dsv_jax.data.text import tokenize_batch
 
 log = logging.getLogger(__name__)
-
-
-def tokens_per_sample(shape: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
-    return int(np.prod([s // p for s, p in zip(shape, patch)]))
 
 
 def embedded_renderer(cfg: Config, split: str = "train"):

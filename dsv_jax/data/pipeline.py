@@ -27,9 +27,8 @@ import grain
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.data.bucketing import batch_rule, warn_over_memory
+from dsv_jax.data.bucketing import batch_rule, tokens_per_sample, warn_over_memory
 from dsv_jax.data.codec import latents_from_stored
-from dsv_jax.data.feed import tokens_per_sample
 from dsv_jax.data.manifest import Manifest
 from dsv_jax.data.records import unpack
 from dsv_jax.data.text import tokenize
