@@ -28,7 +28,7 @@ import numpy as np
 from dsv_jax.model.flops import ATTENTION_FWD_BWD, attention_flops
 from experiments import harness
 from experiments.harness import error_text
-from pallas_kernels.dense_reference import dense_masked_reference
+from pallas_kernels.sparse_attention_reference import dense_masked_reference
 
 HEADS, HEAD_DIM, Q_TILE, KV_BLOCK = 16, 128, 64, 64
 RANK = 16  # of the low-rank q, k the selection scores (DSV's predictor rank)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import sparse_attention_mgpu as mgpu
-from pallas_kernels.dense_reference import dense_masked_reference
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu, sparse_attention_mgpu_backward
+from pallas_kernels.sparse_attention_reference import dense_masked_reference
 from tests.test_sparse_attention_padded import split_selection
 
 
