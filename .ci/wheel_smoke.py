@@ -22,11 +22,7 @@ import tempfile
 PACKAGES = ("dsv_jax", "pallas_kernels")
 # module -> the top-level import it makes that the wheel lacks. Known and owned elsewhere: remove the
 # entry when the file no longer needs it.
-KNOWN_UNRESOLVED = {
-    # pallas_kernels/sparse_attention_mgpu.py imports the benchmark harness (experiments/harness.py)
-    # inside its self-check; it is being rewritten without that import.
-    "pallas_kernels.sparse_attention_mgpu": "experiments",
-}
+KNOWN_UNRESOLVED: dict[str, str] = {}  # module -> a top-level import the wheel may lack (none today)
 TINY = [
     "model.hidden=32",
     "model.heads=2",
