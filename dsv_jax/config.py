@@ -113,6 +113,12 @@ class TextConfig:
         _positive("text.max_len", self.max_len)
 
 
+# data.source values: the keys of `dsv_jax.data.feed.SOURCES` (a test keeps the two in sync), of which
+# PATH_SOURCES read a prepared dataset at data.path; "auto" resolves in `DataConfig.resolved_source`.
+DATA_SOURCES = ("synthetic", "photos", "arrayrecord")
+PATH_SOURCES = ("arrayrecord",)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # auto: a prepared dataset when data.path is set (`dsv-jax prepare-data`), else the embedded one
@@ -135,11 +141,19 @@ class DataConfig:
     codec: str = ""  # latent codec (data/codec.py); "" = the dataset's (or pixels for the embedded data)
     workers: int = 2  # Grain prefetch processes reading a data.path dataset (0: read in a thread)
 
+    @property
+    def resolved_source(self) -> str:
+        """data.source with "auto" resolved, the one place it is: arrayrecord where data.path is set, else
+        the embedded shapes (synthetic)."""
+        if self.source != "auto":
+            return self.source
+        return "arrayrecord" if self.path else "synthetic"
+
     def __post_init__(self):
-        _choice("data.source", self.source, ("auto", "synthetic", "photos", "arrayrecord"))
-        if self.source == "arrayrecord" and not self.path:
-            raise ConfigError("data.source=arrayrecord needs data.path=DIR (a prepare-data output folder)")
-        if self.source in ("synthetic", "photos") and self.path:
+        _choice("data.source", self.source, ("auto", *DATA_SOURCES))
+        if self.resolved_source in PATH_SOURCES and not self.path:
+            raise ConfigError(f"data.source={self.source} needs data.path=DIR (a prepare-data output folder)")
+        if self.resolved_source not in PATH_SOURCES and self.path:
             raise ConfigError(f"data.path={self.path!r} is set but data.source={self.source}; drop one of them")
         _choice("data.batching", self.batching, ("equal_tokens", "dual"))
         if not self.buckets:

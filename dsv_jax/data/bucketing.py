@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 BATCHING_MODES = ("equal_tokens", "dual")
 
 
+def tokens_per_sample(shape: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
+    """S of a bucket: the tokens of one sample of latent shape (T, H, W) in patches of `patch`."""
+    return math.prod(s // p for s, p in zip(shape, patch))
+
+
 def dual_constraint_batch_size(seq_len: int, m_mem: float, m_comp: float, p: float) -> int:
     """max(1, min(floor(m_mem / seq_len), floor(m_comp / seq_len**p)))."""
     if seq_len < 1:

@@ -27,9 +27,8 @@ import grain
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.data.bucketing import batch_rule, warn_over_memory
+from dsv_jax.data.bucketing import batch_rule, tokens_per_sample, warn_over_memory
 from dsv_jax.data.codec import latents_from_stored
-from dsv_jax.data.feed import tokens_per_sample
 from dsv_jax.data.manifest import Manifest
 from dsv_jax.data.records import unpack
 from dsv_jax.data.text import tokenize
@@ -194,7 +193,7 @@ def _mark_flags_parsed() -> None:
 
 
 class GrainFeed:
-    """The feed of a prepared dataset: the same interface as SyntheticFeed (see data/feed.py).
+    """The feed of a prepared dataset (a `data.feed.Feed`; data.source=arrayrecord).
 
     split="eval" reads the dataset's held-out split (prepare-data --eval-fraction) where it has one
     (`heldout` is then True); without one, the training records (fixed batches from the first records
