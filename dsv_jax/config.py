@@ -361,14 +361,16 @@ class DSVConfig:
             raise ConfigError(f"dsv.window={self.window} must be in (0, 1]")
 
 
-# The attention backends dsv_jax.attention registers (a test keeps the two in sync); a backend
-# registered by your own code is accepted too once its module is imported.
+# The attention backends dsv_jax.attention registers and the sparse plan modes dsv_jax.dsv.plan registers
+# (a test keeps them in sync); a backend or plan registered by your own code is accepted too once its
+# module is imported.
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "dsv", "window")
 
 
 def known_attention_backends() -> tuple[str, ...]:
-    registry = sys.modules.get("dsv_jax.attention.registry")  # never imported from here: config stays jax-free
-    extra = registry.available_backends() if registry is not None else ()
+    # never imported from here: config stays jax-free
+    registry, plans = sys.modules.get("dsv_jax.attention.registry"), sys.modules.get("dsv_jax.dsv.plan")
+    extra = [*(registry.available_backends() if registry else ()), *(plans.sparse_modes() if plans else ())]
     return ATTENTION_BACKENDS + tuple(sorted(set(extra) - set(ATTENTION_BACKENDS)))
 
 

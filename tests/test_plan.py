@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dsv_jax.attention.context import ContextBackend
+from dsv_jax.config import ConfigError
 from dsv_jax.dsv.plan import (
     PLANS,
     AttentionPlan,
@@ -139,13 +140,16 @@ def test_a_complete_variant_registers_and_is_costed_everywhere():
         register_plan(cls)
         plan = AttentionPlan(mode="test_variant", sparse=True)
         assert type(plan) is cls and "test_variant" in sparse_modes()
-        cfg = small_config("model.depth=2")
+        cfg = small_config("model.depth=2", "attention=test_variant", "dsv.dense_backend=xla")  # a valid choice now
+        assert static_plans(cfg) == cls(sparse=True, backend="xla")
         assert kept_fractions(cfg, (4, 16, 16), plan) == [0.5, 0.5]
         assert plan.placement_tag() == "test_variant"
         with pytest.raises(ValueError, match="already HalfPlan's"):
             register_plan(_variant(selection=_selection, kept_fraction=_kept, cp_workload=_cp))
     finally:
         unregister_plan("test_variant")
+    with pytest.raises(ConfigError, match="attention='test_variant' is not one of"):
+        small_config("attention=test_variant")
     with pytest.raises(ValueError, match="mode 'dense' is already DensePlan's; give Nameless its own"):
         register_plan(dataclasses.dataclass(frozen=True)(type("Nameless", (AttentionPlan,), {})))
     with pytest.raises(TypeError, match="frozen"):
