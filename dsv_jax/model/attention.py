@@ -77,7 +77,7 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
     Returns (selection or None, Geometry or None, aux). `selection` is what the attention should use
     (only when the plan attends sparsely); aux holds predictor loss and profile stats."""
     layout = ctx.layout
-    b, s, h, d = q.shape
+    b, d = q.shape[0], q.shape[-1]
     geometry = plan.geometry(layout, b)
     positions = layout.valid_positions[sample_positions(ctx.n_real, plan.query_stride, plan.max_queries)]
     z = true_logits(q, k, positions, layout.valid, d**-0.5) if plan.needs_logits else None
