@@ -114,6 +114,12 @@ class TextConfig:
         _positive("text.max_len", self.max_len)
 
 
+# data.source values: the keys of `dsv_jax.data.feed.SOURCES` (a test keeps the two in sync), of which
+# PATH_SOURCES read a prepared dataset at data.path; "auto" resolves in `DataConfig.resolved_source`.
+DATA_SOURCES = ("synthetic", "photos", "arrayrecord")
+PATH_SOURCES = ("arrayrecord",)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # auto: a prepared dataset when data.path is set (`dsv-jax prepare-data`), else the embedded one
@@ -136,11 +142,19 @@ class DataConfig:
     codec: str = ""  # latent codec (data/codec.py); "" = the dataset's (or pixels for the embedded data)
     workers: int = 2  # Grain prefetch processes reading a data.path dataset (0: read in a thread)
 
+    @property
+    def resolved_source(self) -> str:
+        """data.source with "auto" resolved, the one place it is: arrayrecord where data.path is set, else
+        the embedded shapes (synthetic)."""
+        if self.source != "auto":
+            return self.source
+        return "arrayrecord" if self.path else "synthetic"
+
     def __post_init__(self):
-        _choice("data.source", self.source, ("auto", "synthetic", "photos", "arrayrecord"))
-        if self.source == "arrayrecord" and not self.path:
-            raise ConfigError("data.source=arrayrecord needs data.path=DIR (a prepare-data output folder)")
-        if self.source in ("synthetic", "photos") and self.path:
+        _choice("data.source", self.source, ("auto", *DATA_SOURCES))
+        if self.resolved_source in PATH_SOURCES and not self.path:
+            raise ConfigError(f"data.source={self.source} needs data.path=DIR (a prepare-data output folder)")
+        if self.resolved_source not in PATH_SOURCES and self.path:
             raise ConfigError(f"data.path={self.path!r} is set but data.source={self.source}; drop one of them")
         _choice("data.batching", self.batching, ("equal_tokens", "dual"))
         if not self.buckets:
@@ -348,14 +362,16 @@ class DSVConfig:
             raise ConfigError(f"dsv.window={self.window} must be in (0, 1]")
 
 
-# The attention backends dsv_jax.attention registers (a test keeps the two in sync); a backend
-# registered by your own code is accepted too once its module is imported.
+# The attention backends dsv_jax.attention registers and the sparse plan modes dsv_jax.dsv.plan registers
+# (a test keeps them in sync); a backend or plan registered by your own code is accepted too once its
+# module is imported.
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "dsv", "window")
 
 
 def known_attention_backends() -> tuple[str, ...]:
-    registry = sys.modules.get("dsv_jax.attention.registry")  # never imported from here: config stays jax-free
-    extra = registry.available_backends() if registry is not None else ()
+    # never imported from here: config stays jax-free
+    registry, plans = sys.modules.get("dsv_jax.attention.registry"), sys.modules.get("dsv_jax.dsv.plan")
+    extra = [*(registry.available_backends() if registry else ()), *(plans.sparse_modes() if plans else ())]
     return ATTENTION_BACKENDS + tuple(sorted(set(extra) - set(ATTENTION_BACKENDS)))
 
 

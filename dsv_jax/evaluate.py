@@ -38,18 +38,19 @@ def semantic_eval(
     """{"score", "truth" (score_clips summaries), "captions", "frames" float32 [N, T, H, W, 3]} for
     `clips` videos generated from held-out captions of an embedded dataset at `shape` (default: the
     config's longest bucket). `shift`: of the sampler's time grid (default: the run's, dsv_jax.sample.sampler_shift)."""
-    from dsv_jax.data.feed import SyntheticFeed
+    from dsv_jax.data.feed import SOURCES, make_feed, source_of
     from dsv_jax.data.semantic import score_clips
     from dsv_jax.dsv.policy import make_policy
     from dsv_jax.sample import default_shape, generate
 
-    if cfg.data.path or cfg.data.source == "arrayrecord":
+    if not source_of(cfg).embedded:
+        embedded = " or ".join(name for name, s in SOURCES.items() if s.embedded)
         raise ValueError(
-            "the semantic score needs an embedded dataset (data.source=synthetic or photos); "
-            f"this run trained on data.path={cfg.data.path!r}"
+            f"the semantic score needs an embedded dataset (data.source={embedded}); "
+            f"this run trained on data.source={cfg.data.resolved_source} (data.path={cfg.data.path!r})"
         )
     shape = tuple(shape or default_shape(cfg))
-    feed = SyntheticFeed(cfg, split="eval")
+    feed = make_feed(cfg, split="eval")
     truth = [feed.render(feed.seed, (SEMANTIC_KEY, i), shape) for i in range(clips)]
     captions = [c for _, c in truth]
     policy = make_policy(cfg, controller)
@@ -90,7 +91,7 @@ def evaluate_state(
     shift: float | None = None,
 ) -> dict:
     """Held-out loss(es) and, for an embedded dataset with clips > 0, the semantic score (see the module)."""
-    from dsv_jax.data.feed import make_feed
+    from dsv_jax.data.feed import make_feed, source_of
     from dsv_jax.dsv.policy import make_policy
     from dsv_jax.parallel.mesh import data_parallel_size, make_mesh
     from dsv_jax.train.evaluation import held_out_loss
@@ -108,7 +109,7 @@ def evaluate_state(
         multiple = 1
     feed = make_feed(cfg, batch_multiple=multiple, process_index=0, process_count=1, split="eval")
     out = {"held_out": held_out_loss(cfg, graphdef, params, inference, feed, batches, cache=cache)}
-    if cfg.data.source == "photos":
+    if source_of(cfg).real_clips:
         from dsv_jax.data.real_clips import RealClips
 
         try:
@@ -120,7 +121,7 @@ def evaluate_state(
                 out["real_clips"] = held_out_loss(
                     cfg, graphdef, params, inference, real, batches, cache=cache, name="real_clip_loss"
                 )
-    if clips > 0 and not cfg.data.path and cfg.data.source != "arrayrecord":
+    if clips > 0 and source_of(cfg).embedded:
         out["semantic"] = semantic_eval(
             cfg, graphdef, params, controller, clips=clips, steps=steps, guidance=guidance, seed=seed, shift=shift
         )

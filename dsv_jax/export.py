@@ -67,12 +67,7 @@ def plan_summary(cfg, controller_state: dict | None) -> dict[str, list[str]]:
     for shape in cfg.data.buckets:
         plans = make_policy(cfg, controller_state).plans(tuple(shape), train=False)
         plans = list(plans) if isinstance(plans, (list, tuple)) else [plans] * cfg.model.depth
-        out["x".join(map(str, shape))] = [
-            (f"{p.mode} keep<={p.keep:g}" if p.mode == "dsv" else f"window {p.window:.3g}")
-            if isinstance(p, AttentionPlan) and p.sparse
-            else "dense"
-            for p in plans
-        ]
+        out["x".join(map(str, shape))] = [p.describe() if isinstance(p, AttentionPlan) else "dense" for p in plans]
     return out
 
 

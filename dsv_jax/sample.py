@@ -19,26 +19,20 @@ from flax import nnx
 
 from dsv_jax.config import Config
 from dsv_jax.data.codec import decode_latents, load_callable
+from dsv_jax.data.synthetic import PROMPTS
 from dsv_jax.data.text import tokenize_batch
 from dsv_jax.train.loss import resolution_shift, shift_timesteps
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROMPTS = (
-    "a large red circle moving right",
-    "a small yellow square moving down",
-    "a large white triangle moving left",
-    "a small cyan ring moving up",
-)
+DEFAULT_PROMPTS = PROMPTS  # the shapes' (data/synthetic.py)
 
 
 def default_prompts(cfg: Config) -> tuple[str, ...]:
-    """Prompts of the embedded dataset the config trains on (photos or shapes)."""
-    if cfg.data.source == "photos":
-        from dsv_jax.data.photos import PROMPTS
+    """Prompts of the data source the config trains on (photos or shapes)."""
+    from dsv_jax.data.feed import source_of
 
-        return PROMPTS
-    return DEFAULT_PROMPTS
+    return source_of(cfg).prompts
 
 
 def default_shape(cfg: Config) -> tuple[int, int, int]:

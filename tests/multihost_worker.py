@@ -43,6 +43,7 @@ class Recorder:
     def __init__(self, feed):
         self.feed, self.ids = feed, []
         self.shapes, self.batch_size, self.batch_at = feed.shapes, feed.batch_size, feed.batch_at
+        self.heldout = feed.heldout
 
     def __iter__(self):
         return self
@@ -57,6 +58,9 @@ class Recorder:
 
     def set_state(self, state):
         self.feed.set_state(state)
+
+    def close(self):
+        self.feed.close()
 
 
 def phase(stop_at):

@@ -87,8 +87,10 @@ def test_bad_value_names_the_key_and_expected_type(override, message):
 def test_attention_choices_match_the_registered_backends():
     from dsv_jax.attention import available_backends
     from dsv_jax.config import ATTENTION_BACKENDS, known_attention_backends
+    from dsv_jax.dsv.plan import sparse_modes
 
-    assert set(ATTENTION_BACKENDS) == {"auto", *available_backends()} == set(known_attention_backends())
+    assert set(ATTENTION_BACKENDS) == {"auto", *available_backends(), *sparse_modes()}
+    assert set(ATTENTION_BACKENDS) == set(known_attention_backends())
 
 
 @pytest.mark.parametrize(

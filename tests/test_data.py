@@ -87,3 +87,65 @@ def test_bucket_not_divisible_by_patch():
 
     with pytest.raises(ValueError, match=r"data.buckets entry \(1, 15, 16\)"):
         SyntheticFeed(small_config("data.buckets=[[1,15,16]]", "data.bucket_weights=[1]"))
+
+
+def test_sources_route_each_data_source_and_name_the_valid_ones(small_cfg, monkeypatch, tmp_path):
+    import dataclasses
+
+    from dsv_jax import config
+    from dsv_jax.data import feed as feeds
+    from dsv_jax.data import photos
+
+    assert tuple(feeds.SOURCES) == config.DATA_SOURCES  # the config's choices are the routed sources
+    cfg = small_cfg()
+    assert cfg.data.source == "auto" and cfg.data.resolved_source == "synthetic"
+    assert small_cfg(f"data.path={tmp_path}").data.resolved_source == "arrayrecord"
+    assert feeds.source_of(cfg) is feeds.SOURCES["synthetic"]
+    assert isinstance(feeds.make_feed(cfg), SyntheticFeed) and feeds.make_feed(cfg).render is render
+    # photos: a SyntheticFeed drawing the photos (without them on disk: a stand-in renderer)
+    monkeypatch.setattr(photos, "renderer", lambda cfg, split: ("photos", split))
+    feed = feeds.make_feed(small_cfg("data.source=photos"), split="eval")
+    assert isinstance(feed, SyntheticFeed) and feed.render == ("photos", "eval") and feed.heldout
+    assert feeds.source_of(small_cfg("data.source=photos")).real_clips
+    # arrayrecord: the Grain feed, opened with the caller's arguments
+    opened = {}
+    grain = lambda cfg, **kw: opened.update(kw) or SyntheticFeed(small_cfg())
+    monkeypatch.setitem(feeds.SOURCES, "arrayrecord", dataclasses.replace(feeds.SOURCES["arrayrecord"], open=grain))
+    feeds.make_feed(small_cfg(f"data.path={tmp_path}"), batch_multiple=4, process_index=1, process_count=2)
+    assert opened == {"batch_multiple": 4, "process_index": 1, "process_count": 2, "split": "train"}
+    assert [s.embedded for s in feeds.SOURCES.values()] == [True, True, False]
+    valid = "the sources are synthetic, photos, arrayrecord"
+    with pytest.raises(ValueError, match=f"unknown data source 'webdataset'; {valid}"):
+        feeds.source_named("webdataset")
+    with pytest.raises(config.ConfigError, match=r"data.source='webdataset' is not one of \['auto', 'synthetic'"):
+        small_cfg("data.source=webdataset")
+    with pytest.raises(config.ConfigError, match="data.source=arrayrecord needs data.path"):
+        small_cfg("data.source=arrayrecord")
+    with pytest.raises(config.ConfigError, match="is set but data.source=photos"):
+        small_cfg("data.source=photos", f"data.path={tmp_path}")
+    # a SyntheticFeed built directly for another source says how to open it instead of drawing shapes
+    with pytest.raises(ValueError, match="data.source=photos opens with dsv_jax.data.feed.make_feed"):
+        SyntheticFeed(small_cfg("data.source=photos"))
+
+
+def test_the_feed_interface_is_declared_and_checked(small_cfg, monkeypatch):
+    import dataclasses
+
+    from dsv_jax.data import feed as feeds
+
+    feed = SyntheticFeed(small_cfg())
+    assert isinstance(feed, feeds.Feed)
+    assert set(feeds.FEED_MEMBERS) >= {"shapes", "heldout", "get_state", "set_state", "close", "__next__"}
+    feed.close()  # nothing in the background: a no-op, as the trainer calls it on every feed
+
+    class Endless:  # an iterator that forgot the rest of the interface
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return {}
+
+    bad = dataclasses.replace(feeds.SOURCES["synthetic"], open=lambda cfg, **kw: Endless())
+    monkeypatch.setitem(feeds.SOURCES, "synthetic", bad)
+    with pytest.raises(TypeError, match="opened a Endless without shapes, heldout, batch_size, batch_at, get_state"):
+        feeds.make_feed(small_cfg())

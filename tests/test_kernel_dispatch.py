@@ -84,10 +84,9 @@ def test_a_128_token_layout_tile_with_64_token_kv_blocks_reaches_the_hopper_kern
     """docs/guide/kernels.md: `model.tile` of 128 tokens with dsv.kv_block=64 gives 128-row query tiles over 64-token KV
     blocks (the faster Mosaic GPU geometry, docs/kernels/mgpu_notes.md), which Hopper runs."""
     from dsv_jax.dsv.plan import AttentionPlan
-    from dsv_jax.model.attention import sparse_geometry
     from dsv_jax.model.tokens import token_layout
 
-    geometry = sparse_geometry(AttentionPlan(mode="dsv", kv_block=64), token_layout((8, 16, 16), (2, 8, 8)), batch=1)
+    geometry = AttentionPlan(mode="dsv", kv_block=64).geometry(token_layout((8, 16, 16), (2, 8, 8)), batch=1)
     assert (geometry.q_tile, geometry.kv_block, geometry.kv_valid) == (128, 64, None)
     assert sa.kernel_path(*qkv(s=2048, d=128), q_tile=128, kv_block=64, device=H200) == ("mgpu", [])
 

@@ -192,7 +192,8 @@ def test_capture_returns_the_q_k_and_projections_the_block_attends_and_profiles_
 
     model = dsv_model("dit", patch=(1, 4, 4), tile=(2, 2, 2))
     x, t, text, mask = model_inputs((4, 16, 24))
-    plan = AttentionPlan(mode=mode, keep=0.5, profile=mode == "dsv", analysis=mode == "dsv", capture=True)
+    options = {"keep": 0.5, "profile": True, "analysis": True} if mode == "dsv" else {}
+    plan = AttentionPlan(mode=mode, capture=True, **options)
     out, aux = model(x, t, text, mask, attention=plan, return_aux=True)
     np.testing.assert_allclose(out, model(x, t, text, mask, attention="xla"), atol=3e-5)
     s = 4 * 4 * 6

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsv_jax.data import photos, semantic, synthetic
-from dsv_jax.data.feed import SyntheticFeed
+from dsv_jax.data.feed import make_feed
 from dsv_jax.data.text import WORDS, tokenize
 
 
@@ -75,11 +75,11 @@ def test_the_first_object_is_in_front():
 
 def test_feed_serves_the_buckets_and_eval_split(small_cfg):
     cfg = small_cfg("data.source=photos", "data.buckets=[[1,16,16],[4,16,24]]", "text.max_len=20")
-    feed = SyntheticFeed(cfg)
+    feed = make_feed(cfg)
     shapes = {next(feed)["latents"].shape[1:4] for _ in range(12)}
     assert shapes == {(1, 16, 16), (4, 16, 24)}
-    batch = SyntheticFeed(cfg, split="eval").batch_at(0, (4, 16, 24))
-    again = SyntheticFeed(cfg, split="eval").batch_at(0, (4, 16, 24))
+    batch = make_feed(cfg, split="eval").batch_at(0, (4, 16, 24))
+    again = make_feed(cfg, split="eval").batch_at(0, (4, 16, 24))
     np.testing.assert_array_equal(batch["latents"], again["latents"])
     assert batch["text_ids"].shape == (batch["latents"].shape[0], 20)
 
@@ -101,7 +101,7 @@ def test_missing_scikit_image_is_a_clear_error(monkeypatch, small_cfg):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "skimage" else real(name, *a))
     with pytest.raises(ImportError, match=r"pip install 'dsv-jax\[photos\]'"):
-        SyntheticFeed(small_cfg("data.source=photos"))
+        make_feed(small_cfg("data.source=photos"))
 
 
 def test_real_clips_are_a_held_out_feed(small_cfg):

@@ -7,7 +7,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dsv_jax.data.feed import make_feed, resolve_data_config
+from dsv_jax.data.feed import Feed, make_feed, resolve_data_config
 from dsv_jax.data.manifest import Manifest
 from dsv_jax.data.pipeline import GrainFeed
 from dsv_jax.data.records import unpack
@@ -37,6 +37,12 @@ def test_config_takes_buckets_and_codec_from_the_manifest(dataset):
     m = Manifest.load(dataset)
     assert cfg.data.buckets == ((1, 16, 16), (4, 16, 16)) and cfg.data.codec == "pixel:1x2x2"
     assert cfg.data.bucket_weights == tuple(float(b["count"]) for b in m.buckets) and m.records == 28
+
+
+def test_a_prepared_dataset_opens_as_a_grain_feed(dataset):
+    feed = make_feed(data_cfg(dataset), split="eval")
+    assert isinstance(feed, GrainFeed) and isinstance(feed, Feed) and not feed.heldout  # no held-out split
+    feed.close()
 
 
 @pytest.mark.parametrize("mode", [[], DUAL])

@@ -25,7 +25,7 @@ BATCHING_MODES = ("equal_tokens", "dual")
 
 
 def tokens_per_sample(shape: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
-    """Tokens of a latent of `shape` (T, H, W) cut into patches of `patch`."""
+    """S of a bucket: the tokens of one sample of latent shape (T, H, W) in patches of `patch`."""
     return math.prod(s // p for s, p in zip(shape, patch))
 
 

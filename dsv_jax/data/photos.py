@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 DIRECTIONS = {"left": (0.0, -1.0), "right": (0.0, 1.0), "up": (-1.0, 0.0), "down": (1.0, 0.0)}
 CAMERA = ("pans left", "pans right", "pans up", "pans down", "zooms in", "zooms out", "is still")
@@ -381,3 +384,19 @@ def render(
     """The clip for (seed, key) at latent shape (T, H, W): (frames float32 [T, H, W, 3] in [-1, 1], caption)."""
     clip = plan(seed, key, tuple(shape), split)
     return draw(clip, tuple(shape)), caption_of(clip)
+
+
+def renderer(cfg, split: str = "train"):
+    """render(seed, key, shape) -> (frames, caption) of a run's feed (`data.feed.SOURCES["photos"]`): its
+    held-out captions only for split="eval". Fails now, not in the prefetch thread, when the photos are
+    missing."""
+    data_dir()
+    if cfg.text.encoder == "builtin" and cfg.text.max_len < MAX_CAPTION_WORDS + 1:
+        log.warning(
+            "data.source=photos: captions have up to %d words and text.max_len=%d tokens cuts the longest "
+            "(set text.max_len=%d)",
+            MAX_CAPTION_WORDS,
+            cfg.text.max_len,
+            MAX_CAPTION_WORDS + 1,
+        )
+    return functools.partial(render, split=split)

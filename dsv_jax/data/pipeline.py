@@ -193,7 +193,7 @@ def _mark_flags_parsed() -> None:
 
 
 class GrainFeed:
-    """The feed of a prepared dataset: the same interface as SyntheticFeed (see data/feed.py).
+    """The feed of a prepared dataset (a `data.feed.Feed`; data.source=arrayrecord).
 
     split="eval" reads the dataset's held-out split (prepare-data --eval-fraction) where it has one
     (`heldout` is then True); without one, the training records (fixed batches from the first records

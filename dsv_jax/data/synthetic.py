@@ -4,11 +4,21 @@ Nothing is downloaded. Sample (seed, key) is a pure function of its arguments: t
 and after every restart. Each clip shows one coloured shape on a dark background moving in a
 direction (or still, for images, T = 1); its caption names the size, colour, shape and motion, e.g.
 "a small red circle moving left". Frames are RGB in [-1, 1], the latent space of the pixel codec.
+
+`SyntheticFeed` streams an embedded dataset (these shapes, or another renderer such as the photos of
+`data/photos.py`) as bucketed batches; `dsv_jax.data.feed.SOURCES` opens it for data.source=synthetic
+and photos.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+
+from dsv_jax.config import Config
+from dsv_jax.data.bucketing import batch_rule, tokens_per_sample, warn_over_memory
+from dsv_jax.data.text import tokenize_batch
 
 COLOURS = {
     "red": (230, 40, 40),
@@ -22,6 +32,13 @@ COLOURS = {
 }
 SHAPES = ("circle", "square", "triangle", "ring", "cross", "diamond")
 DIRECTIONS = {"left": (0.0, -1.0), "right": (0.0, 1.0), "up": (-1.0, 0.0), "down": (1.0, 0.0)}
+# What `dsv-jax sample` draws without --prompt for a model trained on the shapes.
+PROMPTS = (
+    "a large red circle moving right",
+    "a small yellow square moving down",
+    "a large white triangle moving left",
+    "a small cyan ring moving up",
+)
 
 
 def shape_mask(shape: str, dy: np.ndarray, dx: np.ndarray, r: float) -> np.ndarray:
@@ -73,3 +90,80 @@ def render(seed: int, key: tuple[int, ...], shape: tuple[int, int, int]) -> tupl
     size = "large" if large else "small"
     caption = f"a {size} {colour} {kind}" + (f" moving {direction}" if direction else "")
     return (frames * 2.0 - 1.0).astype(np.float32), caption
+
+
+class SyntheticFeed:
+    """An embedded dataset as an infinite, deterministic stream of bucketed batches (a `data.feed.Feed`).
+
+    Step s draws its bucket from (seed, s) and renders sample j of that step from (seed, s, j) with
+    `renderer(seed, key, shape) -> (frames, caption)` (default: the shapes' `render`): the position in the
+    stream is the whole state, and every host computes the same bucket schedule. The eval split renders
+    samples of another seed, never trained on.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        batch_multiple: int = 1,
+        process_index: int = 0,
+        process_count: int = 1,
+        split: str = "train",
+        renderer: Callable | None = None,
+    ):
+        if renderer is None and cfg.data.resolved_source != "synthetic":
+            raise ValueError(
+                f"SyntheticFeed draws the shapes unless given renderer=; data.source={cfg.data.source} opens "
+                "with dsv_jax.data.feed.make_feed(cfg)"
+            )
+        self.cfg = cfg
+        self.shapes = [tuple(s) for s in cfg.data.buckets]
+        weights = np.asarray(cfg.data.bucket_weights, np.float64)
+        self.probs = weights / weights.sum()
+        self.seed = cfg.data.seed + (0 if split == "train" else 1_000_003)
+        self.heldout = split == "eval"
+        self.batch_multiple = max(batch_multiple, process_count)
+        self.process_index, self.process_count = process_index, process_count
+        self.position = 0
+        for shape in self.shapes:
+            if any(s % p for s, p in zip(shape, cfg.model.patch)):
+                raise ValueError(f"data.buckets entry {shape} is not divisible by model.patch {cfg.model.patch}")
+        self.rule = batch_rule(cfg.data, self.batch_multiple)
+        self.render = render if renderer is None else renderer
+        if split == "train":
+            seq = {"x".join(map(str, s)): tokens_per_sample(s, cfg.model.patch) for s in self.shapes}
+            warn_over_memory(self.rule, seq)
+
+    def batch_size(self, shape) -> int:
+        return self.rule(tokens_per_sample(shape, self.cfg.model.patch))
+
+    def bucket_at(self, position: int) -> tuple[int, int, int]:
+        rng = np.random.default_rng([self.seed, position, 0x5EED])
+        return self.shapes[int(rng.choice(len(self.shapes), p=self.probs))]
+
+    def batch_at(self, position: int, shape=None) -> dict[str, np.ndarray]:
+        shape = shape or self.bucket_at(position)
+        b = self.batch_size(shape)
+        per_host = b // self.process_count
+        rows = range(self.process_index * per_host, (self.process_index + 1) * per_host)
+        clips = [self.render(self.seed, (position, j), shape) for j in rows]
+        latents = np.stack([c[0] for c in clips])
+        ids, mask = tokenize_batch([c[1] for c in clips], self.cfg.text.max_len, self.cfg.text.hash_buckets)
+        return {"latents": latents, "text_ids": ids, "text_mask": mask}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def close(self) -> None:
+        pass  # nothing runs in the background

@@ -1,6 +1,8 @@
 """DSV dynamic sparse attention: low-rank predictor, sparsity profiler, selection, two-stage controller.
 
-    plan.py        AttentionPlan: the static per-block attention decision (hashable, backend-agnostic)
+    plan.py        AttentionPlan: the static per-block attention decision (hashable, backend-agnostic),
+                   one class per mode (dense, DSV) registered by name, answering its geometry and costs
+    window.py      WindowPlan: the window baseline's plan (a sparse variant in one file)
     predictor.py   LowRankPredictor and its loss
     selection.py   top-k KV blocks per query tile (with per-head counts), window baseline index lists
     profiler.py    sparsity / recall statistics from exact attention rows of sampled queries
@@ -12,3 +14,4 @@ The block glue that runs a plan inside a transformer block is the model's (`dsv_
 """
 
 from dsv_jax.dsv import backend as _backend  # noqa: F401  (registers the "dsv" and "window" backends)
+from dsv_jax.dsv import window as _window  # noqa: F401  (registers the "window" plan)

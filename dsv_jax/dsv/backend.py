@@ -21,6 +21,7 @@ import numpy as np
 
 from dsv_jax.attention.registry import attention, register_backend
 from dsv_jax.dsv.selection import select_kv, window_selection
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 from pallas_kernels.sparse_attention import sparse_attention
 
 # -- registered backends ----------------------------------------------------------------------------
@@ -40,8 +41,8 @@ def dsv_attention(
     k_lr=None,
     top_k=None,
     keep=None,
-    q_tile=64,
-    kv_block=64,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
     block_reduce="mean",
     kv_valid=None,
     dense_backend="auto",

@@ -1,12 +1,13 @@
 """Video attention inside a transformer block: runs the block's attention plan.
 
-A plan is a dense backend name, or a `dsv_jax.dsv.plan.AttentionPlan` (DSV or the window baseline)
-whose `backend` is a dense backend name or a context-parallel backend (`dsv_jax.parallel`). For a
-DSV plan one call does, on the block's video tokens:
+A plan is a dense backend name, or a `dsv_jax.dsv.plan.AttentionPlan` (DSV, the window baseline, any
+registered variant) whose `backend` is a dense backend name or a `ContextBackend` (context parallelism,
+`dsv_jax.parallel`). This glue never asks which mode a plan is: one call does, on the block's video tokens,
 
-    predictor:  q_lr, k_lr = predictor(stop_gradient(x))           (when the plan trains or selects)
-    loss:       predictor loss of sampled query rows vs the true logits (training)
-    selection:  top-k KV blocks per query tile (DSV) or the static window lists
+    geometry:   plan.geometry(layout)                     query tiles, KV blocks (None: dense on this shape)
+    selection:  plan.selection(...)                       DSV: predictor(stop_gradient(x)), its loss on
+                                                          sampled query rows, top-k KV blocks per query
+                                                          tile; window: the static lists
     profile:    sparsity / recall statistics of the sampled rows (profile steps)
     capture:    the block's q, k (and q_lr, k_lr) themselves, for an analysis outside the model
     attention:  sparse through the selection, or dense
@@ -20,23 +21,16 @@ sparse video part with the dense text part by log-sum-exp; text queries attend d
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsv_jax.attention import attention, merge_attention
-from dsv_jax.attention.rope import rotary
-from dsv_jax.dsv import backend as sparse_backends
+from dsv_jax.attention.context import ContextBackend
 from dsv_jax.dsv.plan import AttentionPlan
-from dsv_jax.dsv.predictor import predictor_loss, sample_positions, true_logits
+from dsv_jax.dsv.predictor import sample_positions, true_logits
 from dsv_jax.dsv.profiler import profile_rows
-from dsv_jax.dsv.selection import select_kv
 from pallas_kernels.sparse_attention import RESIDUAL_NAME
-
-log = logging.getLogger("dsv_jax")
 
 CONTEXT_STATS = ("requested_blocks", "overflow_blocks", "fallback")
 
@@ -78,96 +72,25 @@ def remat_policy(keep_attention: bool = False):
     return jax.checkpoint_policies.save_from_both_policies(named, _cudnn_forward_saveable)
 
 
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """How a sparse plan cuts this layout: query tiles, KV blocks, and the valid keys of each block."""
-
-    q_tile: int
-    kv_block: int
-    kv_valid: jax.Array | None  # int32 [B, S // kv_block] on padded layouts, else None
-
-    def sparse_options(self) -> dict:
-        opts = {"q_tile": self.q_tile, "kv_block": self.kv_block}
-        return opts if self.kv_valid is None else {**opts, "kv_valid": self.kv_valid}
-
-
-def sparse_geometry(plan: AttentionPlan, layout, batch: int) -> Geometry | None:
-    """The sparse geometry of a plan on this layout, or None where it must run dense."""
-    if layout is None:
-        return None
-    kv_block = layout.tile_size if plan.mode == "window" or not plan.kv_block else plan.kv_block
-    if layout.tile_size % kv_block:
-        log.warning(
-            "DSV: KV block %d does not divide the %d-token tile; dense attention for this shape",
-            kv_block,
-            layout.tile_size,
-        )
-        return None
-    kv_valid = None
-    if layout.padded:
-        counts = layout.kv_valid(kv_block)
-        kv_valid = jnp.broadcast_to(jnp.asarray(counts), (batch, counts.shape[0]))
-    return Geometry(layout.tile_size, kv_block, kv_valid)
-
-
-def _lowrank(predictor, x, layout):
-    """The predictor's q_lr, k_lr [B, S, H, r] of the block input x (detached here)."""
-    rope = rotary(layout.coords, predictor.rank, predictor.rope_theta) if predictor.rope else None
-    return predictor(jax.lax.stop_gradient(x), rope)
-
-
 def plan_selection(q, k, x, ctx, plan, predictor, inputs):
-    """Predictor, selection and profiling of one block's video tokens.
+    """The plan's selection (and predictor loss) and the profile statistics of one block's video tokens.
 
     Returns (selection or None, Geometry or None, aux). `selection` is what the attention should use
     (only when the plan attends sparsely); aux holds predictor loss and profile stats."""
     layout = ctx.layout
-    b, s, h, d = q.shape
-    aux = {}
-    geometry = sparse_geometry(plan, layout, b)
+    b, d = q.shape[0], q.shape[-1]
+    geometry = plan.geometry(layout, b)
     positions = layout.valid_positions[sample_positions(ctx.n_real, plan.query_stride, plan.max_queries)]
-    if plan.mode == "dsv" and predictor is None and (plan.predictor or plan.selects):
-        raise ValueError(
-            "a DSV plan that selects or trains needs the block's predictor: build the model with "
-            "attention=dsv (Config.predictor_rank > 0)"
-        )
-    need_lr = plan.mode == "dsv" and (plan.predictor or plan.capture or (plan.selects and geometry is not None))
-    z = true_logits(q, k, positions, layout.valid, d**-0.5) if (plan.predictor or plan.profile) else None
-    q_lr = k_lr = None
-    if need_lr:
-        q_lr, k_lr = _lowrank(predictor, x, layout)
+    z = true_logits(q, k, positions, layout.valid, d**-0.5) if plan.needs_logits else None
+    chosen = plan.selection(q, x, layout, geometry, predictor=predictor, inputs=inputs, logits=z, positions=positions)
+    aux = dict(chosen.aux)
     if plan.capture:
         aux.update({"capture/q": q, "capture/k": k})
-        if q_lr is not None:
-            aux.update({"capture/q_lr": q_lr, "capture/k_lr": k_lr})
-    if plan.mode == "dsv" and plan.predictor:
-        aux["predictor_loss"] = predictor_loss(q_lr, k_lr, z, positions, layout.valid, center=plan.center_logits)
-    selection = None
-    if geometry is not None:
-        if plan.mode == "window":
-            selection = sparse_backends.window_kv(
-                b, h, layout.grid, layout.tile, plan.window, n_tiles=s // geometry.q_tile
-            )
-        elif plan.selects and q_lr is not None:
-            keep = None if inputs is None else inputs.get("keep")
-            # under context parallelism the selection runs where the query tiles live
-            select = getattr(plan.backend, "select_kv", select_kv)
-            selection = select(
-                q_lr,
-                k_lr,
-                plan.top_k(s // geometry.kv_block),
-                keep,
-                q_tile=geometry.q_tile,
-                kv_block=geometry.kv_block,
-                block_reduce=plan.block_reduce,
-                kv_valid=geometry.kv_valid,
-            )
     if plan.profile:
         if geometry:
             q_tile, kv_block, kv_valid = geometry.q_tile, geometry.kv_block, geometry.kv_valid
         else:
             q_tile, kv_block, kv_valid = 1, 1, None
-        lowrank = (q_lr, k_lr) if plan.mode == "dsv" and geometry is not None and q_lr is not None else None
         aux.update(
             profile_rows(
                 z,
@@ -176,24 +99,24 @@ def plan_selection(q, k, x, ctx, plan, predictor, inputs):
                 theta=plan.theta,
                 percentile=plan.percentile,
                 coords=layout.coords,
-                selection=selection,
+                selection=chosen.kv,
                 q_tile=q_tile,
                 kv_block=kv_block,
-                lowrank=lowrank,
-                block_reduce=plan.block_reduce,
+                lowrank=chosen.lowrank,
+                block_reduce=chosen.block_reduce,
                 analysis=plan.analysis,
                 exact=(q, k) if geometry is not None else None,
                 kv_valid=kv_valid,
             )
         )
-    attend = selection if (selection is not None and plan.sparse) else None
+    attend = chosen.kv if (chosen.kv is not None and plan.sparse) else None
     if attend is not None:
         attend = tuple(checkpoint_name(a, SELECTION_NAME) for a in attend)
     return attend, geometry, aux
 
 
 def _is_dense(plan) -> bool:
-    return not isinstance(plan, AttentionPlan) or plan.mode == "dense" and not (plan.profile or plan.capture)
+    return not isinstance(plan, AttentionPlan) or plan.plain_dense
 
 
 def _backend(plan):
@@ -204,7 +127,7 @@ def context_backend(plan):
     """The context-parallel backend a plan runs on (`dsv_jax.parallel.ContextAttention`: it keeps
     activations sharded over the sequence and attends to text per device), or None."""
     backend = _backend(plan)
-    return backend if hasattr(backend, "constrain") else None
+    return backend if isinstance(backend, ContextBackend) else None
 
 
 def _attend(q, k, v, plan, aux, **kw):

@@ -41,9 +41,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.dsv.plan import AttentionPlan
+from dsv_jax.dsv.plan import AttentionPlan, DSVPlan
 from dsv_jax.dsv.predictor import sample_positions
-from dsv_jax.dsv.selection import window_selection
 from dsv_jax.model.tokens import grid_shape, token_layout
 
 # Dense bf16 tensor-core peak (FLOP/s) by a substring of jax's device_kind, first match wins.
@@ -134,9 +133,10 @@ def forward_flops(
             out["predictor"] = projections + depth * 2 * b * h * q * s * (d + r)
         # the selection's block scores (counted by train_step_flops where a block attends sparsely), and the
         # projections on a step that does not train the predictor (they then serve the selection alone)
-        kv_block = cfg.dsv.kv_block or layout.tile_size
+        plan = DSVPlan(kv_block=cfg.dsv.kv_block)
+        kv_block = plan.kv_block_for(layout)
         if not layout.padded and layout.seq_len % kv_block == 0:
-            out["selection"] = depth * 2 * b * h * (s // layout.tile_size) * (s // kv_block) * r
+            out["selection"] = depth * 2 * b * h * (s // plan.q_tile_for(layout)) * (s // kv_block) * r
             if not predictor:
                 out["selection"] += projections
     return out
@@ -185,29 +185,10 @@ def kept_fractions(cfg: Config, shape: Sequence[int], plans: Any, inputs: dict |
     plans = list(plans) if isinstance(plans, (list, tuple)) else [plans] * depth
     layout = layout_of(cfg, shape)
     keep = None if inputs is None or "keep" not in inputs else np.asarray(inputs["keep"], np.float64)
-    out = []
-    for i, plan in enumerate(plans):
-        sparse = isinstance(plan, AttentionPlan) and plan.sparse and plan.mode in ("dsv", "window")
-        kv_block = (
-            layout.tile_size
-            if not isinstance(plan, AttentionPlan) or plan.mode == "window" or not plan.kv_block
-            else plan.kv_block
-        )
-        if not sparse or layout.tile_size % kv_block:
-            out.append(1.0)  # dense, or a shape the sparse path runs densely
-            continue
-        n_blocks = layout.seq_len // kv_block
-        if plan.mode == "window":
-            tiles = tuple(-(-g // t) for g, t in zip(layout.grid, layout.tile))
-            out.append(window_selection(tiles, plan.window).shape[1] / n_blocks)
-            continue
-        top_k = plan.top_k(n_blocks)
-        if keep is None:
-            out.append(top_k / n_blocks)
-            continue
-        counts = np.clip(np.ceil(keep[i] * n_blocks - 1e-4), 1, top_k)  # as selection.head_counts
-        out.append(float(np.mean(counts)) / n_blocks)
-    return out
+    return [
+        plan.kept_fraction(layout, None if keep is None else keep[i]) if isinstance(plan, AttentionPlan) else 1.0
+        for i, plan in enumerate(plans)
+    ]
 
 
 def mfu_metrics(dense_equiv: float, work: float, seconds: float, devices: int, peak: float | None) -> dict[str, float]:

@@ -20,6 +20,8 @@ from collections import defaultdict
 import jax
 import numpy as np
 
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
+
 INT_BYTES = 4
 
 
@@ -35,8 +37,8 @@ def context_bytes(
     itemsize: int,
     sparse: bool = False,
     top_k: int = 0,
-    q_tile: int = 64,
-    kv_block: int = 64,
+    q_tile: int = Q_TILE,
+    kv_block: int = KV_BLOCK,
     capacity: int = 0,
     mesh_devices: int | None = None,
     hcp_slots: int | None = None,

@@ -35,8 +35,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dsv_jax.attention.context import ContextBackend
 from dsv_jax.parallel import hcp, local, scp
 from dsv_jax.parallel.groups import context_groups
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 
 log = logging.getLogger("dsv_jax")
 
@@ -133,8 +135,8 @@ def context_attention(
     sm_scale: float | None = None,
     kv_index=None,
     kv_count=None,
-    q_tile: int = 64,
-    kv_block: int = 64,
+    q_tile: int = Q_TILE,
+    kv_block: int = KV_BLOCK,
     head_perm: Any = "auto",
     hcp_slots: int | None = None,
     degrees: tuple[int, int] | None = None,
@@ -292,8 +294,8 @@ def select_kv_blocks(
     top_k,
     *,
     mesh: Mesh,
-    q_tile: int = 64,
-    kv_block: int = 64,
+    q_tile: int = Q_TILE,
+    kv_block: int = KV_BLOCK,
     block_reduce="mean",
     keep=None,
     kv_valid=None,
@@ -371,8 +373,8 @@ def selective_capacity(
     degrees: tuple[int, int] | None = None,
     head_perm: Any = "auto",
     hcp_slots: int | None = None,
-    q_tile: int = 64,
-    kv_block: int = 64,
+    q_tile: int = Q_TILE,
+    kv_block: int = KV_BLOCK,
 ) -> jax.Array:
     """The per-peer capacity `selective` needs for this selection without overflow: the largest
     number of remote KV blocks any device requests from one peer (int32 scalar), under the head
@@ -538,11 +540,12 @@ def _device_attention(
 
 
 @dataclasses.dataclass(frozen=True)
-class ContextAttention:
-    """Context-parallel attention as an attention backend: pass it wherever a backend name goes
-    (`attention(q, k, v, backend=...)`, an `AttentionPlan`'s `backend`, `VideoDiT(..., attention=...)`);
-    hashable, so it is a static argument of jit / remat like a backend name. The trainer's
-    `dsv_jax.parallel.policy.ContextPolicy` builds one per block when `parallel.context > 1`.
+class ContextAttention(ContextBackend):
+    """Context-parallel attention as an attention backend (a `dsv_jax.attention.context.ContextBackend`):
+    pass it wherever a backend name goes (`attention(q, k, v, backend=...)`, an `AttentionPlan`'s
+    `backend`, `VideoDiT(..., attention=...)`); hashable, so it is a static argument of jit / remat like a
+    backend name. The trainer's `dsv_jax.parallel.policy.ContextPolicy` builds one per block when
+    `parallel.context > 1`.
 
     Dense calls run `strategy`; a call with a selection (kv_index, kv_count) runs the sparse strategies,
     and `select_kv` computes that selection where the queries live. A dense sequence that does not divide

@@ -25,6 +25,7 @@ import numpy as np
 from dsv_jax.model.flops import ATTENTION_FWD_BWD
 from dsv_jax.parallel.comm import context_bytes
 from dsv_jax.parallel.hcp import balance_heads_host
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ class Workload:
     itemsize: int = 2
     head_sparsity: tuple[float, ...] | None = None
     needed_factor: float = 1.0
-    q_tile: int = 64
-    kv_block: int = 64
+    q_tile: int = Q_TILE
+    kv_block: int = KV_BLOCK
     top_k: int = 0
     recompute_forward: bool = True
 

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv_jax.config import ConfigError
-from dsv_jax.dsv.plan import AttentionPlan
-from dsv_jax.dsv.selection import window_selection
+from dsv_jax.dsv.plan import AttentionPlan, sparse_modes
 from dsv_jax.model.layers import compute_dtype
 from dsv_jax.model.tokens import grid_shape, token_layout
 from dsv_jax.parallel.comm import context_bytes
@@ -160,36 +159,22 @@ class ContextPolicy:
             plan, backend=ContextAttention(self.mesh, "hybrid", backend=dense_name, options=options)
         )
 
-    def _geometry(self, shape, plan):
-        m = self.cfg.model
-        layout = token_layout(grid_shape(tuple(shape), m.patch), m.tile)
-        q_tile = layout.tile_size
-        kv_block = layout.tile_size if plan.mode == "window" or not plan.kv_block else plan.kv_block
-        return layout, q_tile, kv_block
-
     def _place(self, shape, plan, keep_heads) -> dict[str, Any]:
         """The planner's placement of one sparse block (HCP x SCP, SCP strategy, head slots, capacity)."""
         m = self.cfg.model
-        layout, q_tile, kv_block = self._geometry(shape, plan)
-        s = layout.seq_len
-        nb = s // kv_block
-        if plan.mode == "window":
-            kept = window_selection(tuple(g // t for g, t in zip(layout.grid, layout.tile)), plan.window).shape[1]
-            keep = np.full(m.heads, kept / nb)
-        else:
-            keep = np.full(m.heads, plan.keep) if keep_heads is None else np.minimum(np.asarray(keep_heads), plan.keep)
-        keep = np.clip(keep, 1.0 / nb, 1.0)
-        top_k = plan.top_k(nb) if plan.mode == "dsv" else int(round(keep[0] * nb))
+        layout = token_layout(grid_shape(tuple(shape), m.patch), m.tile)
+        load = plan.cp_workload(layout, m.heads, keep_heads)
+        keep = load.keep
         w = Workload(
-            seq_len=s,
+            seq_len=layout.seq_len,
             heads=m.heads,
             head_dim=m.head_dim,
             batch=self._local_batch(shape),
             itemsize=self._itemsize(),
             head_sparsity=tuple(float(1 - k) for k in keep),
-            q_tile=q_tile,
-            kv_block=kv_block,
-            top_k=top_k,
+            q_tile=load.q_tile,
+            kv_block=load.kv_block,
+            top_k=load.top_k,
             recompute_forward=m.remat,
             needed_factor=CAPACITY_FACTOR,
         )
@@ -260,7 +245,7 @@ class ContextPolicy:
 
 def _placement_key(shape, block, plan: AttentionPlan) -> str:
     """One placement per (bucket, block, static sparse plan): what a compiled variant is keyed by."""
-    return f"{_key(shape)}|{'all' if block is None else block}|{plan.mode}:{plan.keep:g}:{plan.window:g}"
+    return f"{_key(shape)}|{'all' if block is None else block}|{plan.placement_tag()}"
 
 
 def check_context(cfg, mesh, shapes) -> None:
@@ -269,7 +254,7 @@ def check_context(cfg, mesh, shapes) -> None:
     d = cfg.parallel.hcp_degree
     if d and (n % d or m.heads % d):
         raise ConfigError(f"parallel.hcp_degree={d} must divide both parallel.context={n} and model.heads={m.heads}")
-    sparse = cfg.attention in ("dsv", "window")
+    sparse = cfg.attention in sparse_modes()
     for shape in shapes:
         layout = token_layout(grid_shape(tuple(shape), m.patch), m.tile)
         s, tile = layout.seq_len, layout.tile_size

@@ -32,6 +32,7 @@ from dsv_jax.attention import merge_attention
 from dsv_jax.dsv.selection import apply_counts
 from dsv_jax.parallel import local
 from dsv_jax.parallel.groups import GroupAxis
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 from pallas_kernels.lowrank_topk import reduce_block, row_flags, tile_proxies
 from pallas_kernels.sparse_attention import name_residuals, row_term, sparse_attention_backward
 
@@ -177,8 +178,8 @@ def ring_attention(
     kv_count=None,
     kv_valid=None,
     q_chunk=None,
-    q_tile=64,
-    kv_block=64,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
     impl="auto",
 ):
     """Attention of the local queries over the whole group's keys, dense or block-sparse.
@@ -260,8 +261,8 @@ def allgather_attention(
     backend="auto",
     kv_index=None,
     kv_count=None,
-    q_tile=64,
-    kv_block=64,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
     impl="auto",
     kv_mask=None,
     kv_valid=None,
@@ -318,8 +319,8 @@ def selective_attention(
     axis: GroupAxis,
     capacity,
     sm_scale,
-    q_tile=64,
-    kv_block=64,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
     impl="auto",
     kv_valid=None,
     return_lse=False,

@@ -487,7 +487,7 @@ class Trainer:
             process_count=jax.process_count(),
             split="eval",
         )
-        name = "eval_loss" if getattr(eval_feed, "heldout", True) else "train_records_loss"
+        name = "eval_loss" if eval_feed.heldout else "train_records_loss"
         weights = [(self.state.params, name)]
         if self.state.ema is not None:
             weights.append((self.state.ema, f"{name}_ema"))
@@ -512,8 +512,7 @@ class Trainer:
         if getattr(self, "_writer", None) is not None:  # a run that raised left it open
             self._writer.close()
         self.checkpointer.close()
-        if hasattr(self.feed, "close"):  # a Grain feed's prefetch processes
-            self.feed.close()
+        self.feed.close()  # a Grain feed's prefetch processes
 
 
 def flatten_metric(name: str, value) -> dict[str, float]:
