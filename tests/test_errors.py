@@ -63,6 +63,27 @@ def test_guard_flags_divergence_and_non_finite_steps_and_stops_after_a_streak():
     assert not off.should_stop
 
 
+def test_guard_names_a_finite_loss_finite_and_says_what_was_not():
+    """A loss of 3.9e27 is finite: a step whose gradient overflowed is called diverged (with the ratio to
+    the median) when the loss is that far off, and never "non-finite loss"; a NaN loss is non-finite."""
+    train = get_config("tiny", ["train.divergence_factor=10", "train.divergence_window=4"]).train
+    guard = DivergenceGuard(train, history=[1.0, 1.2, 0.9])
+    huge = guard.observe(1, 3.9e27, False, grad_norm=float("inf"))  # the step skipped its update
+    assert huge.bad == "skipped", huge
+    assert huge.reason.startswith("diverged: loss 3.9e+27 > 10 x the running median 1"), huge.reason
+    assert huge.reason.endswith("with a non-finite gradient, update skipped"), huge.reason
+    assert guard.observe(2, 5e21, True).reason.startswith("diverged: loss 5e+21 > 10 x the running median")
+    grad = guard.observe(3, 1.1, False, grad_norm=float("nan")).reason
+    assert grad.startswith("non-finite gradient (the loss 1.1 is finite)") and "update skipped" in grad, grad
+    nan = guard.observe(4, float("nan"), False, grad_norm=float("nan")).reason
+    assert nan.startswith("non-finite loss (nan)"), nan
+    predictor = guard.observe(5, 1.0, False, grad_norm=0.5).reason
+    assert predictor.startswith("non-finite DSV predictor loss or gradient"), predictor
+    stopped = DivergenceGuard(train, history=[1.0])
+    stopped.observe(1, 3.9e27, False, grad_norm=float("inf"))
+    assert "last diverged: loss 3.9e+27" in str(stopped.error(None))
+
+
 @pytest.mark.parametrize("good, keep", [({2}, {2, 8, 9}), (set(), {8, 9}), ({9, 2}, {8, 9}), ({8}, {8, 9})])
 def test_rotation_keeps_the_newest_good_checkpoint(good, keep):
     infos = [types.SimpleNamespace(step=s, metrics=None) for s in (2, 4, 6, 8, 9)]

@@ -33,7 +33,7 @@ from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.train.checkpoint import Checkpointer, has_ema
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.evaluation import held_out_loss
-from dsv_jax.train.guard import DivergenceGuard, Verdict
+from dsv_jax.train.guard import DivergenceGuard, Verdict, non_finite_part
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
@@ -417,8 +417,10 @@ class Trainer:
         """The guard's verdict on a step, which is also the verdict on a checkpoint saved one step
         earlier. Reading the loss waits for the step: the host never runs ahead of the device, so a
         signal stops the loop at the next step boundary (not after all the steps dispatched ahead)."""
-        loss, finite = jax.device_get(jax.block_until_ready((metrics["loss"], metrics["finite"])))  # every shard
-        verdict = self.guard.observe(step, loss, bool(finite))
+        loss, finite, grad_norm = jax.device_get(
+            jax.block_until_ready((metrics["loss"], metrics["finite"], metrics["grad_norm"]))  # every shard
+        )
+        verdict = self.guard.observe(step, loss, bool(finite), float(grad_norm))
         self.checkpointer.judge(step - 1, verdict.bad is None, verdict.reason or f"next loss {verdict.loss:.4g}")
         return verdict
 
@@ -450,7 +452,9 @@ class Trainer:
                 **mfu,
             )
             if not m["finite"]:
-                log.warning("step %d: non-finite loss or gradient, update skipped", step)
+                log.warning(
+                    "step %d: %s, update skipped", step, non_finite_part(float(m["loss"]), float(m["grad_norm"]))
+                )
             if m.get("cp/fallback") is not None and np.any(m["cp/fallback"]):
                 log.warning(
                     "step %d: selective context attention overflowed its capacity in %d block(s) (%d KV "
