@@ -12,7 +12,8 @@
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 
 Options and key=value overrides mix in any order. A failure prints one or two lines; --debug adds
-the traceback (a training run also appends it to WORKDIR/error.log).
+the traceback (a training run also appends it to WORKDIR/error.log; a failure that looks like a bug in a
+command without a work directory of its own writes it to a temporary file that the message names).
 """
 
 from __future__ import annotations
@@ -30,16 +31,70 @@ from dsv_jax.host_memory import keep_freed_memory
 VIDEO_EXTS = (".gif", ".mp4")
 
 
+# the options that name a file or folder (argparse dest: flag); an empty value is a mistake, never "here"
+PATH_OPTIONS = {
+    "workdir": "--workdir",
+    "model": "--model",
+    "out": "--out",
+    "output": "--output",
+    "input": "--input",
+    "config": "--config",
+    "captions": "--captions",
+    "json": "--json",
+    "gif": "--gif",
+    "data": "--data",
+}
+
+
+def check_paths(args) -> None:
+    """An empty or blank path option (`--workdir ""`) stops in one line: it would otherwise mean the
+    default (runs/<config>) or the current folder."""
+    for dest, flag in PATH_OPTIONS.items():
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and not v.strip():
+                raise ConfigError(f"{flag} is empty ({v!r}): give a path")
+
+
+def check_workdir(path: str, flag: str = "--workdir") -> None:
+    """A folder the command will make or write into: neither a file nor under one, and writable where it
+    exists. Checked before anything is made (nothing is created here)."""
+    target = probe = os.path.abspath(path)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the nearest existing folder, where it will be made
+    if not os.path.isdir(probe):
+        where = f"{flag} {path!r}" if probe == target else f"{flag} {path!r}: {probe!r}"
+        raise ConfigError(f"{where} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = f"{flag} {path!r}" if probe == target else f"{flag} {path!r} ({probe!r})"
+        raise ConfigError(f"{where} is not writable (permission denied)")
+
+
+def is_run_dir(path: str) -> bool:
+    """A training work directory: what a run writes first (its config) or keeps (its checkpoints)."""
+    return os.path.isfile(os.path.join(path, "config.json")) or os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def owned_log_dir(args) -> str | None:
+    """Where a failure's traceback may go: the work directory of a training run, when the run made it or it
+    is a run's (never a folder of the user's that the run failed to start in); else None."""
+    path = getattr(args, "log_dir", None)
+    if not path or not os.path.isdir(path):
+        return None
+    return path if getattr(args, "log_dir_made", False) or is_run_dir(path) else None
+
+
 def _train(args) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.config, overrides)  # every value checked before anything is made
+    workdir = args.workdir or os.path.join("runs", cfg.name)
+    check_workdir(workdir)
+    args.log_dir, args.log_dir_made = workdir, not os.path.exists(workdir)
     from dsv_jax.train.distributed import initialize
 
     initialize(args.coordinator, args.num_processes, args.process_id)  # several processes: SLURM, OpenMPI, flags
-    workdir = args.workdir or os.path.join("runs", cfg.name)
-    args.log_dir = workdir
     from dsv_jax.train.trainer import train
 
     records = train(cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint)
@@ -69,8 +124,6 @@ def _sample(args) -> int:
     for out in args.out:
         if os.path.splitext(out)[1].lower() not in VIDEO_EXTS:
             raise ConfigError(f"--out {out!r}: the file name must end in {' or '.join(VIDEO_EXTS)}")
-    if os.path.isdir(args.model):
-        args.log_dir = args.model
     paths = sample_from_workdir(
         args.model,
         args.out,
@@ -89,6 +142,7 @@ def _sample(args) -> int:
 
 
 def _export(args) -> int:
+    check_workdir(args.out, "--out")
     from dsv_jax.export import export
 
     out = export(
@@ -189,6 +243,7 @@ def preset_table(names=None) -> list[dict[str, str]]:
 
 
 def _prepare_data(args) -> int:
+    check_workdir(args.output, "--output")
     from dsv_jax.data.prepare import prepare
 
     report = prepare(
@@ -469,6 +524,7 @@ def main(argv=None) -> int:
     if args.command in HOST_MEMORY_COMMANDS:
         keep_freed_memory()  # before jax starts its threads: the arenas they get are made after this
     try:
+        check_paths(args)
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code
@@ -479,7 +535,7 @@ def main(argv=None) -> int:
         print(f"dsv-jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        code = report(args.command, e, workdir=getattr(args, "log_dir", None), debug=debug)
+        code = report(args.command, e, workdir=owned_log_dir(args), debug=debug)
         if is_disk_full(e) and not debug:  # writers flushing at exit fail on the same full disk: already said
             sys.stderr.flush()
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())

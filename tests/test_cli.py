@@ -160,13 +160,46 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
             "--shift 0 must be a finite number > 0",
         ),
         (["eval", "--workdir", "{tmp}/run", "--shift", "inf"], "--shift inf must be a finite number > 0"),
+        (["train", "--workdir", "", "--steps", "1"], "--workdir is empty ('')"),
+        (["train", "--workdir", " "], "--workdir is empty (' ')"),
+        (["eval", "--workdir", ""], "--workdir is empty ('')"),
+        (["sample", "--model", "", "--out", "{tmp}/x.gif"], "--model is empty ('')"),
+        (["sample", "--model", "{tmp}/run", "--out", ""], "--out is empty ('')"),
+        (["export", "--workdir", "{tmp}/run", "--out", ""], "--out is empty ('')"),
+        (["prepare-data", "--input", "{tmp}", "--output", ""], "--output is empty ('')"),
     ],
 )
 def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):
-    r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120)
+    r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120, cwd=tmp_path)  # runs/<config> would be here
     assert r.returncode == 2 and r.stderr.splitlines() == [r.stderr.strip()], r.stderr[-2000:]
     assert r.stderr.startswith(f"dsv-jax {args[0]}: error: {message.format(tmp=tmp_path)}"), r.stderr
     assert os.listdir(tmp_path) == []  # rejected before any folder or file is made
+
+
+def test_a_workdir_that_cannot_be_a_directory_is_one_line(tmp_path):
+    """A file named as --workdir (or a folder under a file) stops in one line before anything is made."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for workdir, message in [
+        (tmp_path / "notes.txt", f"--workdir {str(tmp_path / 'notes.txt')!r} is a file, not a directory"),
+        (
+            tmp_path / "notes.txt" / "run",
+            f"--workdir {str(tmp_path / 'notes.txt' / 'run')!r}: {str(tmp_path / 'notes.txt')!r} is a file, not a "
+            "directory",
+        ),
+    ]:
+        r = run_cli("train", "--workdir", str(workdir), "--steps", "1", timeout=120)
+        assert r.returncode == 2 and r.stderr.splitlines() == [f"dsv-jax train: error: {message}"], r.stderr[-2000:]
+    assert os.listdir(tmp_path) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_failed_command_writes_no_error_log_into_a_folder_it_does_not_own(tmp_path):
+    """`sample --model <a source folder>` fails in one line and leaves the folder as it was (no error.log)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "module.py").write_text("x = 1\n")
+    r = run_cli("sample", "--model", str(source), "--out", str(tmp_path / "x.gif"), timeout=120)
+    assert r.returncode == 2 and "is neither an exported model" in r.stderr, r.stderr[-2000:]
+    assert os.listdir(source) == ["module.py"] and os.listdir(tmp_path) == ["src"]
 
 
 def test_broken_pipe_exits_quietly():

@@ -1,6 +1,7 @@
 """Failures as the user sees them, and the rules that decide what is kept or stopped (no jax here)."""
 
 import errno
+import os
 import types
 
 import pytest
@@ -41,6 +42,28 @@ def test_report_is_two_lines_at_most_and_the_traceback_goes_to_the_workdir(tmp_p
     assert code == 1 and len(err) == 2 and err[0].startswith("dsv-jax train: error: KeyError: ")
     assert str(tmp_path / "error.log") in err[1]
     assert "in bug" in (tmp_path / "error.log").read_text()  # the full traceback, for a bug report
+
+
+def test_a_bug_outside_a_folder_of_its_own_logs_to_a_named_temporary_file(tmp_path, capsys, monkeypatch):
+    """Without a directory the command owns, the traceback of a bug goes to a temporary file that the
+    message names; an expected failure (the user's input) writes no log at all."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def bug():
+        raise KeyError("oops")
+
+    try:
+        bug()
+    except KeyError as e:
+        code = report("sample", e)
+    err = capsys.readouterr().err.strip().splitlines()
+    logs = os.listdir(tmp_path)
+    assert code == 1 and len(err) == 2 and len(logs) == 1 and logs[0].startswith("dsv-jax-sample-"), (err, logs)
+    assert str(tmp_path / logs[0]) in err[1] and "in bug" in (tmp_path / logs[0]).read_text()
+    assert report("sample", FileNotFoundError("'x' is neither an exported model nor a training workdir")) == 2
+    assert os.listdir(tmp_path) == logs  # the message says it all: no second log
 
 
 def test_guard_flags_divergence_and_non_finite_steps_and_stops_after_a_streak():
