@@ -1,8 +1,10 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
     dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [--checkpoint STEP]
-        [key=value ...] [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM /
-        OpenMPI: detected)
+        [--no-progress] [--status-every SECONDS] [key=value ...]
+        [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
+        Exit status: 0 done, 143 stopped by SIGTERM (130: Ctrl-C) with a checkpoint saved, resumable by
+        running the same command; 1 failed (a diverged run: 1 too); 2 a bad argument or input.
     dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
         [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
@@ -91,13 +93,21 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)  # every value checked before anything is made
     workdir = args.workdir or os.path.join("runs", cfg.name)
     check_workdir(workdir)
+    if not args.status_every > 0:
+        raise ConfigError(f"--status-every {args.status_every:g} must be > 0 seconds")
     args.log_dir, args.log_dir_made = workdir, not os.path.exists(workdir)
     from dsv_jax.train.distributed import initialize
 
     initialize(args.coordinator, args.num_processes, args.process_id)  # several processes: SLURM, OpenMPI, flags
-    from dsv_jax.train.trainer import train
+    from dsv_jax.train.trainer import TrainingStopped, train
 
-    records = train(cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint)
+    try:
+        records = train(
+            cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint, status_every=args.status_every
+        )
+    except TrainingStopped as e:  # not done, not failed: a scheduler requeues on the status (README)
+        print(f"dsv-jax train: {e}", file=sys.stderr)
+        return e.exit_status
     if records:
         print(
             f"trained to step {records[-1]['step']}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
@@ -353,7 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume from this checkpoint step (default: the newest readable one); newer steps "
         "are moved to checkpoints-set-aside/",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (none is drawn either where stderr is not a terminal); status lines instead",
+    )
+    p.add_argument(
+        "--status-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="without a progress bar, log the step, loss, tokens/s and ETA (or what it is compiling) at "
+        "least this often (default 30)",
+    )
     p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (SLURM / OpenMPI: detected)")
     p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
     p.add_argument("--process-id", type=int, help="multi-process run: this process's index")

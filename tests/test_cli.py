@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,9 @@ def test_train_then_sample_gif(tmp_path):
 
 
 def test_sigterm_saves_and_rerun_resumes(tmp_path):
+    """A batch job's run (stderr not a terminal: no progress bar): the compile phase names each bucket it
+    compiles, a status line (step, loss, tokens/s, ETA) comes at least every --status-every seconds,
+    and SIGTERM saves a checkpoint and exits 143 (stopped early, resumable), which a rerun resumes."""
     wd = str(tmp_path / "run")
     args = [
         "train",
@@ -122,22 +126,33 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
         wd,
         "--steps",
         "100000",
-        "--no-progress",
+        "--status-every",
+        "0.2",
         *SMALL,
         "train.ckpt_every=100000",
+        "train.log_every=1000",  # no metrics record while it runs: the status lines are all there is
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv_jax", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and not any("loss" in m for m in metrics(wd)):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    last = max(m["step"] for m in metrics(wd) if "loss" in m)
+    status = re.compile(r"step (\d+)/100000: loss \d+\.\d+, [\d,]+ tokens/s, ETA \d")
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dsv_jax", *args], stdout=subprocess.PIPE, stderr=err_file, text=True
+        )
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and len(status.findall(err_path.read_text())) < 3:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    err = err_path.read_text()
+    assert proc.returncode == 143, err[-3000:]
+    for bucket in ("1x16x16", "4x16x16"):
+        assert f"compiling the train step for bucket {bucket}" in err, err[-3000:]
+    assert "\r" not in err and len(status.findall(err)) >= 3, err[-3000:]  # lines, not a bar
     saved = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+    last = max(m["step"] for m in metrics(wd) if "loss" in m)
     assert saved and saved[-1] == last, (saved, last)
+    assert f"stopped by SIGTERM at step {last} (checkpoint saved): run the same command to resume" in err, err[-2000:]
+    assert "trained to step" not in out
     # the same command picks up where it stopped
     r = run_cli("train", "--config", "tiny", "--workdir", wd, "--steps", str(last + 2), "--no-progress", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -469,7 +469,9 @@ def prepare(
             (eval_counts if held else counts)[res.bucket] += 1
         pending.clear()
 
-    from tqdm.auto import tqdm
+    from dsv_jax.progress import on_terminal, tqdm_class
+
+    tqdm = tqdm_class()
 
     pool = None
     try:
@@ -482,7 +484,9 @@ def prepare(
         else:
             _init_reader(pixel_shapes, frame_stride)
             results = map(read_clip, tasks)
-        for res in tqdm(results, total=len(tasks), desc="prepare-data", disable=not progress, unit="file"):
+        for res in tqdm(
+            results, total=len(tasks), desc="prepare-data", disable=not (progress and on_terminal()), unit="file"
+        ):
             if res.error is not None:
                 if strict:
                     raise PrepareError(f"{res.rel}: {res.error} (--strict)")
