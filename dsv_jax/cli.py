@@ -166,7 +166,7 @@ def _eval(args) -> int:
     import json
 
     _check_shift(args.shift)
-    from dsv_jax.evaluate import evaluate_workdir, json_ready, report
+    from dsv_jax.evaluate import evaluate_workdir, json_ready, report, run_description
     from dsv_jax.sample import default_shape, sampler_shift
 
     if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
@@ -184,7 +184,7 @@ def _eval(args) -> int:
         seed=args.seed,
         shift=args.shift,
     )
-    print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
+    print(f"{args.workdir} at step {step} ({run_description(cfg)})")
     print("\n".join(report(results)))
     if args.json:
         with open(args.json, "w") as f:
@@ -202,7 +202,6 @@ def _eval(args) -> int:
         from dsv_jax.sample import save_video
 
         print(f"wrote {save_video(decode_latents(results['semantic']['frames']), args.gif)}")
-    return 0
     return 0
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import SMALL
@@ -80,11 +81,19 @@ def test_train_then_sample_gif(tmp_path):
 
     frames = iio.imread(out, index=None)
     assert frames.shape[0] == 4 and frames.shape[1] == 16 and frames.shape[2] == 2 * 16 + 1  # 4 frames, 2 clips
+    # the CLI writes what dsv_jax.generate returns for the same prompts and seed (one code path)
+    import dsv_jax
+    from dsv_jax.sample import save_video
+
+    videos = dsv_jax.generate(dsv_jax.load_model(wd), ["a red circle moving left", "a blue square"], steps=2, seed=0)
+    assert videos.dtype == np.uint8 and videos.shape == (2, 4, 16, 16, 3)
+    np.testing.assert_array_equal(iio.imread(save_video(videos, str(tmp_path / "py.gif")), index=None), frames)
     # eval: the held-out loss the trainer logged at the end, and the semantic score of generated clips
     report = str(tmp_path / "eval.json")
     r = run_cli("eval", "--workdir", wd, "--clips", "3", "--steps", "2", "--shift", "2.5", "--json", report)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out loss" in r.stdout and "semantic score" in r.stdout and "ground-truth clips" in r.stdout
+    assert f"{wd} at step 3 (data.source=synthetic, attention=xla)" in r.stdout, r.stdout  # resolved, not auto
     with open(report) as f:
         result = json.load(f)
     logged = [m for m in metrics(wd) if "eval_loss" in m][-1]
@@ -102,7 +111,7 @@ def test_train_then_sample_gif(tmp_path):
     r = run_cli_free_space(2**16, "train", "--config", "tiny", "--workdir", wd, "--steps", "5", "--no-progress", *SMALL)
     errors = [line for line in r.stderr.splitlines() if "dsv-jax train: error" in line]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert len(r.stderr.strip().splitlines()) <= 3, r.stderr  # the resume line, the error
+    assert [line for line in r.stderr.splitlines() if " INFO " not in line] == errors, r.stderr  # progress, the error
     assert (
         len(errors) == 1
         and "needs about" in errors[0]
@@ -215,6 +224,20 @@ def test_a_failed_command_writes_no_error_log_into_a_folder_it_does_not_own(tmp_
     r = run_cli("sample", "--model", str(source), "--out", str(tmp_path / "x.gif"), timeout=120)
     assert r.returncode == 2 and "is neither an exported model" in r.stderr, r.stderr[-2000:]
     assert os.listdir(source) == ["module.py"] and os.listdir(tmp_path) == ["src"]
+
+
+def test_eval_names_the_data_and_attention_a_run_used_not_auto(tmp_path):
+    from dsv_jax.config import get_config
+    from dsv_jax.evaluate import run_description
+
+    assert run_description(get_config("tiny")) == "data.source=synthetic, attention=xla"  # auto, on a CPU
+    assert run_description(get_config("tiny", ["data.source=photos", "attention=dsv"])) == (
+        "data.source=photos, attention=dsv"
+    )
+    data = str(tmp_path / "clips")
+    assert run_description(get_config("tiny", [f"data.path={data}", "attention=window"])) == (
+        f"data.source=arrayrecord ({data}), attention=window"
+    )
 
 
 def test_broken_pipe_exits_quietly():
