@@ -158,7 +158,10 @@ def _export(args) -> int:
     out = export(
         args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite, weights=args.weights
     )
-    print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
+    files = [f + "/" if os.path.isdir(os.path.join(out, f)) else f for f in sorted(os.listdir(out))]
+    print(f"exported {args.workdir} to {out}: {', '.join(files)} (load it with dsv_jax.load_model({out!r}))")
+    if "dsv.json" not in files:
+        print("  no dsv.json: it holds DSV's sparse-attention decisions, written for attention=dsv runs only")
     return 0
 
 
