@@ -216,6 +216,7 @@ def _presets(args) -> int:
     widths = [max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]]
     for line in [list(rows[0])] + [list(r.values()) for r in rows]:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+    print("(each DiT preset is also accepted as NAME-dit, e.g. 2.7b-dit)")
     return 0
 
 
@@ -227,17 +228,23 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
+def listed_presets() -> list[str]:
+    """The presets by name, without the NAME-dit aliases (accepted everywhere a preset is)."""
+    return [name for name in sorted(PRESETS) if not (name.endswith("-dit") and name[: -len("-dit")] in PRESETS)]
+
+
 def preset_table(names=None) -> list[dict[str, str]]:
-    """One row per preset: architecture, sizes, parameters (counted on the model, without allocating) and
-    tokens; `dsv-jax presets` prints it and README's table shows it."""
-    from dsv_jax.model.flops import layout_of, parameter_count
+    """One row per preset: architecture, sizes, parameters (counted from the config, as the model has
+    them: dsv_jax/model/size.py) and tokens; `dsv-jax presets` prints it and README's table shows it.
+    No jax: the listing takes a fraction of a second."""
+    from dsv_jax.model.size import parameter_count
 
     rows = []
-    for name in names or sorted(PRESETS):
+    for name in names or listed_presets():
         cfg = get_config(name)
         m = cfg.model
         params = parameter_count(cfg)
-        tokens = [layout_of(cfg, s).n_real for s in cfg.data.buckets]
+        tokens = [math.prod(s // p for s, p in zip(shape, m.patch)) for shape in cfg.data.buckets]
         rows.append(
             {
                 "preset": name,
@@ -317,8 +324,8 @@ def _fit_cost(args) -> int:
 
 
 CONFIG_HELP = (
-    f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config file whose 'name:' is the preset "
-    "it extends (a run's config.json re-runs it)"
+    f"a preset ({', '.join(listed_presets())}; NAME-dit: the DiT preset NAME) or a YAML / JSON config file "
+    "whose 'name:' is the preset it extends (a run's config.json re-runs it)"
 )
 
 

@@ -240,6 +240,21 @@ def test_eval_names_the_data_and_attention_a_run_used_not_auto(tmp_path):
     )
 
 
+def test_presets_lists_each_preset_once_without_loading_jax():
+    """`dsv-jax presets` counts parameters from the configs (no jax: it took 5-9 s) and lists the NAME-dit
+    aliases in one line, not as rows of their own."""
+    from dsv_jax.config import PRESETS
+
+    code = "import sys; from dsv_jax.cli import main; main(['presets']); print('jax' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "False", r.stdout  # jax was never imported
+    rows = [line.split()[0] for line in lines[1:-2]]
+    assert rows == sorted(n for n in PRESETS if not n.endswith("-dit")), rows
+    assert lines[-2] == "(each DiT preset is also accepted as NAME-dit, e.g. 2.7b-dit)"
+
+
 def test_broken_pipe_exits_quietly():
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsv_jax", "presets"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
