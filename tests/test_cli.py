@@ -170,6 +170,14 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     assert steps[-2:] == [last + 1, last + 2]
 
 
+def test_a_stop_on_a_signal_exits_128_plus_the_signal():
+    from dsv_jax.train.trainer import TrainingStopped
+
+    term, ctrl_c = TrainingStopped(signal.SIGTERM, 7), TrainingStopped(signal.SIGINT, 7)
+    assert (term.exit_status, ctrl_c.exit_status) == (143, 130)
+    assert str(ctrl_c).startswith("stopped by SIGINT at step 7 (checkpoint saved): run the same command to resume")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
