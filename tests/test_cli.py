@@ -224,6 +224,19 @@ def test_a_workdir_that_cannot_be_a_directory_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_workdir_without_write_permission_is_named(tmp_path, monkeypatch):
+    """A --workdir in a folder the user cannot write to is named (os.access faked: root writes anywhere)."""
+    from dsv_jax import cli
+    from dsv_jax.config import ConfigError
+
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: path != str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"--workdir '{tmp_path}/run' \('{tmp_path}'\) is not writable"):
+        cli.check_workdir(str(tmp_path / "run"))
+    monkeypatch.undo()
+    cli.check_workdir(str(tmp_path / "run"))  # a folder it may make
+    assert os.listdir(tmp_path) == []  # checked, not made
+
+
 def test_a_failed_command_writes_no_error_log_into_a_folder_it_does_not_own(tmp_path):
     """`sample --model <a source folder>` fails in one line and leaves the folder as it was (no error.log)."""
     source = tmp_path / "src"
