@@ -3,8 +3,8 @@
     dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [--checkpoint STEP]
         [--no-progress] [--status-every SECONDS] [key=value ...]
         [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
-        Exit status: 0 done, 143 stopped by SIGTERM (130: Ctrl-C) with a checkpoint saved, resumable by
-        running the same command; 1 failed (a diverged run: 1 too); 2 a bad argument or input.
+        Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
+        saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
     dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
         [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]

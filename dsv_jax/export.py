@@ -171,7 +171,7 @@ class LoadedModel:
         """(embeddings [B, L, D], mask [B, L]) of captions (a list of strings, tokenized with the run's text
         config: text.max_len, text.hash_buckets) or of a batch: {"text_ids", "text_mask"} for the built-in
         encoder (dsv_jax.data.text.tokenize_batch), {"text_emb", "text_mask"} for precomputed ones."""
-        if isinstance(batch, str) or isinstance(batch, (list, tuple)):
+        if isinstance(batch, (str, list, tuple)):
             from dsv_jax.data.text import tokenize_batch
 
             if self.config.text.encoder != "builtin":

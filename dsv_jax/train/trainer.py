@@ -434,10 +434,10 @@ class Trainer:
             self.feed.set_state(self._data_state)
         prefetch = Prefetcher(self.feed)
         bar = tqdm_class()(total=end, initial=step, desc="train", disable=not self.show_bar, dynamic_ncols=True)
+        now = time.monotonic()  # the status line's rates and ETA count from here
         self._status = dict(
-            step=step, first=step, end=end, loss=float("nan"), tokens=0, t0=time.monotonic(), beat_tokens=0
+            step=step, first=step, end=end, loss=float("nan"), tokens=0, t0=now, beat_t=now, beat_tokens=0
         )
-        self._status["beat_t"] = self._status["t0"]
         pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
         # Host time spent beside the steps in the current log window (compiling a new attention variant,
         # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
