@@ -1,8 +1,10 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
     dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [--checkpoint STEP]
-        [key=value ...] [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM /
-        OpenMPI: detected)
+        [--no-progress] [--status-every SECONDS] [key=value ...]
+        [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
+        Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
+        saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
     dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
         [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
@@ -12,7 +14,8 @@
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 
 Options and key=value overrides mix in any order. A failure prints one or two lines; --debug adds
-the traceback (a training run also appends it to WORKDIR/error.log).
+the traceback (a training run also appends it to WORKDIR/error.log; a failure that looks like a bug in a
+command without a work directory of its own writes it to a temporary file that the message names).
 """
 
 from __future__ import annotations
@@ -30,19 +33,81 @@ from dsv_jax.host_memory import keep_freed_memory
 VIDEO_EXTS = (".gif", ".mp4")
 
 
+# the options that name a file or folder (argparse dest: flag); an empty value is a mistake, never "here"
+PATH_OPTIONS = {
+    "workdir": "--workdir",
+    "model": "--model",
+    "out": "--out",
+    "output": "--output",
+    "input": "--input",
+    "config": "--config",
+    "captions": "--captions",
+    "json": "--json",
+    "gif": "--gif",
+    "data": "--data",
+}
+
+
+def check_paths(args) -> None:
+    """An empty or blank path option (`--workdir ""`) stops in one line: it would otherwise mean the
+    default (runs/<config>) or the current folder."""
+    for dest, flag in PATH_OPTIONS.items():
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and not v.strip():
+                raise ConfigError(f"{flag} is empty ({v!r}): give a path")
+
+
+def check_workdir(path: str, flag: str = "--workdir") -> None:
+    """A folder the command will make or write into: neither a file nor under one, and writable where it
+    exists. Checked before anything is made (nothing is created here)."""
+    target = probe = os.path.abspath(path)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the nearest existing folder, where it will be made
+    if not os.path.isdir(probe):
+        where = f"{flag} {path!r}" if probe == target else f"{flag} {path!r}: {probe!r}"
+        raise ConfigError(f"{where} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = f"{flag} {path!r}" if probe == target else f"{flag} {path!r} ({probe!r})"
+        raise ConfigError(f"{where} is not writable (permission denied)")
+
+
+def is_run_dir(path: str) -> bool:
+    """A training work directory: what a run writes first (its config) or keeps (its checkpoints)."""
+    return os.path.isfile(os.path.join(path, "config.json")) or os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def owned_log_dir(args) -> str | None:
+    """Where a failure's traceback may go: the work directory of a training run, when the run made it or it
+    is a run's (never a folder of the user's that the run failed to start in); else None."""
+    path = getattr(args, "log_dir", None)
+    if not path or not os.path.isdir(path):
+        return None
+    return path if getattr(args, "log_dir_made", False) or is_run_dir(path) else None
+
+
 def _train(args) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     cfg = load_config(args.config, overrides)  # every value checked before anything is made
+    workdir = args.workdir or os.path.join("runs", cfg.name)
+    check_workdir(workdir)
+    if not args.status_every > 0:
+        raise ConfigError(f"--status-every {args.status_every:g} must be > 0 seconds")
+    args.log_dir, args.log_dir_made = workdir, not os.path.exists(workdir)
     from dsv_jax.train.distributed import initialize
 
     initialize(args.coordinator, args.num_processes, args.process_id)  # several processes: SLURM, OpenMPI, flags
-    workdir = args.workdir or os.path.join("runs", cfg.name)
-    args.log_dir = workdir
-    from dsv_jax.train.trainer import train
+    from dsv_jax.train.trainer import TrainingStopped, train
 
-    records = train(cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint)
+    try:
+        records = train(
+            cfg, workdir, progress=not args.no_progress, checkpoint=args.checkpoint, status_every=args.status_every
+        )
+    except TrainingStopped as e:  # not done, not failed: a scheduler requeues on the status (README)
+        print(f"dsv-jax train: {e}", file=sys.stderr)
+        return e.exit_status
     if records:
         print(
             f"trained to step {records[-1]['step']}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
@@ -69,8 +134,6 @@ def _sample(args) -> int:
     for out in args.out:
         if os.path.splitext(out)[1].lower() not in VIDEO_EXTS:
             raise ConfigError(f"--out {out!r}: the file name must end in {' or '.join(VIDEO_EXTS)}")
-    if os.path.isdir(args.model):
-        args.log_dir = args.model
     paths = sample_from_workdir(
         args.model,
         args.out,
@@ -89,12 +152,16 @@ def _sample(args) -> int:
 
 
 def _export(args) -> int:
+    check_workdir(args.out, "--out")
     from dsv_jax.export import export
 
     out = export(
         args.workdir, args.out, dtype=args.dtype, step=args.checkpoint, overwrite=args.overwrite, weights=args.weights
     )
-    print(f"exported {args.workdir} to {out} (load it with dsv_jax.load_model({out!r}))")
+    files = [f + "/" if os.path.isdir(os.path.join(out, f)) else f for f in sorted(os.listdir(out))]
+    print(f"exported {args.workdir} to {out}: {', '.join(files)} (load it with dsv_jax.load_model({out!r}))")
+    if "dsv.json" not in files:
+        print("  no dsv.json: it holds DSV's sparse-attention decisions, written for attention=dsv runs only")
     return 0
 
 
@@ -102,7 +169,7 @@ def _eval(args) -> int:
     import json
 
     _check_shift(args.shift)
-    from dsv_jax.evaluate import evaluate_workdir, json_ready, report
+    from dsv_jax.evaluate import evaluate_workdir, json_ready, report, run_description
     from dsv_jax.sample import default_shape, sampler_shift
 
     if args.gif and os.path.splitext(args.gif)[1].lower() not in (".gif", ".mp4"):
@@ -120,7 +187,7 @@ def _eval(args) -> int:
         seed=args.seed,
         shift=args.shift,
     )
-    print(f"{args.workdir} at step {step} (data.source={cfg.data.source}, attention={cfg.attention})")
+    print(f"{args.workdir} at step {step} ({run_description(cfg)})")
     print("\n".join(report(results)))
     if args.json:
         with open(args.json, "w") as f:
@@ -139,7 +206,6 @@ def _eval(args) -> int:
 
         print(f"wrote {save_video(decode_latents(results['semantic']['frames']), args.gif)}")
     return 0
-    return 0
 
 
 def _presets(args) -> int:
@@ -150,6 +216,7 @@ def _presets(args) -> int:
     widths = [max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]]
     for line in [list(rows[0])] + [list(r.values()) for r in rows]:
         print("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+    print("(each DiT preset is also accepted as NAME-dit, e.g. 2.7b-dit)")
     return 0
 
 
@@ -161,17 +228,23 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
+def listed_presets() -> list[str]:
+    """The presets by name, without the NAME-dit aliases (accepted everywhere a preset is)."""
+    return [name for name in sorted(PRESETS) if not (name.endswith("-dit") and name[: -len("-dit")] in PRESETS)]
+
+
 def preset_table(names=None) -> list[dict[str, str]]:
-    """One row per preset: architecture, sizes, parameters (counted on the model, without allocating) and
-    tokens; `dsv-jax presets` prints it and docs/guide/training.md's table shows it."""
-    from dsv_jax.model.flops import layout_of, parameter_count
+    """One row per preset: architecture, sizes, parameters (counted from the config, as the model has
+    them: dsv_jax/model/size.py) and tokens; `dsv-jax presets` prints it and docs/guide/training.md's table
+    shows it. No jax: the listing takes a fraction of a second."""
+    from dsv_jax.model.size import parameter_count
 
     rows = []
-    for name in names or sorted(PRESETS):
+    for name in names or listed_presets():
         cfg = get_config(name)
         m = cfg.model
         params = parameter_count(cfg)
-        tokens = [layout_of(cfg, s).n_real for s in cfg.data.buckets]
+        tokens = [math.prod(s // p for s, p in zip(shape, m.patch)) for shape in cfg.data.buckets]
         rows.append(
             {
                 "preset": name,
@@ -189,6 +262,7 @@ def preset_table(names=None) -> list[dict[str, str]]:
 
 
 def _prepare_data(args) -> int:
+    check_workdir(args.output, "--output")
     from dsv_jax.data.prepare import prepare
 
     report = prepare(
@@ -250,8 +324,8 @@ def _fit_cost(args) -> int:
 
 
 CONFIG_HELP = (
-    f"a preset ({', '.join(sorted(PRESETS))}) or a YAML / JSON config file whose 'name:' is the preset "
-    "it extends (a run's config.json re-runs it)"
+    f"a preset ({', '.join(listed_presets())}; NAME-dit: the DiT preset NAME) or a YAML / JSON config file "
+    "whose 'name:' is the preset it extends (a run's config.json re-runs it)"
 )
 
 
@@ -298,7 +372,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume from this checkpoint step (default: the newest readable one); newer steps "
         "are moved to checkpoints-set-aside/",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (none is drawn either where stderr is not a terminal); status lines instead",
+    )
+    p.add_argument(
+        "--status-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="without a progress bar, log the step, loss, tokens/s and ETA (or what it is compiling) at "
+        "least this often (default 30)",
+    )
     p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (SLURM / OpenMPI: detected)")
     p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
     p.add_argument("--process-id", type=int, help="multi-process run: this process's index")
@@ -469,6 +555,7 @@ def main(argv=None) -> int:
     if args.command in HOST_MEMORY_COMMANDS:
         keep_freed_memory()  # before jax starts its threads: the arenas they get are made after this
     try:
+        check_paths(args)
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code
@@ -479,7 +566,7 @@ def main(argv=None) -> int:
         print(f"dsv-jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        code = report(args.command, e, workdir=getattr(args, "log_dir", None), debug=debug)
+        code = report(args.command, e, workdir=owned_log_dir(args), debug=debug)
         if is_disk_full(e) and not debug:  # writers flushing at exit fail on the same full disk: already said
             sys.stderr.flush()
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())

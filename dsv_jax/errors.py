@@ -1,5 +1,7 @@
 """Failures as the user sees them: one or two lines naming the cause and the thing (file, key, value,
-free space); the full traceback only with --debug, or in `error.log` of the work directory."""
+free space); the full traceback only with --debug, or in `error.log` of the work directory a command owns
+(a training run's), or, for a failure that looks like a bug in a command without one, in a temporary file
+that the message names. Nothing is written into a folder the command was only pointed at."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import errno
 import os
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 
@@ -78,26 +81,46 @@ def _short(text: str, lines: int = 2, width: int = 400) -> str:
     return "\n".join(kept)
 
 
+def _write_traceback(f, command: str, e: BaseException) -> None:
+    f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} dsv-jax {command} ({' '.join(sys.argv[1:])})\n")
+    f.write("".join(traceback.format_exception(e)))
+
+
 def write_log(workdir: str | None, command: str, e: BaseException) -> str | None:
-    """Append the traceback to <workdir>/error.log when the work directory exists; its path or None."""
+    """Append the traceback to <workdir>/error.log when the work directory exists; its path or None.
+    `workdir` must be a directory the command owns (a training run's work directory)."""
     if not workdir or not os.path.isdir(workdir):
         return None
     path = os.path.join(workdir, LOG_NAME)
     try:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} dsv-jax {command} ({' '.join(sys.argv[1:])})\n")
-            f.write("".join(traceback.format_exception(e)))
+            _write_traceback(f, command, e)
         return path
     except OSError:  # a full disk, or a read-only folder: the message on screen still stands
         return None
 
 
+def write_temp_log(command: str, e: BaseException) -> str | None:
+    """The traceback in a new temporary file (dsv-jax-COMMAND-*.log); its path, or None where none can be made."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"dsv-jax-{command}-", suffix=".log")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            _write_traceback(f, command, e)
+        return path
+    except OSError:
+        return None
+
+
 def report(command: str, e: BaseException, *, workdir: str | None = None, debug: bool = False) -> int:
-    """Print the failure for a user (stderr) and return the exit status."""
+    """Print the failure for a user (stderr) and return the exit status. `workdir`: a directory the command
+    owns (its error.log takes every failure's traceback); without one, only a failure that looks like a bug
+    leaves its traceback, in a temporary file."""
     message, code, expected = explain(e, workdir)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     log = write_log(workdir, command, e)
+    if log is None and not expected and not debug:
+        log = write_temp_log(command, e)
     lines = message.splitlines()
     if not expected and not debug:
         lines = lines[:1] + [f"  (a bug? the traceback is in {log})" if log else "  (--debug shows the traceback)"]

@@ -41,7 +41,7 @@ def semantic_eval(
     from dsv_jax.data.feed import SOURCES, make_feed, source_of
     from dsv_jax.data.semantic import score_clips
     from dsv_jax.dsv.policy import make_policy
-    from dsv_jax.sample import default_shape, generate
+    from dsv_jax.sample import default_shape, generate_latents
 
     if not source_of(cfg).embedded:
         embedded = " or ".join(name for name, s in SOURCES.items() if s.embedded)
@@ -55,7 +55,7 @@ def semantic_eval(
     captions = [c for _, c in truth]
     policy = make_policy(cfg, controller)
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    latents = generate(
+    latents = generate_latents(
         cfg,
         graphdef,
         params,
@@ -126,6 +126,24 @@ def evaluate_state(
             cfg, graphdef, params, controller, clips=clips, steps=steps, guidance=guidance, seed=seed, shift=shift
         )
     return out
+
+
+def run_description(cfg: Config) -> str:
+    """The data and attention a run used, as resolved on this machine (never "auto"): e.g.
+    "data.source=synthetic, attention=xla"."""
+    import jax
+
+    from dsv_jax.attention.registry import resolve_backend
+    from dsv_jax.model.layers import compute_dtype
+
+    source = cfg.data.resolved_source
+    if cfg.data.path:
+        source = f"{source} ({cfg.data.path})"
+    attention = cfg.attention
+    if attention == "auto":  # what the video self-attention of this machine's program runs
+        m = cfg.model
+        attention = resolve_backend("auto", jax.ShapeDtypeStruct((1, 1, m.heads, m.head_dim), compute_dtype(m)))
+    return f"data.source={source}, attention={attention}"
 
 
 def evaluate_workdir(workdir: str, *, step: int | None = None, weights: str = "auto", **kw) -> tuple[Config, int, dict]:

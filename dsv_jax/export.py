@@ -2,8 +2,10 @@
 
     dsv-jax export --workdir runs/tiny --out models/tiny [--dtype bf16|fp32] [--checkpoint STEP]
 
-    loaded = dsv_jax.load_model("models/tiny")
-    velocity = loaded(latents, timesteps, text, text_mask)     # with the run's trained attention plans
+    loaded = dsv_jax.load_model("models/tiny")                 # or a training workdir: its newest checkpoint
+    frames = dsv_jax.generate(loaded, ["a red circle moving left"])   # uint8 [N, T, H, W, 3]
+    text, text_mask = loaded.encode_text(["a red circle moving left"])
+    velocity = loaded(latents, 0.5, text, text_mask)           # with the run's trained attention plans
     loaded.model, loaded.config, loaded.dsv_state, loaded.attention_for((8, 32, 48))
 
 An export directory holds
@@ -160,9 +162,21 @@ class LoadedModel:
         attention, inputs = self.attention_for(latents.shape[1:4])
         return self.model(latents, timesteps, text, text_mask, attention=attention, attention_inputs=inputs)
 
-    def encode_text(self, batch: dict) -> tuple[Any, Any]:
-        """(embeddings [B, L, D], mask [B, L]) of a batch: {"text_ids", "text_mask"} for the built-in
+    def encode_text(self, batch) -> tuple[Any, Any]:
+        """(embeddings [B, L, D], mask [B, L]) of captions (a list of strings, tokenized with the run's text
+        config: text.max_len, text.hash_buckets) or of a batch: {"text_ids", "text_mask"} for the built-in
         encoder (dsv_jax.data.text.tokenize_batch), {"text_emb", "text_mask"} for precomputed ones."""
+        if isinstance(batch, (str, list, tuple)):
+            from dsv_jax.data.text import tokenize_batch
+
+            if self.config.text.encoder != "builtin":
+                raise ValueError(
+                    "this model takes precomputed text embeddings (text.encoder=precomputed): encode the "
+                    "captions with the hook its data was prepared with and pass {'text_emb', 'text_mask'}"
+                )
+            captions = [batch] if isinstance(batch, str) else list(batch)
+            ids, mask = tokenize_batch(captions, self.config.text.max_len, self.config.text.hash_buckets)
+            batch = {"text_ids": ids, "text_mask": mask}
         return self.model.encode_text(batch)
 
 
@@ -216,38 +230,68 @@ def load_params(path: str, dtype: str | None = None):
     return cfg, graphdef, abstract, controller, info
 
 
-def load_model(path: str, dtype: str | None = None) -> LoadedModel:
-    """An exported model (`dsv-jax export`), ready to call; `dtype` ("bf16" | "fp32") casts the
-    parameters (default: as exported). See `LoadedModel`."""
+def load_model(path: str, dtype: str | None = None, *, step: int | None = None, weights: str = "auto") -> LoadedModel:
+    """A trained model, ready to call: an export (`dsv-jax export`) or a training workdir (its newest
+    readable checkpoint, or `step`; `weights`: see `load_trained`, default the EMA of the weights where the
+    run kept one). `dtype` ("bf16" | "fp32") casts the parameters (default: as saved). See `LoadedModel`;
+    `dsv_jax.generate(model, prompts)` samples videos from it. Reads only: nothing is written to `path`."""
+    import jax
+    import jax.numpy as jnp
     from flax import nnx
 
-    cfg, graphdef, params, controller, info = load_params(path, dtype)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of bf16, fp32")
+    if is_export(path):
+        _check_export_arguments(path, step, weights)
+        cfg, graphdef, params, controller, info = load_params(path, dtype)
+    else:
+        from dsv_jax.train.checkpoint import weights_used
+
+        cfg, graphdef, params, controller, step = _load_trained(path, step, weights)
+        if dtype is not None:
+            target = jnp.dtype(DTYPES[dtype])
+            params = jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+        info = {
+            "step": int(step),
+            "source": os.path.abspath(path),
+            "text_encoder": text_encoder_hint(cfg),
+            "weights": weights_used(cfg, weights),
+        }
     return LoadedModel(
         model=nnx.merge(graphdef, params), config=cfg, step=int(info["step"]), dsv_state=controller, info=info
     )
 
 
-def load_for_sampling(path: str, step: int | None = None, weights: str = "auto"):
-    """(config, graphdef, params, DSV controller state, text encoder hint) of an export or a training
-    workdir (its latest or `step` checkpoint; `weights` as `load_trained`'s): what the sampler needs."""
-    if is_export(path):
-        if step is not None:
-            raise ValueError(
-                f"--checkpoint {step}: {path!r} is an export (of one step); --checkpoint picks a "
-                "checkpoint of a training workdir"
-            )
-        if weights != "auto":
-            raise ValueError(
-                f"--weights {weights}: {path!r} is an export (of one set of weights); --weights "
-                "picks the weights of a training workdir's checkpoint"
-            )
-        cfg, graphdef, params, controller, info = load_params(path)
-        return cfg, graphdef, params, controller, info.get("text_encoder")
+def _check_export_arguments(path: str, step: int | None, weights: str) -> None:
+    """An export holds one step's one set of weights: --checkpoint and --weights pick those of a workdir."""
+    if step is not None:
+        raise ValueError(
+            f"--checkpoint {step}: {path!r} is an export (of one step); --checkpoint picks a "
+            "checkpoint of a training workdir"
+        )
+    if weights != "auto":
+        raise ValueError(
+            f"--weights {weights}: {path!r} is an export (of one set of weights); --weights "
+            "picks the weights of a training workdir's checkpoint"
+        )
+
+
+def _load_trained(path: str, step: int | None, weights: str):
     from dsv_jax.train.checkpoint import load_trained
 
     if not os.path.isdir(os.path.join(path, "checkpoints")):  # checked first: orbax would create the folder
         raise FileNotFoundError(
             f"{path!r} is neither an exported model (no {EXPORT_JSON}) nor a training workdir (no checkpoints/)"
         )
-    cfg, graphdef, params, controller, _ = load_trained(path, step, weights)
+    return load_trained(path, step, weights)
+
+
+def load_for_sampling(path: str, step: int | None = None, weights: str = "auto"):
+    """(config, graphdef, params, DSV controller state, text encoder hint) of an export or a training
+    workdir (its latest or `step` checkpoint; `weights` as `load_trained`'s): what the sampler needs."""
+    if is_export(path):
+        _check_export_arguments(path, step, weights)
+        cfg, graphdef, params, controller, info = load_params(path)
+        return cfg, graphdef, params, controller, info.get("text_encoder")
+    cfg, graphdef, params, controller, _ = _load_trained(path, step, weights)
     return cfg, graphdef, params, controller, text_encoder_hint(cfg)

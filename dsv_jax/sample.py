@@ -1,16 +1,21 @@
 """Euler sampler of the rectified flow, and video files (GIF; MP4 through PyAV's FFmpeg).
 
+    frames = dsv_jax.generate(dsv_jax.load_model("models/tiny"), ["a red circle moving left"], seed=0)
+    # uint8 [N, T, H, W, 3]; `dsv-jax sample` writes the same videos (generate -> save_video)
+
 The flow runs from noise at t = 1 to data at t = 0: x <- x + (t_next - t) * v(x, t), on a uniform grid
 of t moved towards noise by the run's train.sample_shift (dsv_jax/train/loss.py: shift_timesteps). With
-guidance g, v = v(empty caption) + g * (v(caption) - v(empty caption)).
+guidance g, v = v(empty caption) + g * (v(caption) - v(empty caption)). The sampling loop is compiled once
+per model, shape, prompt count and step count, and reused by later calls.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +97,7 @@ def sampler_shift(cfg: Config, shape: tuple[int, int, int], shift: float | None 
     return cfg.train.sample_shift * resolution_shift(cfg.train, math.prod(shape))
 
 
-def generate(
+def generate_latents(
     cfg: Config,
     graphdef,
     params,
@@ -110,29 +115,166 @@ def generate(
     """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`; `shift`: of
     the time grid, see `sampler_shift`)."""
     batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
-    n = len(prompts)
     t_grid = time_grid(steps, sampler_shift(cfg, shape, shift))
+    if isinstance(attention, list):  # a plan per block: static, so hashable
+        attention = tuple(attention)
+    latents = _euler(
+        graphdef,
+        params,
+        batch,
+        jax.random.key(seed),
+        attention_inputs,
+        t_grid,
+        jnp.float32(guidance),
+        attention=attention,
+        shape=tuple(int(s) for s in shape),
+        channels=cfg.model.in_channels,
+    )
+    return np.asarray(latents)
 
-    @jax.jit
-    def run(params, batch, key, attention_inputs):
-        model = nnx.merge(graphdef, params)
-        text, text_mask = model.encode_text(batch)
-        x = jax.random.normal(key, (n, *shape, cfg.model.in_channels))
 
-        def velocity(x, t):
-            both = jnp.concatenate([x, x])
-            v = model(
-                both, jnp.full((2 * n,), t), text, text_mask, attention=attention, attention_inputs=attention_inputs
-            ).astype(jnp.float32)
-            cond, uncond = v[:n], v[n:]
-            return uncond + guidance * (cond - uncond)
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention", "shape", "channels"))
+def _euler(graphdef, params, batch, key, attention_inputs, t_grid, guidance, *, attention, shape, channels):
+    """The guided Euler loop over `t_grid` (module-level, so that jax caches its program between calls)."""
+    n = batch["text_mask"].shape[0] // 2  # the prompts, then as many empty captions
+    model = nnx.merge(graphdef, params)
+    text, text_mask = model.encode_text(batch)
+    x = jax.random.normal(key, (n, *shape, channels))
 
-        def body(i, x):
-            return x + (t_grid[i + 1] - t_grid[i]) * velocity(x, t_grid[i])
+    def velocity(x, t):
+        both = jnp.concatenate([x, x])
+        v = model(both, t, text, text_mask, attention=attention, attention_inputs=attention_inputs)
+        cond, uncond = v[:n].astype(jnp.float32), v[n:].astype(jnp.float32)
+        return uncond + guidance * (cond - uncond)
 
-        return jax.lax.fori_loop(0, steps, body, x)
+    def body(i, x):
+        return x + (t_grid[i + 1] - t_grid[i]) * velocity(x, t_grid[i])
 
-    return np.asarray(run(params, batch, jax.random.key(seed), attention_inputs))
+    return jax.lax.fori_loop(0, t_grid.shape[0] - 1, body, x)
+
+
+def latent_shape(cfg: Config, frames: int | None = None, height: int | None = None, width: int | None = None):
+    """The latent (T, H, W) whose decoded video is `frames` x `height` x `width` pixels under the run's codec
+    (None: that size of the config's longest bucket); a size the codec cannot make, or whose latent the
+    model's patch does not divide, is a ValueError naming the sizes that work."""
+    from dsv_jax.data.codec import get_codec
+
+    codec = get_codec(cfg.data.codec)
+    base = tuple(default_shape(cfg))
+    out = list(base)
+    for axis, (name, want) in enumerate((("frames", frames), ("height", height), ("width", width))):
+        if want is None:
+            continue
+        if isinstance(want, bool) or not isinstance(want, (int, np.integer)) or want < 1:
+            raise ValueError(f"{name}={want!r} must be a positive whole number of pixels")
+        pixels = functools.partial(_pixels_along, codec, base, axis)
+        step = cfg.model.patch[axis]
+        # the codec maps sizes monotonically: the patch multiples around `want` by bisection
+        lo, hi = 0, max(1, int(want))
+        while pixels(hi * step) < want:
+            hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if pixels(mid * step) < want else (lo, mid)
+        if pixels(hi * step) != want:
+            near = sorted({pixels(n * step) for n in (lo, hi) if n > 0})
+            raise ValueError(
+                f"{name} {want} is not a size this model makes: its latents are a multiple of {step} "
+                f"(model.patch) and codec {codec.name!r} decodes those to {' or '.join(map(str, near))} near it"
+            )
+        out[axis] = hi * step
+    return tuple(out)
+
+
+def _pixels_along(codec, base, axis: int, n: int) -> int:
+    """Pixels along `axis` of the latent `base` with that axis set to `n`."""
+    return int(codec.pixel_shape(tuple(n if a == axis else base[a] for a in range(3)))[axis])
+
+
+def generate(
+    model: Any,
+    prompts: str | Sequence[str],
+    *,
+    frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    steps: int = 30,
+    guidance: float | None = None,
+    seed: int = 0,
+    shift: float | None = None,
+    text_encoder: Callable | str | None = None,
+) -> np.ndarray:
+    """Videos of `prompts` from a loaded model: uint8 frames [len(prompts), frames, height, width, 3].
+
+    `model`: a `LoadedModel` (`dsv_jax.load_model(DIR)`: an export or a training workdir) or such a
+    directory. The prompts are tokenized with the model's text config (text.encoder=builtin); a model
+    trained on precomputed embeddings needs `text_encoder`, the hook its data was prepared with
+    (`f(captions) -> (embeddings, mask)`, or its "pkg.module:make" spec). `frames`, `height`, `width`:
+    the video's size in pixels (default: the config's longest bucket, decoded); `guidance` (default: the
+    run's train.guidance) and `shift` (default: the run's, see `sampler_shift`) as `dsv-jax sample`'s.
+    The same arguments give the same videos; `dsv-jax sample` writes these frames."""
+    if isinstance(model, (str, os.PathLike)):
+        from dsv_jax.export import load_model
+
+        model = load_model(os.fspath(model))
+    cfg = model.config
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts must be a caption or a non-empty list of captions, got {prompts!r}")
+    if isinstance(text_encoder, str) or (text_encoder is None and cfg.text.encoder != "builtin"):
+        text_encoder = load_text_encoder(cfg, text_encoder, (model.info or {}).get("text_encoder"))
+    graphdef, params = nnx.split(model.model, nnx.Param)
+    return sample_frames(
+        cfg,
+        graphdef,
+        params,
+        prompts,
+        latent_shape(cfg, frames, height, width),
+        controller_state=model.dsv_state,
+        steps=steps,
+        guidance=cfg.train.guidance if guidance is None else guidance,
+        seed=seed,
+        text_encoder=text_encoder,
+        shift=shift,
+    )
+
+
+def sample_frames(
+    cfg: Config,
+    graphdef,
+    params,
+    prompts: Sequence[str],
+    shape: tuple[int, int, int],
+    *,
+    controller_state: dict | None = None,
+    steps: int = 30,
+    guidance: float = 3.0,
+    seed: int = 0,
+    text_encoder: Callable | None = None,
+    shift: float | None = None,
+) -> np.ndarray:
+    """uint8 videos [N, T', H', W', 3] of `prompts` at latent `shape`, with the attention the run's
+    controller state decided (DSV stage-2 plans, windows): what `generate` and every sampling command run."""
+    from dsv_jax.dsv.policy import make_policy
+
+    policy = make_policy(cfg, controller_state)
+    latents = generate_latents(
+        cfg,
+        graphdef,
+        params,
+        prompts,
+        shape,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        attention=policy.plans(shape, train=False),
+        attention_inputs=policy.inputs(shape, train=False),
+        text_encoder=text_encoder,
+        shift=shift,
+    )
+    if not np.isfinite(latents).all():
+        raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
+    return decode_latents(latents, cfg.data.codec)
 
 
 def save_video(videos: np.ndarray, path: str, fps: int = 8) -> str:
@@ -185,29 +327,20 @@ def sample_from_state(
     """Generate one video per prompt and write them side by side to `path` (or to each of several
     paths, .gif or .mp4: the same videos). Returns the paths written. A DSV run samples with the sparse
     plans of its controller state (stage 2 decisions), a window run with its windows."""
-    from dsv_jax.dsv.policy import make_policy
-
     paths = [path] if isinstance(path, str) else list(path)
-    shape = tuple(shape or default_shape(cfg))
-    policy = make_policy(cfg, controller_state)
-    attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
-    latents = generate(
+    frames = sample_frames(
         cfg,
         graphdef,
         params,
         prompts or default_prompts(cfg),
-        shape,
+        tuple(shape or default_shape(cfg)),
+        controller_state=controller_state,
         steps=steps,
         guidance=guidance,
         seed=seed,
-        attention=attention,
-        attention_inputs=inputs,
         text_encoder=text_encoder,
         shift=shift,
     )
-    if not np.isfinite(latents).all():
-        raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
-    frames = decode_latents(latents, cfg.data.codec)
     return [save_video(frames, p) for p in paths]
 
 
@@ -230,21 +363,25 @@ def sample_from_workdir(
     written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
     text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
     where the run kept one. `shift`: of the sampler's time grid (default: the run's, see `sampler_shift`)."""
-    from dsv_jax.export import load_for_sampling
+    from dsv_jax.data.codec import get_codec
+    from dsv_jax.export import load_model
+    from dsv_jax.model.tokens import grid_shape
 
-    cfg, graphdef, params, controller, hint = load_for_sampling(workdir, step, weights)
-    encoder = load_text_encoder(cfg, text_encoder, hint)
-    return sample_from_state(
-        cfg,
-        graphdef,
-        params,
-        out,
-        prompts=prompts,
-        shape=shape,
+    model = load_model(workdir, step=step, weights=weights)
+    cfg = model.config
+    if shape:
+        grid_shape(tuple(shape), cfg.model.patch)  # a latent --shape the patch does not divide: said in latents
+    size = get_codec(cfg.data.codec).pixel_shape(tuple(shape)) if shape else (None, None, None)
+    frames = generate(
+        model,
+        list(prompts or default_prompts(cfg)),
+        frames=size[0],
+        height=size[1],
+        width=size[2],
         steps=steps,
-        guidance=cfg.train.guidance if guidance is None else guidance,
+        guidance=guidance,
         seed=seed,
-        controller_state=controller,
-        text_encoder=encoder,
         shift=shift,
+        text_encoder=load_text_encoder(cfg, text_encoder, model.info.get("text_encoder")),
     )
+    return [save_video(frames, p) for p in ([out] if isinstance(out, str) else list(out))]

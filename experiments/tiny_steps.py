@@ -99,7 +99,7 @@ def score_checkpoint(workdir: str, step: int, *, clips: int, seeds: int, frames_
     from dsv_jax.dsv.policy import make_policy
     from dsv_jax.evaluate import semantic_eval
     from dsv_jax.export import load_for_sampling
-    from dsv_jax.sample import DEFAULT_PROMPTS, default_shape, generate
+    from dsv_jax.sample import DEFAULT_PROMPTS, default_shape, generate_latents
 
     start = time.perf_counter()
     cfg, graphdef, params, controller, _ = load_for_sampling(workdir, step, "auto")
@@ -109,7 +109,7 @@ def score_checkpoint(workdir: str, step: int, *, clips: int, seeds: int, frames_
     attention, inputs = policy.plans(shape, train=False), policy.inputs(shape, train=False)
     videos = [
         decode_latents(
-            generate(
+            generate_latents(
                 cfg,
                 graphdef,
                 params,

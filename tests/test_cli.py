@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import SMALL
@@ -79,11 +81,19 @@ def test_train_then_sample_gif(tmp_path):
 
     frames = iio.imread(out, index=None)
     assert frames.shape[0] == 4 and frames.shape[1] == 16 and frames.shape[2] == 2 * 16 + 1  # 4 frames, 2 clips
+    # the CLI writes what dsv_jax.generate returns for the same prompts and seed (one code path)
+    import dsv_jax
+    from dsv_jax.sample import save_video
+
+    videos = dsv_jax.generate(dsv_jax.load_model(wd), ["a red circle moving left", "a blue square"], steps=2, seed=0)
+    assert videos.dtype == np.uint8 and videos.shape == (2, 4, 16, 16, 3)
+    np.testing.assert_array_equal(iio.imread(save_video(videos, str(tmp_path / "py.gif")), index=None), frames)
     # eval: the held-out loss the trainer logged at the end, and the semantic score of generated clips
     report = str(tmp_path / "eval.json")
     r = run_cli("eval", "--workdir", wd, "--clips", "3", "--steps", "2", "--shift", "2.5", "--json", report)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out loss" in r.stdout and "semantic score" in r.stdout and "ground-truth clips" in r.stdout
+    assert f"{wd} at step 3 (data.source=synthetic, attention=xla)" in r.stdout, r.stdout  # resolved, not auto
     with open(report) as f:
         result = json.load(f)
     logged = [m for m in metrics(wd) if "eval_loss" in m][-1]
@@ -101,7 +111,7 @@ def test_train_then_sample_gif(tmp_path):
     r = run_cli_free_space(2**16, "train", "--config", "tiny", "--workdir", wd, "--steps", "5", "--no-progress", *SMALL)
     errors = [line for line in r.stderr.splitlines() if "dsv-jax train: error" in line]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert len(r.stderr.strip().splitlines()) <= 3, r.stderr  # the resume line, the error
+    assert [line for line in r.stderr.splitlines() if " INFO " not in line] == errors, r.stderr  # progress, the error
     assert (
         len(errors) == 1
         and "needs about" in errors[0]
@@ -113,6 +123,9 @@ def test_train_then_sample_gif(tmp_path):
 
 
 def test_sigterm_saves_and_rerun_resumes(tmp_path):
+    """A batch job's run (stderr not a terminal: no progress bar): the compile phase names each bucket it
+    compiles, a status line (step, loss, tokens/s, ETA) comes at least every --status-every seconds,
+    and SIGTERM saves a checkpoint and exits 143 (stopped early, resumable), which a rerun resumes."""
     wd = str(tmp_path / "run")
     args = [
         "train",
@@ -122,28 +135,47 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
         wd,
         "--steps",
         "100000",
-        "--no-progress",
+        "--status-every",
+        "0.2",
         *SMALL,
         "train.ckpt_every=100000",
+        "train.log_every=1000",  # no metrics record while it runs: the status lines are all there is
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv_jax", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and not any("loss" in m for m in metrics(wd)):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    last = max(m["step"] for m in metrics(wd) if "loss" in m)
+    status = re.compile(r"step (\d+)/100000: loss \d+\.\d+, [\d,]+ tokens/s, ETA \d")
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dsv_jax", *args], stdout=subprocess.PIPE, stderr=err_file, text=True
+        )
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and len(status.findall(err_path.read_text())) < 3:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    err = err_path.read_text()
+    assert proc.returncode == 143, err[-3000:]
+    for bucket in ("1x16x16", "4x16x16"):
+        assert f"compiling the train step for bucket {bucket}" in err, err[-3000:]
+    assert "\r" not in err and len(status.findall(err)) >= 3, err[-3000:]  # lines, not a bar
     saved = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+    last = max(m["step"] for m in metrics(wd) if "loss" in m)
     assert saved and saved[-1] == last, (saved, last)
+    assert f"stopped by SIGTERM at step {last} (checkpoint saved): run the same command to resume" in err, err[-2000:]
+    assert "trained to step" not in out
     # the same command picks up where it stopped
     r = run_cli("train", "--config", "tiny", "--workdir", wd, "--steps", str(last + 2), "--no-progress", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from step {last}" in r.stderr
     steps = [m["step"] for m in metrics(wd) if "loss" in m]
     assert steps[-2:] == [last + 1, last + 2]
+
+
+def test_a_stop_on_a_signal_exits_128_plus_the_signal():
+    from dsv_jax.train.trainer import TrainingStopped
+
+    term, ctrl_c = TrainingStopped(signal.SIGTERM, 7), TrainingStopped(signal.SIGINT, 7)
+    assert (term.exit_status, ctrl_c.exit_status) == (143, 130)
+    assert str(ctrl_c).startswith("stopped by SIGINT at step 7 (checkpoint saved): run the same command to resume")
 
 
 @pytest.mark.parametrize(
@@ -160,13 +192,88 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
             "--shift 0 must be a finite number > 0",
         ),
         (["eval", "--workdir", "{tmp}/run", "--shift", "inf"], "--shift inf must be a finite number > 0"),
+        (["train", "--workdir", "", "--steps", "1"], "--workdir is empty ('')"),
+        (["train", "--workdir", " "], "--workdir is empty (' ')"),
+        (["eval", "--workdir", ""], "--workdir is empty ('')"),
+        (["sample", "--model", "", "--out", "{tmp}/x.gif"], "--model is empty ('')"),
+        (["sample", "--model", "{tmp}/run", "--out", ""], "--out is empty ('')"),
+        (["export", "--workdir", "{tmp}/run", "--out", ""], "--out is empty ('')"),
+        (["prepare-data", "--input", "{tmp}", "--output", ""], "--output is empty ('')"),
     ],
 )
 def test_errors_are_one_line_and_create_nothing(tmp_path, args, message):
-    r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120)
+    r = run_cli(*[a.format(tmp=tmp_path) for a in args], timeout=120, cwd=tmp_path)  # runs/<config> would be here
     assert r.returncode == 2 and r.stderr.splitlines() == [r.stderr.strip()], r.stderr[-2000:]
     assert r.stderr.startswith(f"dsv-jax {args[0]}: error: {message.format(tmp=tmp_path)}"), r.stderr
     assert os.listdir(tmp_path) == []  # rejected before any folder or file is made
+
+
+def test_a_workdir_that_cannot_be_a_directory_is_one_line(tmp_path):
+    """A file named as --workdir (or a folder under a file) stops in one line before anything is made."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for workdir, message in [
+        (tmp_path / "notes.txt", f"--workdir {str(tmp_path / 'notes.txt')!r} is a file, not a directory"),
+        (
+            tmp_path / "notes.txt" / "run",
+            f"--workdir {str(tmp_path / 'notes.txt' / 'run')!r}: {str(tmp_path / 'notes.txt')!r} is a file, not a "
+            "directory",
+        ),
+    ]:
+        r = run_cli("train", "--workdir", str(workdir), "--steps", "1", timeout=120)
+        assert r.returncode == 2 and r.stderr.splitlines() == [f"dsv-jax train: error: {message}"], r.stderr[-2000:]
+    assert os.listdir(tmp_path) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_workdir_without_write_permission_is_named(tmp_path, monkeypatch):
+    """A --workdir in a folder the user cannot write to is named (os.access faked: root writes anywhere)."""
+    from dsv_jax import cli
+    from dsv_jax.config import ConfigError
+
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: path != str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"--workdir '{tmp_path}/run' \('{tmp_path}'\) is not writable"):
+        cli.check_workdir(str(tmp_path / "run"))
+    monkeypatch.undo()
+    cli.check_workdir(str(tmp_path / "run"))  # a folder it may make
+    assert os.listdir(tmp_path) == []  # checked, not made
+
+
+def test_a_failed_command_writes_no_error_log_into_a_folder_it_does_not_own(tmp_path):
+    """`sample --model <a source folder>` fails in one line and leaves the folder as it was (no error.log)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "module.py").write_text("x = 1\n")
+    r = run_cli("sample", "--model", str(source), "--out", str(tmp_path / "x.gif"), timeout=120)
+    assert r.returncode == 2 and "is neither an exported model" in r.stderr, r.stderr[-2000:]
+    assert os.listdir(source) == ["module.py"] and os.listdir(tmp_path) == ["src"]
+
+
+def test_eval_names_the_data_and_attention_a_run_used_not_auto(tmp_path):
+    from dsv_jax.config import get_config
+    from dsv_jax.evaluate import run_description
+
+    assert run_description(get_config("tiny")) == "data.source=synthetic, attention=xla"  # auto, on a CPU
+    assert run_description(get_config("tiny", ["data.source=photos", "attention=dsv"])) == (
+        "data.source=photos, attention=dsv"
+    )
+    data = str(tmp_path / "clips")
+    assert run_description(get_config("tiny", [f"data.path={data}", "attention=window"])) == (
+        f"data.source=arrayrecord ({data}), attention=window"
+    )
+
+
+def test_presets_lists_each_preset_once_without_loading_jax():
+    """`dsv-jax presets` counts parameters from the configs (no jax: it took 5-9 s) and lists the NAME-dit
+    aliases in one line, not as rows of their own."""
+    from dsv_jax.config import PRESETS
+
+    code = "import sys; from dsv_jax.cli import main; main(['presets']); print('jax' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "False", r.stdout  # jax was never imported
+    rows = [line.split()[0] for line in lines[1:-2]]
+    assert rows == sorted(n for n in PRESETS if not n.endswith("-dit")), rows
+    assert lines[-2] == "(each DiT preset is also accepted as NAME-dit, e.g. 2.7b-dit)"
 
 
 def test_broken_pipe_exits_quietly():

@@ -78,6 +78,7 @@ train: {{steps: 2, log_every: 1, eval_batches: 1, warmup_steps: 1, sample_at_end
     r = run_cli("export", "--workdir", wd, "--out", out, "--dtype", "fp32")
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["config.json", "export.json", "params"]  # not a DSV run: no dsv.json
+    assert f"to {out}: config.json, export.json, params/ " in r.stdout and "no dsv.json: " in r.stdout, r.stdout
     info = json.loads(open(os.path.join(out, "export.json")).read())
     assert info["step"] == 2 and info["dtype"] == "float32" and info["text_encoder"] == HOOK
     r = run_cli("export", "--workdir", wd, "--out", out)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv_jax.config import get_config
+from dsv_jax.config import PRESETS, get_config
 from dsv_jax.dsv.controller import DSVController, shape_key
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.selection import window_selection
@@ -198,3 +198,25 @@ def test_parameter_count_counts_the_dsv_predictors():
     m = dense.model
     predictors = m.depth * 2 * m.hidden * m.heads * dsv.dsv.rank  # W_Q^lr, W_K^lr without bias
     assert parameter_count(dsv) - parameter_count(dense) == predictors
+
+
+def counted_on_the_model(cfg) -> int:
+    model = nnx.eval_shape(lambda: TextToVideo(cfg, rngs=nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [(name, []) for name in sorted(PRESETS) if not name.endswith("-dit")]
+    + [
+        ("tiny", ["attention=dsv", "dsv.rank=8"]),
+        ("tiny-mmdit", ["attention=dsv", "model.adaln=per_block", "model.qk_norm=false"]),
+        ("tiny", ["model.adaln=single", "text.encoder=precomputed", "model.text_dim=24", "model.mlp_ratio=2.7"]),
+        ("tiny", ["model.patch=[2,2,2]", "model.in_channels=12", "text.hash_buckets=0", "text.max_len=20"]),
+    ],
+)
+def test_the_counted_parameters_are_the_models(preset, overrides):
+    """`parameter_count` adds the parameters up from the config (no jax, `dsv-jax presets` is instant): the
+    same number as the model built abstractly."""
+    cfg = get_config(preset, overrides)
+    assert parameter_count(cfg) == counted_on_the_model(cfg)

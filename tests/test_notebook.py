@@ -28,8 +28,10 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     errors = [o for o in outputs if o.output_type == "error"]
     assert not errors, errors
-    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")  # stdout and stderr
     assert "velocity (2, 4, 32, 32, 3)" in text and "DSV stage 2" in text
+    assert "frames (2, 4, 32, 32, 3) uint8" in text  # dsv_jax.generate
+    assert "IProgress" not in text and "TqdmWarning" not in text, text  # no notebook bar without ipywidgets
     images = [o for o in outputs if o.output_type == "display_data"]
     assert sum("image/gif" in o.data for o in images) == 1  # the sampled clip, inline
     assert sum("image/png" in o.data for o in images) == 2  # loss curve and the sparsity of block 0

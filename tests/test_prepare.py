@@ -141,10 +141,17 @@ def test_strict_stops_at_the_corrupt_file_and_leaves_nothing(tmp_path):
     media = tmp_path / "media"
     write_media(str(media), images=3, videos=0)
     (media / "zz_broken.webm").write_bytes(b"not a video" * 100)
-    out = tmp_path / "data"
+    out = tmp_path / "new" / "data"
     with pytest.raises(PrepareError, match=r"zz_broken.webm: cannot open the webm container: Invalid data .*--strict"):
         prepare(str(media), str(out), BUCKETS, codec=CODEC, workers=1, strict=True, progress=False)
-    assert os.listdir(out) == []  # no shard, no partial, no manifest
+    assert sorted(os.listdir(tmp_path)) == ["media"]  # the folders it made are gone: no shard, partial or manifest
+    # a folder of the user's stays, with what it held
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(PrepareError, match="--strict"):
+        prepare(str(media), str(mine), BUCKETS, codec=CODEC, workers=1, strict=True, progress=False)
+    assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
 
 
 def test_captions_from_jsonl_and_csv_manifests(tmp_path):

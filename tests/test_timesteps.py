@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dsv_jax.config import ConfigError, get_config
-from dsv_jax.sample import generate, sampler_shift, time_grid
+from dsv_jax.sample import generate_latents, sampler_shift, time_grid
 from dsv_jax.train.loss import flow_matching_loss, sample_timesteps, shift_timesteps
 from dsv_jax.train.step import init_state
 from tests.conftest import small_config
@@ -97,7 +97,7 @@ def test_generate_reads_the_shift_from_the_run_config():
     keys = jax.random.split(jax.random.key(5), len(leaves))
     params = jax.tree.unflatten(tree, [p + 0.2 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)])
     shifted = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sample_shift=4.0))
-    run = lambda c, **kw: generate(c, graphdef, params, ["a red circle moving left"], (2, 8, 8), steps=3, **kw)
+    run = lambda c, **kw: generate_latents(c, graphdef, params, ["a red circle moving left"], (2, 8, 8), steps=3, **kw)
     from_config = run(shifted)
     np.testing.assert_allclose(from_config, run(cfg, shift=4.0), rtol=1e-5, atol=1e-5)
     assert np.abs(from_config - run(cfg)).max() > 1e-3
@@ -121,11 +121,11 @@ def test_sample_and_eval_hand_an_asked_shift_to_the_sampler(tmp_path, monkeypatc
         seen.append(kw.get("shift"))
         return np.random.default_rng(0).normal(size=(len(prompts), *shape, cfg.model.in_channels)).astype(np.float32)
 
-    monkeypatch.setattr(dsv_jax.sample, "generate", recording)
+    monkeypatch.setattr(dsv_jax.sample, "generate_latents", recording)
     semantic_eval(cfg, None, None, clips=1, steps=2, shift=2.5)
     dsv_jax.sample.sample_from_state(cfg, None, None, str(tmp_path / "x.gif"), steps=2, shift=4.0)
     dsv_jax.sample.sample_from_state(cfg, None, None, str(tmp_path / "y.gif"), steps=2)
-    assert seen == [2.5, 4.0, None]  # None: generate takes the config's
+    assert seen == [2.5, 4.0, None]  # None: generate_latents takes the config's
 
 
 @pytest.mark.parametrize("override", ["train.sample_shift=0", "train.sample_steps=0", "train.resolution_shift_ref=-1"])

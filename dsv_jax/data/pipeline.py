@@ -287,7 +287,13 @@ class GrainFeed:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._iterator())
+        batch = next(self._iterator())
+        if self.workers > 0:
+            # Prefetch processes hand batches over in shared memory, freed when the array is; jax on a CPU
+            # keeps the array it is given (no copy) beyond the run, so the block outlived Grain's cleanup
+            # and resource_tracker reported it leaked at exit. A batch the feed returns owns its memory.
+            batch = {k: np.array(v, copy=True) for k, v in batch.items()}
+        return batch
 
     def get_state(self) -> dict:
         return {

@@ -414,7 +414,9 @@ def prepare(
         )
     held_out = held_out_files(files, eval_fraction)
     # Shards are staged in a private folder and moved into place only when the whole run succeeded:
-    # a failed run leaves the output (and any dataset already there) as it was.
+    # a failed run leaves the output (and any dataset already there) as it was, and removes the
+    # folders it made for it.
+    made = _missing_ancestor(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
     tasks = [ReadTask(os.path.join(input_dir, rel), rel) for rel in files]
@@ -469,7 +471,9 @@ def prepare(
             (eval_counts if held else counts)[res.bucket] += 1
         pending.clear()
 
-    from tqdm.auto import tqdm
+    from dsv_jax.progress import on_terminal, tqdm_class
+
+    tqdm = tqdm_class()
 
     pool = None
     try:
@@ -482,7 +486,9 @@ def prepare(
         else:
             _init_reader(pixel_shapes, frame_stride)
             results = map(read_clip, tasks)
-        for res in tqdm(results, total=len(tasks), desc="prepare-data", disable=not progress, unit="file"):
+        for res in tqdm(
+            results, total=len(tasks), desc="prepare-data", disable=not (progress and on_terminal()), unit="file"
+        ):
             if res.error is not None:
                 if strict:
                     raise PrepareError(f"{res.rel}: {res.error} (--strict)")
@@ -516,6 +522,7 @@ def prepare(
         for w in writers + eval_writers:
             w.abort()
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_made(output_dir, made)
         raise
     finally:
         if pool is not None:
@@ -574,6 +581,33 @@ def held_out_files(files: list[str], fraction: float) -> set[str]:
     n = min(len(files) - 1, max(1, round(fraction * len(files))))
     key = lambda rel: hashlib.sha256(rel.replace(os.sep, "/").encode()).hexdigest()
     return set(sorted(files, key=key)[:n])
+
+
+def _missing_ancestor(path: str) -> str | None:
+    """The outermost folder of `path` (itself included) that does not exist yet: what makedirs will make."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_made(path: str, made: str | None) -> None:
+    """Remove the empty folders from `path` up to `made` (those this run made); a folder that holds
+    anything, or one that existed before, is left."""
+    if made is None:
+        return
+    path, made = os.path.abspath(path), os.path.abspath(made)
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (or gone): nothing above it is ours to remove either
+            return
+        if path == made:
+            return
+        path = os.path.dirname(path)
 
 
 def _remove_dataset(directory: str) -> None:

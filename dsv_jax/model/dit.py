@@ -110,7 +110,8 @@ class FinalLayer(nnx.Module):
 
 
 class VideoDiT(nnx.Module):
-    """velocity = model(latents [B,T,H,W,C], timesteps [B] in [0,1], text [B,L,Dt], text_mask [B,L])."""
+    """velocity = model(latents [B,T,H,W,C], timesteps [B] (or one for all: a Python float) in [0,1],
+    text [B,L,Dt], text_mask [B,L])."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, predictor_rank: int = 0, predictor_rope: bool = True):
         """predictor_rank > 0 gives every block a DSV low-rank predictor (attention=dsv)."""
@@ -159,6 +160,10 @@ class VideoDiT(nnx.Module):
                 f"text must be [B, L, {cfg.text_dim}] with text_mask [B, L]; got {text.shape}, {text_mask.shape}"
             )
         b = latents.shape[0]
+        timesteps = jnp.asarray(timesteps, jnp.float32)
+        if timesteps.ndim > 1 or timesteps.size not in (1, b):
+            raise ValueError(f"timesteps must be one value or [B={b}] values, got shape {timesteps.shape}")
+        timesteps = jnp.broadcast_to(timesteps.reshape(-1), (b,))
         cp = context_backend(attention[0] if isinstance(attention, (list, tuple)) else attention)
         # context parallelism: every device holds whole tiles, and the tokens stay sharded over the sequence
         tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile, cp.token_multiple if cp else 1)

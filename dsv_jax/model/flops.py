@@ -34,7 +34,6 @@ per device / the device's dense bf16 peak (`peak_flops`; None on CPUs and unknow
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Sequence
 
@@ -43,6 +42,7 @@ import numpy as np
 from dsv_jax.config import Config
 from dsv_jax.dsv.plan import AttentionPlan, DSVPlan
 from dsv_jax.dsv.predictor import sample_positions
+from dsv_jax.model.size import parameter_count  # noqa: F401  (re-exported: callers count parameters here)
 from dsv_jax.model.tokens import grid_shape, token_layout
 
 # Dense bf16 tensor-core peak (FLOP/s) by a substring of jax's device_kind, first match wins.
@@ -202,14 +202,3 @@ def mfu_metrics(dense_equiv: float, work: float, seconds: float, devices: int, p
         out["mfu/dense_equiv"] = dense_equiv * per_device / peak
         out["mfu/work"] = work * per_device / peak
     return out
-
-
-def parameter_count(cfg: Config) -> int:
-    """Parameters of the model a config trains (TextToVideo, DSV predictors included), without allocating."""
-    import jax
-    from flax import nnx
-
-    from dsv_jax.model.t2v import TextToVideo
-
-    model = nnx.eval_shape(lambda: TextToVideo(cfg, rngs=nnx.Rngs(0)))
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))

@@ -25,6 +25,18 @@ from dsv_jax.config import TrainConfig
 log = logging.getLogger("dsv_jax")
 
 
+def non_finite_part(loss: float, grad_norm: float | None = None) -> str:
+    """What made a step skip its update: the loss, else the gradient (`grad_norm`), else the DSV
+    predictor's loss or gradient (the train step's `finite` covers all three)."""
+    if not math.isfinite(loss):
+        return "non-finite loss"
+    if grad_norm is None:
+        return "non-finite gradient or DSV predictor loss"
+    if not math.isfinite(grad_norm):
+        return "non-finite gradient"
+    return "non-finite DSV predictor loss or gradient"
+
+
 class TrainingDiverged(RuntimeError):
     """Training stopped on bad steps; the message says which and where the last good checkpoint is."""
 
@@ -47,15 +59,26 @@ class DivergenceGuard:
         self.streak = 0  # bad steps in a row
         self.last: Verdict | None = None
 
-    def observe(self, step: int, loss: float, finite: bool) -> Verdict:
+    def observe(self, step: int, loss: float, finite: bool, grad_norm: float | None = None) -> Verdict:
+        """`finite`: the train step's verdict (loss, gradient and DSV predictor all finite; else it skipped
+        its update); `grad_norm` says which part was not."""
         loss = float(loss)
+        median = float(np.median(self._good)) if self.factor and self._good else None
+        diverged = median is not None and math.isfinite(loss) and loss > self.factor * median
         if not (finite and math.isfinite(loss)):
-            verdict = Verdict(step, loss, "skipped", f"non-finite loss or gradient (loss {loss}), update skipped")
-        elif self.factor and self._good and loss > self.factor * (median := float(np.median(self._good))):
+            what = non_finite_part(loss, grad_norm)
+            if diverged:  # a huge but finite loss whose gradient overflowed: a finite loss is not non-finite
+                reason = f"diverged: loss {loss:.4g} > {self.factor:g} x the running median {median:.4g}, with a {what}"
+            elif math.isfinite(loss):
+                reason = f"{what} (the loss {loss:.4g} is finite)"
+            else:
+                reason = f"{what} ({loss})"
+            verdict = Verdict(step, loss, "skipped", f"{reason}, update skipped")
+        elif diverged:
             verdict = Verdict(
-                step, loss, "diverged", f"loss {loss:.4g} > {self.factor:g} x the running median {median:.4g}"
+                step, loss, "diverged", f"diverged: loss {loss:.4g} > {self.factor:g} x the running median {median:.4g}"
             )
-            log.warning("step %d: %s: diverging", step, verdict.reason)
+            log.warning("step %d: %s", step, verdict.reason)
         else:
             verdict = Verdict(step, loss)
             self._good.append(loss)

@@ -151,7 +151,9 @@ def fit_cost(
     """Benchmark, fit and derive budgets (see the module doc). batch_sizes are per data-parallel
     device (multiplied by the mesh's data-parallel size). shares: samples per shape (default: the
     config's bucket weights when the shapes are its buckets, else equal)."""
-    from tqdm.auto import tqdm
+    from dsv_jax.progress import on_terminal, tqdm_class
+
+    tqdm = tqdm_class()
 
     if shapes is None:
         shapes, shares = [tuple(s) for s in cfg.data.buckets], shares or cfg.data.bucket_weights
@@ -172,7 +174,7 @@ def fit_cost(
     capacity = int(memory_bytes or device_memory_bytes())
     grid = [(b * bench.dp, s) for s in shapes for b in sorted(set(batch_sizes))]
     points, skipped = [], []
-    for b, shape in tqdm(grid, desc="fit-cost", disable=not progress):
+    for b, shape in tqdm(grid, desc="fit-cost", disable=not (progress and on_terminal())):
         seq = bench.seq_len(shape)
         try:
             mem = bench.memory(b, shape)

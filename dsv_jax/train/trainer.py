@@ -4,11 +4,14 @@
     trainer.run()                        # until cfg.train.steps, SIGTERM/Ctrl-C, or `stop_at`
 
 Every bucket shape's step is compiled before the first step (ahead of time, cached on disk by jax's
-persistent compilation cache), so the loop never compiles.
+persistent compilation cache), so the loop never compiles. Each compile is announced by bucket; without a
+progress bar on a terminal the run logs its status (step, loss, tokens/s, ETA, or the phase it is in) at
+least every `status_every` seconds (dsv_jax/progress.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -22,7 +25,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from dsv_jax.config import Config
 from dsv_jax.data.feed import make_feed, resolve_data_config, tokens_per_sample
@@ -30,10 +32,11 @@ from dsv_jax.dsv.controller import DSVController
 from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh
 from dsv_jax.parallel.policy import ContextPolicy, check_context
+from dsv_jax.progress import Heartbeat, duration, on_terminal, tqdm_class
 from dsv_jax.train.checkpoint import Checkpointer, has_ema
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.evaluation import held_out_loss
-from dsv_jax.train.guard import DivergenceGuard, Verdict
+from dsv_jax.train.guard import DivergenceGuard, Verdict, non_finite_part
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
@@ -65,18 +68,35 @@ def check_writable(workdir: str) -> None:
         raise PermissionError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
 
 
+class TrainingStopped(Exception):
+    """`train` stopped early on a signal (SIGTERM: preemption, a scheduler's time limit; SIGINT: Ctrl-C)
+    after saving a checkpoint: rerunning the same training resumes it. `exit_status` is the shell's
+    convention for a process ended by that signal, 128 + its number (143 for SIGTERM, 130 for SIGINT),
+    which `dsv-jax train` exits with so that a job script can requeue."""
+
+    def __init__(self, signum: int, step: int, records: list | None = None):
+        self.signum, self.step, self.records = int(signum), int(step), records or []
+        self.exit_status = 128 + self.signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step} (checkpoint saved): run the same "
+            f"command to resume (exit status {self.exit_status})"
+        )
+
+
 class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint and exits at the next step boundary.
-    A second Ctrl-C interrupts at once."""
+    A second Ctrl-C interrupts at once. `signum`: the first signal received (None: none here)."""
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None
         self._previous = {}
 
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        self.signum = self.signum or signum
         log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
 
     def __enter__(self):
@@ -167,8 +187,13 @@ class Trainer:
         resume: bool = True,
         progress: bool = True,
         checkpoint: int | None = None,
+        status_every: float = 30.0,
     ):
-        """`checkpoint`: the step to resume from (default: the newest readable one)."""
+        """`checkpoint`: the step to resume from (default: the newest readable one). `progress`: a progress
+        bar where stderr is a terminal; without one the run logs its status at least every `status_every`
+        seconds."""
+        if not status_every > 0:
+            raise ValueError(f"status_every={status_every} must be > 0 seconds")
         cfg = resolve_data_config(cfg)  # a prepared dataset's buckets and codec go into the saved config
         check_same_config(cfg)  # the processes of a multi-host run must agree
         self.cfg, self.workdir, self.progress = cfg, os.path.abspath(workdir), progress
@@ -178,6 +203,12 @@ class Trainer:
         check_writable(self.workdir)
         enable_compilation_cache()
         self.is_main = jax.process_index() == 0
+        self.show_bar = progress and self.is_main and on_terminal()
+        self.status_every = status_every
+        self.stop_signal: int | None = None  # the signal that stopped the last run() early, if one did
+        self._heartbeat: Heartbeat | None = None
+        self._phase: tuple[str, float] | None = None  # what the run is doing besides steps, since when
+        self._status = {}  # the training loop's position, for the status line
         dp = data_parallel_size(self.mesh)
         self.feed = make_feed(
             cfg, batch_multiple=dp, process_index=jax.process_index(), process_count=jax.process_count()
@@ -285,15 +316,62 @@ class Trainer:
 
     def precompile(self) -> float:
         t0 = time.perf_counter()
-        shapes = self.feed.shapes
-        for shape in tqdm(shapes, desc="compiling buckets", disable=not (self.progress and self.is_main), leave=False):
+        shapes, compiled = self.feed.shapes, 0
+        for i, shape in enumerate(shapes):
             # steps 0 and 1: with and without the predictor's update, where the policy alternates them
             variants = {self.attention_for(shape, step=step)[0] for step in (0, 1)}
-            variants.add(self.attention_for(shape, profile=True)[0])
-            for plans in variants:  # the profiling variant too, where the policy profiles
-                self.compiled_step(shape, plans)
+            variants.add(self.attention_for(shape, profile=True)[0])  # the profiling variant, where it profiles
+            new = [plans for plans in variants if (tuple(shape), plans) not in self._compiled]
+            if not new:
+                continue
+            more = f", {len(new)} attention variants" if len(new) > 1 else ""
+            with self.phase(
+                f"compiling the train step for bucket {'x'.join(map(str, shape))} ({i + 1} of {len(shapes)}{more})"
+            ):
+                for plans in new:
+                    self.compiled_step(shape, plans)
+            compiled += 1
         self._warm = True
+        if compiled:
+            self.say("compiled %d bucket(s) in %s", compiled, duration(time.perf_counter() - t0))
         return time.perf_counter() - t0
+
+    # -- what the run says while it works ----------------------------------------------------
+    def say(self, message: str, *args) -> None:
+        """A log line of the main process (it resets the status line's clock)."""
+        if not self.is_main:
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.say(message, *args)
+        else:
+            log.info(message, *args)
+
+    @contextlib.contextmanager
+    def phase(self, what: str):
+        """Announce `what` (compiling, evaluating) and report it as the status while it runs."""
+        previous = self._phase
+        self._phase = (what, time.monotonic())
+        self.say("%s ...", what)
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def status_line(self) -> str | None:
+        """The run's status: the phase it is in, or its step, loss, tokens/s and time to the end."""
+        if self._phase is not None:
+            what, since = self._phase
+            return f"{what}: {duration(time.monotonic() - since)} so far"
+        st = self._status
+        if not st:
+            return None
+        now, step = time.monotonic(), st["step"]
+        if step == st["first"]:
+            return f"step {step}/{st['end']}: the first step is running ({duration(now - st['t0'])} so far)"
+        rate = (st["tokens"] - st["beat_tokens"]) / max(now - st["beat_t"], 1e-9)
+        st["beat_tokens"], st["beat_t"] = st["tokens"], now
+        eta = (now - st["t0"]) / (step - st["first"]) * (st["end"] - step)
+        return f"step {step}/{st['end']}: loss {st['loss']:.4f}, {rate:,.0f} tokens/s, ETA {duration(eta)}"
 
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {
@@ -322,90 +400,17 @@ class Trainer:
         )
         records: list[dict[str, Any]] = []
         step = int(self.state.step)  # not start_step: run() may be called again (stop_at in rounds)
+        self.stop_signal = None
         if step >= end:
             log.info("nothing to train: at step %d of %d", step, end)
         else:
-            compile_s = self.precompile()
-            writer.write(
-                step,
-                {
-                    "compile_seconds": compile_s,
-                    "buckets": len(self.feed.shapes),
-                    **self.policy.summary(self.feed.shapes),
-                },
-            )
-            if self._data_state is not None:  # a second run() continues with the next batch, not past it
-                self.feed.set_state(self._data_state)
-            prefetch = Prefetcher(self.feed)
-            bar = tqdm(
-                total=end, initial=step, desc="train", disable=not (self.progress and self.is_main), dynamic_ncols=True
-            )
-            pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
-            # Host time spent beside the steps in the current log window (compiling a new attention variant,
-            # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
-            aside = 0.0
-
-            def timed(fn, *args):
-                nonlocal aside
-                t0 = time.perf_counter()
+            # the status line where no bar shows progress (a batch job's log, --no-progress)
+            with Heartbeat(self.status_every, self.status_line, enabled=self.is_main and not self.show_bar) as beat:
+                self._heartbeat = beat
                 try:
-                    return fn(*args)
+                    self._train_loop(writer, guard, records, step, end, total)
                 finally:
-                    aside += time.perf_counter() - t0
-
-            try:
-                with StopRequest() as stop:
-                    while step < end and not any_process(stop.requested) and not guard.should_stop:
-                        batch = prefetch.next()
-                        shape = batch["latents"].shape[1:4]
-                        b_global = batch["latents"].shape[0] * jax.process_count()
-                        lr = np.float32(lr_at(cfg.train, step))
-                        self._policy_events(writer, step, self.policy.before_step(step))
-                        profile = self.policy.profile_due(step, shape)
-                        plans, inputs = self.attention_for(shape, profile=profile, step=step)
-                        args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
-                        self.state, metrics = timed(self.compiled_step, shape, plans)(*args)
-                        extra = self.policy.record(shape)
-                        step += 1
-                        if profile:  # the policy decides on this step's statistics (a host sync)
-                            host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
-                            self._policy_events(writer, step, self.policy.observe(step - 1, shape, host))
-                        if self._check_step(step, metrics).bad == "diverged":
-                            extra = {**extra, "diverged": 1}
-                        window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
-                        window_flops = window_flops + self.step_flops(shape, b_global, plans, inputs)
-                        pending.append((step, shape, b_global, metrics, extra))
-                        save_due = step % cfg.train.ckpt_every == 0 and step < end
-                        if step % cfg.train.log_every == 0 or step == end or save_due:  # no checkpoint ahead of the log
-                            jax.block_until_ready(metrics)
-                            elapsed = time.perf_counter() - window_t0 - aside
-                            for rec in self._records(pending, elapsed, window_tokens, window_flops):
-                                writer.write(rec["step"], rec)
-                                records.append(rec)
-                            bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
-                            pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
-                            aside = 0.0
-                        bar.update(1)
-                        if save_due:
-                            timed(self.save, prefetch.state)
-                        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                            writer.write(step, timed(self.evaluate))
-                    elapsed = time.perf_counter() - window_t0 - aside
-                    for rec in self._records(pending, elapsed, window_tokens, window_flops):
-                        writer.write(rec["step"], rec)
-                        records.append(rec)
-                    self.save(prefetch.state)
-                    stopped = step < end
-            finally:
-                prefetch.close()
-                self._data_state = prefetch.state
-                bar.close()
-            if not stopped and step == total and guard.healthy:
-                held_out = self.evaluate()
-                writer.write(step, held_out)
-                loss = held_out.get("eval_loss", held_out.get("train_records_loss"))
-                if loss is not None:  # the last save's first loss
-                    self.checkpointer.judge(step, math.isfinite(loss), f"held-out loss {loss:.4g}")
+                    self._heartbeat = None
         self.checkpointer.wait()
         writer.close()
         self._logged_step = int(self.state.step)
@@ -413,12 +418,111 @@ class Trainer:
             raise guard.error(self.checkpointer.newest_good())
         return records
 
+    def _train_loop(self, writer, guard, records, step, end, total) -> None:
+        """Compile, then train from `step` to `end` (see run); `records` collects the logged records."""
+        cfg = self.cfg
+        compile_s = self.precompile()
+        writer.write(
+            step,
+            {
+                "compile_seconds": compile_s,
+                "buckets": len(self.feed.shapes),
+                **self.policy.summary(self.feed.shapes),
+            },
+        )
+        if self._data_state is not None:  # a second run() continues with the next batch, not past it
+            self.feed.set_state(self._data_state)
+        prefetch = Prefetcher(self.feed)
+        bar = tqdm_class()(total=end, initial=step, desc="train", disable=not self.show_bar, dynamic_ncols=True)
+        now = time.monotonic()  # the status line's rates and ETA count from here
+        self._status = dict(
+            step=step, first=step, end=end, loss=float("nan"), tokens=0, t0=now, beat_t=now, beat_tokens=0
+        )
+        pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
+        # Host time spent beside the steps in the current log window (compiling a new attention variant,
+        # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
+        aside = 0.0
+
+        def timed(fn, *args):
+            nonlocal aside
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                aside += time.perf_counter() - t0
+
+        try:
+            with StopRequest() as stop:
+                signalled = False
+                while step < end and not guard.should_stop:
+                    if any_process(stop.requested):  # a signal on any process stops all of them here
+                        signalled = True
+                        break
+                    batch = prefetch.next()
+                    shape = batch["latents"].shape[1:4]
+                    b_global = batch["latents"].shape[0] * jax.process_count()
+                    lr = np.float32(lr_at(cfg.train, step))
+                    self._policy_events(writer, step, self.policy.before_step(step))
+                    profile = self.policy.profile_due(step, shape)
+                    plans, inputs = self.attention_for(shape, profile=profile, step=step)
+                    args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
+                    self.state, metrics = timed(self.compiled_step, shape, plans)(*args)
+                    extra = self.policy.record(shape)
+                    step += 1
+                    if profile:  # the policy decides on this step's statistics (a host sync)
+                        host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
+                        self._policy_events(writer, step, self.policy.observe(step - 1, shape, host))
+                    verdict = self._check_step(step, metrics)
+                    if verdict.bad == "diverged":
+                        extra = {**extra, "diverged": 1}
+                    tokens = b_global * tokens_per_sample(shape, cfg.model.patch)
+                    window_tokens += tokens
+                    self._status.update(step=step, loss=verdict.loss, tokens=self._status["tokens"] + tokens)
+                    window_flops = window_flops + self.step_flops(shape, b_global, plans, inputs)
+                    pending.append((step, shape, b_global, metrics, extra))
+                    save_due = step % cfg.train.ckpt_every == 0 and step < end
+                    if step % cfg.train.log_every == 0 or step == end or save_due:  # no checkpoint ahead of the log
+                        jax.block_until_ready(metrics)
+                        elapsed = time.perf_counter() - window_t0 - aside
+                        for rec in self._records(pending, elapsed, window_tokens, window_flops):
+                            writer.write(rec["step"], rec)
+                            records.append(rec)
+                        bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", refresh=False)
+                        pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
+                        aside = 0.0
+                    bar.update(1)
+                    if save_due:
+                        timed(self.save, prefetch.state)
+                    if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                        writer.write(step, timed(self.evaluate))
+                elapsed = time.perf_counter() - window_t0 - aside
+                for rec in self._records(pending, elapsed, window_tokens, window_flops):
+                    writer.write(rec["step"], rec)
+                    records.append(rec)
+                self.save(prefetch.state)
+                stopped = step < end
+                if signalled:  # a process without a signal of its own was stopped by another's: as SIGTERM
+                    self.stop_signal = stop.signum or signal.SIGTERM
+        finally:
+            prefetch.close()
+            self._data_state = prefetch.state
+            bar.close()
+            self._status = {}
+        if not stopped and step == total and guard.healthy:
+            held_out = self.evaluate()
+            writer.write(step, held_out)
+            loss = held_out.get("eval_loss", held_out.get("train_records_loss"))
+            if loss is not None:  # the last save's first loss
+                self.checkpointer.judge(step, math.isfinite(loss), f"held-out loss {loss:.4g}")
+
     def _check_step(self, step: int, metrics) -> Verdict:
         """The guard's verdict on a step, which is also the verdict on a checkpoint saved one step
         earlier. Reading the loss waits for the step: the host never runs ahead of the device, so a
         signal stops the loop at the next step boundary (not after all the steps dispatched ahead)."""
-        loss, finite = jax.device_get(jax.block_until_ready((metrics["loss"], metrics["finite"])))  # every shard
-        verdict = self.guard.observe(step, loss, bool(finite))
+        loss, finite, grad_norm = jax.device_get(
+            jax.block_until_ready((metrics["loss"], metrics["finite"], metrics["grad_norm"]))  # every shard
+        )
+        verdict = self.guard.observe(step, loss, bool(finite), float(grad_norm))
         self.checkpointer.judge(step - 1, verdict.bad is None, verdict.reason or f"next loss {verdict.loss:.4g}")
         return verdict
 
@@ -450,7 +554,9 @@ class Trainer:
                 **mfu,
             )
             if not m["finite"]:
-                log.warning("step %d: non-finite loss or gradient, update skipped", step)
+                log.warning(
+                    "step %d: %s, update skipped", step, non_finite_part(float(m["loss"]), float(m["grad_norm"]))
+                )
             if m.get("cp/fallback") is not None and np.any(m["cp/fallback"]):
                 log.warning(
                     "step %d: selective context attention overflowed its capacity in %d block(s) (%d KV "
@@ -479,6 +585,10 @@ class Trainer:
         or `train_records_loss` where the data has no held-out split (a prepared dataset without
         --eval-fraction: the loss is then measured on training records). Both of the trained weights;
         with an EMA of the weights the same of the EMA too, as `eval_loss_ema` (what `dsv-jax eval` reports)."""
+        with self.phase("evaluating the held-out loss"):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         cfg = self.cfg
         eval_feed = make_feed(
             cfg,
@@ -548,10 +658,15 @@ def train(
     progress: bool = True,
     sample: bool | None = None,
     checkpoint: int | None = None,
+    status_every: float = 30.0,
 ) -> list[dict[str, Any]]:
     """Train (resuming from workdir, or from its `checkpoint` step), then write a sample GIF of the
-    trained model if configured. Raises TrainingDiverged (no sample) when the guard stops the run."""
-    trainer = Trainer(cfg, workdir, devices=devices, progress=progress, checkpoint=checkpoint)
+    trained model if configured. Raises TrainingDiverged (no sample) when the guard stops the run, and
+    TrainingStopped (a checkpoint saved, no sample) when a signal (SIGTERM, Ctrl-C) stopped it early.
+    `status_every`: see Trainer."""
+    trainer = Trainer(
+        cfg, workdir, devices=devices, progress=progress, checkpoint=checkpoint, status_every=status_every
+    )
     cfg = trainer.cfg  # as resolved (a prepared dataset's buckets and codec)
     try:
         records = trainer.run(stop_at=stop_at)
@@ -560,6 +675,8 @@ def train(
             sample_at_end(trainer)
     finally:
         trainer.close()
+    if trainer.stop_signal is not None:
+        raise TrainingStopped(trainer.stop_signal, int(trainer.state.step), records)
     return records
 
 
