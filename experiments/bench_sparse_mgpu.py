@@ -466,7 +466,7 @@ def plan_rows(seqs, sparsities, rows, small_check=True):
     if unknown:
         raise ValueError(f"--rows {unknown}: known rows are {sorted(GRANULARITY_ROWS)}")
     jobs = []
-    cases = [c for c in SMALL_CASES_FINE if c[1] in rows] + [c for c in SMALL_CASES[:1] if 64 in rows]
+    cases = [c for c in SMALL_CASES_FINE if c[1] in rows]  # kv_block 64's kernels: checked at their size
     if small_check and cases:
         jobs.append({"seq": 1536, "impl": "small_check", "options": {}, "cases": [list(c) for c in cases]})
     for seq in seqs:

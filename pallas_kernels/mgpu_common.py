@@ -552,11 +552,14 @@ class FineWalk(KVWalk):
         g = self.kv_block
 
         def copies(list_id, step, slot, barrier):
-            for i in range(self.sub):
-                entry = jnp.minimum(step * self.sub + i, slices[list_id] - 1)
-                rows = pl.ds(block_of(list_id, entry) * g, g)
+            # All of the step's block ids first: independent loads in flight together (one L2 read of the
+            # step's contiguous entries), not one load before each copy's issue.
+            ids = [block_of(list_id, jnp.minimum(step * self.sub + i, slices[list_id] - 1)) for i in range(self.sub)]
+            for i, block in enumerate(ids):
                 plgpu.copy_gmem_to_smem(
-                    src_ref.at[bi, rows, hi], dst_smem.at[list_id * stages + slot, pl.ds(i * g, g)], barrier
+                    src_ref.at[bi, pl.ds(block * g, g), hi],
+                    dst_smem.at[list_id * stages + slot, pl.ds(i * g, g)],
+                    barrier,
                 )
 
         return copies
