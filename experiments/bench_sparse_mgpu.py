@@ -1,6 +1,14 @@
 """Check and time the Mosaic GPU (Hopper) block-sparse attention against the Triton path and cuDNN.
 
     python -m experiments.bench_sparse_mgpu [--seqs 32768 65536] [--sparsities 0.9 0.95] [--budget-s 540]
+    python -m experiments.bench_sparse_mgpu --rows 16,1,32,64 --seqs 65536 --budget-s 480
+
+--rows: one row per KV granularity, side by side with cuDNN in one run (written to
+bench_sparse_mgpu_granularity.json): 16, 32 and 64 are the Mosaic GPU kernels at 128-row query tiles; 1 is
+token level (32-query groups, each keeping a multiple of 256 random tokens, as the DSV authors' kernel),
+run on whatever path `sparse_attention(impl="auto")` picks for it (recorded). Rows run in the order given;
+each is checked against the reference at its first sparsity before it is timed, and a row whose check fails
+is reported as failed and not timed (nor are its other sparsities).
 
 Per sequence length S (B=1, H=16, D=128, bf16, q_tile 64, kv_block 64, uniformly random 64-token blocks,
 every tile keeping round((1 - sparsity) * S / 64) of them):
@@ -46,13 +54,22 @@ def set_geometry(options: dict) -> dict:
     return options
 
 
-def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=None, kv_block=None, seed=0):
-    """q, k, v, cotangent (bf16 normal) and a uniformly random selection (ascending ids, full counts)."""
+def kept_blocks(seq, sparsity, kv_block, multiple=1):
+    """Blocks each tile keeps: round((1 - sparsity) * blocks), rounded up to a multiple of `multiple` (the
+    DSV authors' token lists: 256)."""
+    n = max(1, round((1.0 - sparsity) * (seq // kv_block)))
+    return min(-(-n // multiple) * multiple, seq // kv_block)
+
+
+def inputs(seq, sparsity, heads=HEADS, head_dim=HEAD_DIM, q_tile=None, kv_block=None, seed=0, multiple=1):
+    """q, k, v, cotangent (bf16 normal) and a uniformly random selection (ascending ids, full counts of
+    `kept_blocks`)."""
     q_tile, kv_block = q_tile or Q_TILE, kv_block or KV_BLOCK
     k_qkv, k_sel = jax.random.split(jax.random.key(seed))
     q, k, v, w = harness.random_qkv(k_qkv, seq, heads, head_dim)
+    keep = kept_blocks(seq, sparsity, kv_block, multiple) / (seq // kv_block)
     index, count = harness.random_selection(
-        k_sel, seq=seq, heads=heads, q_tile=q_tile, kv_block=kv_block, keep=1.0 - sparsity, local_share=0.0
+        k_sel, seq=seq, heads=heads, q_tile=q_tile, kv_block=kv_block, keep=keep, local_share=0.0
     )
     return q, k, v, w, index, count
 
@@ -66,6 +83,11 @@ def attention_fns(impl, index, count, **options):
     """(fwd(q, k, v), fwd_bwd(q, k, v, w)) of one implementation, jitted."""
     if impl == "cudnn":
         attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    elif impl == "auto":  # whatever sparse_attention picks on this device (kernel_path)
+        from pallas_kernels.sparse_attention import sparse_attention
+
+        def attend(q, k, v):
+            return sparse_attention(q, k, v, index, count, q_tile=Q_TILE, kv_block=KV_BLOCK)
     elif impl == "triton":
         from pallas_kernels.sparse_attention_triton import sparse_attention_pallas
         from pallas_kernels.tuning import for_device
@@ -92,12 +114,12 @@ def attention_fns(impl, index, count, **options):
     return jax.jit(attend), jax.jit(harness.fwd_bwd(attend))
 
 
-def check(seq, sparsity, options):
-    """Relative errors of o, dq, dk, dv of the Mosaic GPU path against the reference, at this size."""
+def check(seq, sparsity, options, impl="mgpu", multiple=1):
+    """Relative errors of o, dq, dk, dv of the path `impl` against the reference, at this size."""
     from pallas_kernels.sparse_attention import sparse_attention_reference
 
-    q, k, v, w, index, count = inputs(seq, sparsity, seed=1)
-    fwd, fwd_bwd = attention_fns("mgpu", index, count, **options)
+    q, k, v, w, index, count = inputs(seq, sparsity, seed=1, multiple=multiple)
+    fwd, fwd_bwd = attention_fns(impl, index, count, **options)
     o = np.asarray(fwd(q, k, v), np.float64)
     grads = [np.asarray(g, np.float64) for g in fwd_bwd(q, k, v, w)[1]]
 
@@ -134,17 +156,23 @@ SMALL_CASES = [  # (q_tile, kv_block, D, masked): both list modes of every kerne
     (128, 64, 64, False),
     (64, 192, 128, True),
 ]
+SMALL_CASES_FINE = [  # the 16- and 32-row blocks: both list modes of the forward and dQ, both head dims
+    (128, 16, 128, True),
+    (64, 16, 64, False),
+    (128, 32, 128, False),
+    (64, 32, 128, True),
+]
 
 
-def small_check(options=None):
+def small_check(options=None, cases=None):
     """The compiled kernels at S=1536, H=2 against dense_masked_reference: random counts including empty
     tiles, random kv_valid including empty blocks, lse with its cotangent. Errors per case. `options`:
-    tuning of the Mosaic GPU path (a variant's)."""
+    tuning of the Mosaic GPU path (a variant's); cases: (q_tile, kv_block, D, masked) (default SMALL_CASES)."""
     from pallas_kernels.sparse_attention_mgpu import check_smem, default_config, sparse_attention_mgpu
 
     b, s, h = 1, 1536, 2
     rows = []
-    for case, (q_tile, kv_block, d, masked) in enumerate(SMALL_CASES):
+    for case, (q_tile, kv_block, d, masked) in enumerate(cases or SMALL_CASES):
         row = {"q_tile": q_tile, "kv_block": kv_block, "head_dim": d, "masked": masked}
         try:  # a tuning made for one geometry (e.g. 128-row steps at q_tile 128) may not fit another's SMEM
             check_smem(default_config(q_tile, kv_block, d, 1.0, tuning=options))
@@ -233,9 +261,15 @@ def pieces(q, k, v, w, index, count, options, interpret=False):
     kernel and the dK/dV kernel; products: the 64 x 64 x D products each runs per (query tile, KV block)
     pair (the forward 2, dQ 3 as it recomputes S and dP, dK/dV 4)."""
     from pallas_kernels import sparse_attention_mgpu as mgpu
-    from pallas_kernels import sparse_attention_mgpu_bwd as bwd
     from pallas_kernels import sparse_attention_mgpu_fwd as fwd
+    from pallas_kernels.mgpu_common import ROWS
     from pallas_kernels.sparse_index import sanitize_index
+
+    if KV_BLOCK < ROWS:  # 16- or 32-row blocks: their own dK/dV kernel (the forward and dQ are shared)
+        from pallas_kernels import sparse_attention_mgpu_fine as dkdv_kernels
+    else:
+        from pallas_kernels import sparse_attention_mgpu_bwd as dkdv_kernels
+    from pallas_kernels import sparse_attention_mgpu_bwd as bwd
 
     seq = q.shape[1]
     cfg = mgpu.default_config(Q_TILE, KV_BLOCK, HEAD_DIM, HEAD_DIM**-0.5, interpret=interpret, tuning=options)
@@ -248,7 +282,9 @@ def pieces(q, k, v, w, index, count, options, interpret=False):
     worklist = jax.jit(lambda index, count: mgpu.dkdv_schedule(index, count, cfg, seq))
     tiles, starts, blocks = worklist(index, count)
     dq = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dq(q, k, v, w, lse2, delta, index, count, None, cfg))
-    dkdv = jax.jit(lambda q, k, v, w, lse2, delta: bwd.dkdv(q, k, v, w, lse2, delta, tiles, starts, blocks, None, cfg))
+    dkdv = jax.jit(
+        lambda q, k, v, w, lse2, delta: dkdv_kernels.dkdv(q, k, v, w, lse2, delta, tiles, starts, blocks, None, cfg)
+    )
     grads_in = (q, k, v, w, lse2, delta)
     return [
         ("fwd", forward, (q, k, v), 2),
@@ -272,12 +308,13 @@ def parts(q, k, v, w, index, count, options):
     return out
 
 
-def select_and_attend(q, k, v, w, top_k, options):
-    """Selection (lowrank_topk on random rank-16 q, k: its picks are random blocks) then fwd+bwd of the Mosaic
-    GPU path on them, compiled as one program: the issue's "selection + fwd + bwd" time. Also the selection
-    alone. Median ms of each."""
+def select_and_attend(q, k, v, w, top_k, options, impl="mgpu"):
+    """Selection (lowrank_topk on random rank-16 q, k: its picks are random blocks) then fwd+bwd of the path
+    `impl` ("mgpu": the Mosaic GPU kernels; "auto": sparse_attention's choice) on them, compiled as one
+    program: the issue's "selection + fwd + bwd" time. Also the selection alone. Median ms of each."""
     from pallas_kernels.lowering import triton_missing
     from pallas_kernels.lowrank_topk import lowrank_topk
+    from pallas_kernels.sparse_attention import sparse_attention
     from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu
 
     b, seq, heads, _ = q.shape
@@ -291,9 +328,12 @@ def select_and_attend(q, k, v, w, top_k, options):
     def step(q, k, v, w, q_lr, k_lr):
         ids = select(q_lr, k_lr)
         count = jnp.full(ids.shape[:3], top_k, jnp.int32)
-        attend = lambda q, k, v: sparse_attention_mgpu(
-            q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK, tuning=options
-        )
+        if impl == "mgpu":
+            attend = lambda q, k, v: sparse_attention_mgpu(
+                q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK, tuning=options
+            )
+        else:
+            attend = lambda q, k, v: sparse_attention(q, k, v, ids, count, q_tile=Q_TILE, kv_block=KV_BLOCK)
         return harness.fwd_bwd(attend)(q, k, v, w)
 
     return {
@@ -309,22 +349,31 @@ def measure(job):
     out = {"job": job, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     try:
         if job["impl"] == "small_check":
-            out["cases"] = small_check(job.get("options"))
+            cases = [tuple(c) for c in job["cases"]] if "cases" in job else None
+            out["cases"] = small_check(job.get("options"), cases)
             return out
         seq, impl = job["seq"], job["impl"]
         options = set_geometry(job.get("options", {}))
+        multiple = job.get("keep_multiple", 1)
+        if impl == "auto":
+            from pallas_kernels.sparse_attention import kernel_path
+
+            x = jax.ShapeDtypeStruct((1, seq, HEADS, HEAD_DIM), jnp.bfloat16)
+            out["path"] = kernel_path(x, x, x, q_tile=Q_TILE, kv_block=KV_BLOCK)[0]
         if job.get("check"):
             t0 = time.perf_counter()
-            out["check"] = check(seq, job["sparsity"], options)
+            out["check"] = check(seq, job["sparsity"], options, impl, multiple)
             out["check_s"] = time.perf_counter() - t0
-        q, k, v, w, index, count = inputs(seq, job.get("sparsity", 0.0))
+            if not out["check"]["correct"]:  # a wrong kernel is reported, not timed
+                return out
+        q, k, v, w, index, count = inputs(seq, job.get("sparsity", 0.0), multiple=multiple)
         kept = seq if impl == "cudnn" else float(count[0, 0, 0]) * KV_BLOCK
         fwd, fwd_bwd = attention_fns(impl, index, count, **options)
-        if job.get("parts"):
+        if job.get("parts") and impl == "mgpu":
             out["parts"] = parts(q, k, v, w, index, count, options)
         if job.get("select"):  # its own failure must not cost the job's kernel timings
             try:
-                out["with_selection"] = select_and_attend(q, k, v, w, int(count[0, 0, 0]), options)
+                out["with_selection"] = select_and_attend(q, k, v, w, int(count[0, 0, 0]), options, impl)
             except Exception as e:
                 out["with_selection"] = {"error": error_text(e, trace=True)}
         t0 = time.perf_counter()
@@ -378,6 +427,44 @@ def plan(seqs, sparsities, variants, small_check=True, check_all=True, triton=Tr
     return jobs
 
 
+GRANULARITY_ROWS = {  # --rows: KV granularity -> the path and geometry it is benchmarked on
+    64: {"impl": "mgpu", "options": {"q_tile": 128, "kv_block": 64}},
+    32: {"impl": "mgpu", "options": {"q_tile": 128, "kv_block": 32}},
+    16: {"impl": "mgpu", "options": {"q_tile": 128, "kv_block": 16}},
+    1: {"impl": "auto", "options": {"q_tile": 32, "kv_block": 1}, "keep_multiple": 256},
+}
+
+
+def plan_rows(seqs, sparsities, rows, small_check=True):
+    """Jobs of a --rows run, in the order of `rows` (KV granularities, keys of GRANULARITY_ROWS): the small
+    check of the geometries the Mosaic GPU rows use, then per sequence length cuDNN and each row at each
+    sparsity, checked at the first sparsity (before it is timed), in pieces where the path has them, and
+    with the selection."""
+    unknown = [r for r in rows if r not in GRANULARITY_ROWS]
+    if unknown:
+        raise ValueError(f"--rows {unknown}: known rows are {sorted(GRANULARITY_ROWS)}")
+    jobs = []
+    cases = [c for c in SMALL_CASES_FINE if c[1] in rows]  # kv_block 64's kernels: checked at their size
+    if small_check and cases:
+        jobs.append({"seq": 1536, "impl": "small_check", "options": {}, "cases": [list(c) for c in cases]})
+    for seq in seqs:
+        jobs.append({"seq": seq, "impl": "cudnn"})
+        for row in rows:
+            spec = GRANULARITY_ROWS[row]
+            for sparsity in sparsities:
+                job = {"seq": seq, "sparsity": sparsity, "impl": spec["impl"], "options": dict(spec["options"])}
+                job.update(row=row, check=sparsity == sparsities[0], parts=True, select=True)
+                if "keep_multiple" in spec:
+                    job["keep_multiple"] = spec["keep_multiple"]
+                jobs.append(job)
+    return jobs
+
+
+def failed_check(result) -> bool:
+    """Whether a job's correctness check ran and failed (or its job failed before timing)."""
+    return ("check" in result and not result["check"]["correct"]) or (result["job"].get("check") and "error" in result)
+
+
 def summarise(results):
     dense = {r["job"]["seq"]: r for r in results if r["job"]["impl"] == "cudnn" and "fwd_bwd" in r}
     rows = []
@@ -385,12 +472,23 @@ def summarise(results):
         job = r["job"]
         if job["impl"] == "small_check":
             continue
+        options = job.get("options", {})
         row = {
             "seq": job["seq"],
             "sparsity": job.get("sparsity", 0.0),
             "impl": job["impl"],
-            "options": json.dumps(job.get("options", {})),
+            "options": json.dumps(options),
         }
+        if job["impl"] != "cudnn":
+            row["kv_block"] = options.get("kv_block", KV_BLOCK)
+            row["q_tile"] = options.get("q_tile", Q_TILE)
+            row["path"] = r.get("path", job["impl"])
+        if "kept_keys" in r:
+            row["kept_keys"] = r["kept_keys"]
+        if "skipped" in r:
+            row["status"] = r["skipped"]
+        elif failed_check(r):
+            row["status"] = "FAILED check: not timed"
         if "error" in r:
             row["error"] = r["error"].splitlines()[0][:120]
         if "check" in r:
@@ -402,6 +500,7 @@ def summarise(results):
             row["fwd_ms"] = r["fwd"]["median_ms"]
             row["fwd_spread"] = f"{r['fwd']['min_ms']:.3g}-{r['fwd']['max_ms']:.3g}"
             row["fwd_bwd_ms"] = r["fwd_bwd"]["median_ms"]
+            row["bwd_ms"] = r["fwd_bwd"]["median_ms"] - r["fwd"]["median_ms"]
             row["fb_spread"] = f"{r['fwd_bwd']['min_ms']:.3g}-{r['fwd_bwd']['max_ms']:.3g}"
             row["fwd_tflops"], row["fwd_bwd_tflops"] = r["fwd_tflops"], r["fwd_bwd_tflops"]
             base = dense.get(job["seq"])
@@ -423,6 +522,76 @@ def summarise(results):
     return rows
 
 
+def run_jobs(jobs, budget, job_timeout_s, runner=None):
+    """(results, skipped): each job run by `runner(job, timeout_s)` (run_child) while the budget allows ~30 s
+    more; a --rows job whose row failed its check (or failed outright) at an earlier sparsity is not run but
+    recorded as skipped with the reason."""
+    runner = runner or run_child
+    results, skipped, failed = [], [], {}
+    for job in jobs:
+        key = (job["seq"], job.get("row"))
+        if job.get("row") is not None and key in failed:  # the kernel was wrong at another sparsity
+            results.append({"job": job, "skipped": failed[key]})
+            continue
+        if not budget.allows(30):
+            skipped.append(job)
+            continue
+        r = runner(job, min(job_timeout_s, budget.left()))
+        results.append(r)
+        if job.get("row") is not None and failed_check(r):
+            failed[key] = f"not timed: row {job['row']} failed at sparsity {job['sparsity']} (its check or its run)"
+        print(
+            f"[{budget.elapsed():5.0f} s] {json.dumps(job)}: "
+            f"{r.get('error', '').splitlines()[0][:200] if 'error' in r else 'ok'}",
+            flush=True,
+        )
+    return results, skipped
+
+
+COLUMNS = [
+    "seq",
+    "sparsity",
+    "impl",
+    "options",
+    "correct",
+    "max_err",
+    "fwd_ms",
+    "fwd_spread",
+    "fwd_bwd_ms",
+    "fb_spread",
+    "fwd_tflops",
+    "fwd_bwd_tflops",
+    "fwd_vs_cudnn_rate",
+    "fwd_bwd_vs_cudnn_rate",
+    "fwd_bwd_speedup",
+    "select_ms",
+    "select_fwd_bwd_ms",
+    "sfb_spread",
+    "select_fwd_bwd_speedup",
+]
+ROWS_COLUMNS = [  # --rows: one line per (granularity, sparsity), pieces and selection beside the totals
+    "seq",
+    "sparsity",
+    "kv_block",
+    "q_tile",
+    "path",
+    "status",
+    "correct",
+    "max_err",
+    "kept_keys",
+    "select_ms",
+    "fwd_ms",
+    "bwd_ms",
+    "fwd_bwd_ms",
+    "fb_spread",
+    "fwd_bwd_speedup",
+    "fwd_bwd_vs_cudnn_rate",
+    "select_fwd_bwd_ms",
+    "sfb_spread",
+    "select_fwd_bwd_speedup",
+]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
@@ -442,6 +611,12 @@ def main():
         help="check against the reference at the first sparsity of each size only",
     )
     parser.add_argument("--no-triton", action="store_true", help="leave the Triton path out")
+    parser.add_argument(
+        "--rows",
+        help="comma-separated KV granularities to benchmark side by side with cuDNN, in this order "
+        f"(of {sorted(GRANULARITY_ROWS)}; e.g. 16,1,32,64); replaces --variants",
+    )
+    parser.add_argument("--name", help="results file name (default bench_sparse_mgpu, with --rows _granularity)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
@@ -449,29 +624,23 @@ def main():
         return
 
     budget = harness.Budget(args.budget_s)
-    results, skipped = [], []
-    for job in plan(
-        args.seqs,
-        args.sparsities,
-        json.loads(args.variants),
-        not args.no_small_check,
-        not args.check_first_sparsity_only,
-        not args.no_triton,
-    ):
-        if not budget.allows(30):
-            skipped.append(job)
-            continue
-        results.append(run_child(job, min(args.job_timeout_s, budget.left())))
-        r = results[-1]
-        print(
-            f"[{budget.elapsed():5.0f} s] {json.dumps(job)}: "
-            f"{r.get('error', '').splitlines()[0][:200] if 'error' in r else 'ok'}",
-            flush=True,
+    rows_run = [int(r) for r in args.rows.split(",")] if args.rows else None
+    if rows_run:
+        jobs = plan_rows(args.seqs, args.sparsities, rows_run, not args.no_small_check)
+    else:
+        jobs = plan(
+            args.seqs,
+            args.sparsities,
+            json.loads(args.variants),
+            not args.no_small_check,
+            not args.check_first_sparsity_only,
+            not args.no_triton,
         )
+    results, skipped = run_jobs(jobs, budget, args.job_timeout_s)
 
     rows = summarise(results)
     path = harness.write_results(
-        "bench_sparse_mgpu",
+        args.name or ("bench_sparse_mgpu_granularity" if rows_run else "bench_sparse_mgpu"),
         {
             "config": {
                 "batch": 1,
@@ -482,10 +651,11 @@ def main():
                 "kv_block": KV_BLOCK,
                 "geometry": "q_tile, kv_block: the default; a "
                 "variant's own q_tile / kv_block override them for its jobs",
-                "selection": "uniform random blocks, full counts",
+                "selection": "uniform random blocks, full counts (token rows: rounded up to a multiple of 256)",
                 "seqs": args.seqs,
                 "sparsities": args.sparsities,
                 "variants": json.loads(args.variants),
+                "rows": {r: GRANULARITY_ROWS[r] for r in rows_run} if rows_run else None,
                 "flops": "fwd 4*B*H*S*kept*D, fwd+bwd 3.5x",
                 "timing": "harness.time_fn: median of 7 repetitions, each n back-to-back calls blocked once (~200 ms)",
             },
@@ -502,30 +672,7 @@ def main():
             shown = {k_: (f"{v_:.2e}" if isinstance(v_, float) else v_) for k_, v_ in case.items() if k_ != "error"}
             print("small check", json.dumps(r["job"].get("options", {})), shown, case.get("error", "")[:600])
     print(f"\nwrote {path}")
-    harness.print_table(
-        rows,
-        [
-            "seq",
-            "sparsity",
-            "impl",
-            "options",
-            "correct",
-            "max_err",
-            "fwd_ms",
-            "fwd_spread",
-            "fwd_bwd_ms",
-            "fb_spread",
-            "fwd_tflops",
-            "fwd_bwd_tflops",
-            "fwd_vs_cudnn_rate",
-            "fwd_bwd_vs_cudnn_rate",
-            "fwd_bwd_speedup",
-            "select_ms",
-            "select_fwd_bwd_ms",
-            "sfb_spread",
-            "select_fwd_bwd_speedup",
-        ],
-    )
+    harness.print_table(rows, ROWS_COLUMNS if rows_run else COLUMNS)
     part_rows = [r for r in rows if "dq_kernel_ms" in r]
     if part_rows:
         print(

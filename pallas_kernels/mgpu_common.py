@@ -404,6 +404,10 @@ class KVWalk:
 
         return copies
 
+    def keep(self, ops, shape, valid: Sequence):
+        """Which columns of a step's [64, step_rows] tile hold valid keys (valid: valid_keys of the step)."""
+        return slice_limit(ops, shape, valid)
+
 
 def slice_limit(ops, shape, valid: Sequence):
     """Column c of a [64, 64 * len(valid)] tile is kept iff c < this: slice i's valid keys, each in
@@ -503,6 +507,11 @@ class AttentionConfig:
         if kernel == "dq":  # Q, dO, lse, delta per consumer; K, V per ring stage
             step = self.dq_step_rows * self.head_dim * itemsize
             return CONSUMERS * (2 * tile + 2 * rows_f32) + 2 * self.fwd_lists * self.dq_stages * step
+        if kernel == "dkdv" and self.kv_block < ROWS:  # sparse_attention_mgpu_fine: per consumer its block's K, V,
+            # P and dS, the dK^T, dV^T out tiles; per ring stage Q, dO, lse, delta (two lists)
+            g = self.kv_block
+            per_consumer = 2 * g * self.head_dim * itemsize + 2 * ROWS * g * itemsize + 2 * self.head_dim * g * itemsize
+            return CONSUMERS * per_consumer + 2 * self.dkdv_stages * (2 * tile + 2 * rows_f32)
         if kernel == "dkdv":  # K, V per consumer; Q, dO, lse, delta per ring stage
             return 2 * CONSUMERS * tile + self.dkdv_lists * self.dkdv_stages * (2 * tile + 2 * rows_f32)
         raise ValueError(f"unknown kernel {kernel!r}")
@@ -522,7 +531,9 @@ class AttentionConfig:
 
     @property
     def dkdv_rows(self) -> int:
-        """Key rows that one dK/dV work list covers."""
+        """Key rows that one dK/dV work list covers (one block below 64 rows: sparse_attention_mgpu_fine)."""
+        if self.kv_block < ROWS:
+            return self.kv_block
         return 2 * ROWS if self.dkdv_lists == 1 else ROWS
 
     def interpret_params(self):
@@ -531,3 +542,68 @@ class AttentionConfig:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         return InterpretGPUParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class FineWalk(KVWalk):
+    """The forward's and dQ's walk over KV blocks of fewer than 64 rows (kv_block 16 or 32): a slice is one
+    block (one list entry), a step `step_rows // kv_block` of them, each brought by its own TMA copy into the
+    step's ring stage at a row offset that is a multiple of kv_block (whole 8-row swizzle tiles). A partial last
+    step repeats the list's last entry (finite data) and masks it; with kv_valid each block masks its own rows."""
+
+    @property
+    def per_block(self) -> int:
+        return 1
+
+    @property
+    def sub(self) -> int:
+        return self.step_rows // self.kv_block
+
+    def split(self, sl):
+        return sl, 0
+
+    def valid_keys(self, step, slices, valid_of_entry=None) -> tuple:
+        """Valid keys of each block of `step`, in [0, kv_block], 0 past the list's end."""
+        out = []
+        for i in range(self.sub):
+            sl = step * self.sub + i
+            if valid_of_entry is None:
+                keys = self.kv_block
+            else:
+                keys = jnp.clip(valid_of_entry(jnp.clip(sl, 0, jnp.maximum(slices - 1, 0))), 0, self.kv_block)
+            out.append(jnp.where(sl < slices, keys, 0))
+        return tuple(out)
+
+    def keep(self, ops, shape, valid: Sequence):
+        """Column c is kept iff c mod kv_block < the valid keys of its block (valid[c // kv_block])."""
+        col = ops.iota(shape, 1)
+        limit = valid[0]
+        for i, v in enumerate(valid[1:], 1):
+            limit = jnp.where(col >= i * self.kv_block, v, limit)
+        return jnp.bitwise_and(col, self.kv_block - 1) < limit
+
+    def copier(self, plgpu, src_ref, dst_smem, block_of, slices, stages, bi, hi):
+        """A producer Group's copies: block i of step `step` of list `list_id` into rows [i g, (i + 1) g) of its
+        ring stage, one TMA copy per block (g = kv_block)."""
+        g = self.kv_block
+
+        def copies(list_id, step, slot, barrier):
+            # All of the step's block ids first: independent loads in flight together (one L2 read of the
+            # step's contiguous entries), not one load before each copy's issue.
+            ids = [block_of(list_id, jnp.minimum(step * self.sub + i, slices[list_id] - 1)) for i in range(self.sub)]
+            for i, block in enumerate(ids):
+                plgpu.copy_gmem_to_smem(
+                    src_ref.at[bi, pl.ds(block * g, g), hi],
+                    dst_smem.at[list_id * stages + slot, pl.ds(i * g, g)],
+                    barrier,
+                )
+
+        return copies
+
+
+FINE_BLOCKS = (16, 32)  # KV blocks below 64 rows that the Mosaic GPU kernels take
+
+
+def walk_for(kv_block: int, step_rows: int) -> KVWalk:
+    """The forward's and dQ's walk: FineWalk for 16- and 32-row blocks, else KVWalk (multiples of 64)."""
+    return FineWalk(kv_block, step_rows) if kv_block < ROWS else KVWalk(kv_block, step_rows)

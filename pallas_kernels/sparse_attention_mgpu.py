@@ -10,7 +10,8 @@ the others are masked out. return_lse adds lse [B, H, S] (natural log of the sof
 whose cotangent enters the backward as delta = rowsum(o * do) - dlse. A row that sees no valid key
 gets o = 0, lse = -inf and zero gradients.
 
-Geometry: q_tile 64 or 128, kv_block a multiple of 64, head dim 64 or 128, S a multiple of 128, one
+Geometry: q_tile 64 or 128, kv_block 16, 32 or a multiple of 64 (16 and 32: sparse_attention_mgpu_fine's
+dK/dV, the forward and dQ with 16- or 32-row TMA copies per block), head dim 64 or 128, S a multiple of 128, one
 dtype (bf16 or f16) for q, k, v. `supported` says why a call does not fit; `available` why this
 machine cannot run the path (no Mosaic GPU in jax, no Hopper GPU).
 """
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import mgpu_common
 from pallas_kernels import sparse_attention_mgpu_bwd as bwd_kernels
+from pallas_kernels import sparse_attention_mgpu_fine as fine_kernels
 from pallas_kernels import sparse_attention_mgpu_fwd as fwd_kernels
-from pallas_kernels.mgpu_common import LN2, ROWS, AttentionConfig
+from pallas_kernels.mgpu_common import FINE_BLOCKS, LN2, ROWS, AttentionConfig
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
 from pallas_kernels.sparse_attention_reference import check_sparse_inputs, name_residuals
 from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_index
@@ -56,8 +58,8 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
     s, d = q.shape[1], q.shape[-1]
     if q_tile not in (64, 128):
         return f"q_tile={q_tile} (the Mosaic GPU kernels take 64 or 128)"
-    if kv_block % ROWS:
-        return f"kv_block={kv_block} (the Mosaic GPU kernels take a multiple of 64)"
+    if kv_block % ROWS and kv_block not in FINE_BLOCKS:
+        return f"kv_block={kv_block} (the Mosaic GPU kernels take 16, 32 or a multiple of 64)"
     if d not in (64, 128):
         return f"head dim {d} (the Mosaic GPU kernels take 64 or 128)"
     if s % (2 * ROWS):
@@ -146,7 +148,8 @@ def _backward(*arrays):
     lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # rows without valid keys: P = 0
     dq = bwd_kernels.dq(q, k, v, do, lse2, delta, index, count, valid, cfg)
     tiles, starts, blocks = dkdv_schedule(index, count, cfg, s)
-    dk, dv = bwd_kernels.dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg)
+    dkdv = fine_kernels.dkdv if cfg.kv_block < ROWS else bwd_kernels.dkdv  # one block per consumer below 64 rows
+    dk, dv = dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg)
     return dq, dk, dv
 
 
@@ -199,10 +202,13 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def prepare_masks(index, kv_valid, kv_block: int, seq_len: int):
-    """(valid keys of each selected block [B, H, T, K], valid keys of each 64 key rows [B, S // 64])."""
+    """(valid keys of each selected block [B, H, T, K], valid keys of each dK/dV list's key rows: of each 64
+    rows [B, S // 64], or of each block [B, S // kv_block] below 64 rows)."""
     blocks = jnp.clip(kv_valid.astype(jnp.int32), 0, kv_block)
     batch = jnp.arange(index.shape[0])[:, None, None, None]
     per_entry = blocks[batch, index]
+    if kv_block < ROWS:
+        return per_entry, blocks
     first_row = jnp.arange(seq_len // ROWS, dtype=jnp.int32) * ROWS
     per_rows = jnp.clip(blocks[:, first_row // kv_block] - first_row % kv_block, 0, ROWS)
     return per_entry, per_rows

@@ -28,14 +28,13 @@ from pallas_kernels.mgpu_common import (
     LOG2E,
     ROWS,
     AttentionConfig,
-    KVWalk,
     Ops,
     compiler_params,
     import_plgpu,
     kernel_call,
     producer,
-    slice_limit,
     swizzled,
+    walk_for,
 )
 from pallas_kernels.sparse_index import result_type
 
@@ -57,7 +56,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
     b, s, h, d = q.shape
     dtype = q.dtype
     lists, stages = cfg.fwd_lists, cfg.dq_stages
-    walk = KVWalk(cfg.kv_block, cfg.dq_step_rows)
+    walk = walk_for(cfg.kv_block, cfg.dq_step_rows)
     sub = walk.sub
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
@@ -116,7 +115,7 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                     plgpu.barrier_arrive(v_free.at[slot])
                     p = jnp.exp2(logits * qk_scale - lax.broadcast_in_dim(lse, logits.shape, [0]))
                     if mask:
-                        p = jnp.where(slice_limit(ops, p.shape, n_valid), p, 0.0)
+                        p = jnp.where(walk.keep(ops, p.shape, n_valid), p, 0.0)
                         n_valid = valid_keys(step + 1)
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 

@@ -29,15 +29,14 @@ from pallas_kernels.mgpu_common import (
     LOG2E,
     ROWS,
     AttentionConfig,
-    KVWalk,
     Ops,
     compiler_params,
     import_plgpu,
     kernel_call,
     producer,
     schedule_round,
-    slice_limit,
     swizzled,
+    walk_for,
 )
 from pallas_kernels.sparse_index import result_type
 
@@ -50,7 +49,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     b, s, h, d = q.shape
     dtype = q.dtype
     lists, stages = cfg.fwd_lists, cfg.fwd_stages
-    walk = KVWalk(cfg.kv_block, cfg.fwd_step_rows)
+    walk = walk_for(cfg.kv_block, cfg.fwd_step_rows)
     sub = walk.sub
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
@@ -101,7 +100,7 @@ def forward(q, k, v, index, count, valid, cfg: AttentionConfig):
                     )
                     plgpu.barrier_arrive(k_free.at[slot])
                     if mask:
-                        logits = jnp.where(slice_limit(ops, logits.shape, n_valid), logits, -jnp.inf)
+                        logits = jnp.where(walk.keep(ops, logits.shape, n_valid), logits, -jnp.inf)
                         n_valid = valid_keys(step + 1)
                     m_new = jnp.maximum(m_i, logits.max(axis=1) * qk_scale)
                     # A row whose keys so far are all masked keeps m = -inf; exponents then use 0.

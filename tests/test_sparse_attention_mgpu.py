@@ -337,13 +337,13 @@ def test_unsupported_geometry_and_bad_kv_valid_are_named():
     q = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
     assert mgpu.supported(q, q, q, q_tile=64, kv_block=64) is None
     assert "q_tile=32" in mgpu.supported(q, q, q, q_tile=32, kv_block=64)
-    assert "kv_block=16" in mgpu.supported(q, q, q, q_tile=64, kv_block=16)
+    assert "kv_block=8" in mgpu.supported(q, q, q, q_tile=64, kv_block=8)
     assert "head dim 96" in mgpu.supported(*(jnp.zeros((1, 256, 1, 96), jnp.bfloat16),) * 3, q_tile=64, kv_block=64)
     assert "float32" in mgpu.supported(q.astype(jnp.float32), q, q, q_tile=64, kv_block=64)
     assert "sequence length 192" in mgpu.supported(q[:, :192], q[:, :192], q[:, :192], q_tile=64, kv_block=64)
     idx, cnt = jnp.zeros((1, 1, 4, 1), jnp.int32), jnp.ones((1, 1, 4), jnp.int32)
-    with pytest.raises(ValueError, match="kv_block=16"):
-        sparse_attention_mgpu(q, q, q, jnp.zeros((1, 1, 4, 1), jnp.int32), cnt, q_tile=64, kv_block=16)
+    with pytest.raises(ValueError, match="kv_block=8 "):
+        sparse_attention_mgpu(q, q, q, jnp.zeros((1, 1, 4, 1), jnp.int32), cnt, q_tile=64, kv_block=8)
     with pytest.raises(ValueError, match=r"kv_valid must be \[B, S // kv_block\] = \[1, 4\]"):
         sparse_attention_mgpu(q, q, q, idx, cnt, q_tile=64, kv_block=64, kv_valid=jnp.zeros((1, 3), jnp.int32))
     with pytest.raises(ValueError, match="dkdv_stages=1 >= 2"):

@@ -1,0 +1,216 @@
+"""Mosaic GPU (Hopper) block-sparse attention over KV blocks of 16 and 32 rows: the forward and dQ with one TMA
+copy per block into 64- or 128-row stages (mgpu_common.FineWalk), and sparse_attention_mgpu_fine's dK/dV
+(one block per consumer, transposed products), in jax's GPU interpreter against the plain-JAX reference; the
+compiled (wgmma) forms lowered for CUDA; dispatch on a Hopper-shaped device.
+
+The interpreter runs the real barriers, TMA copies and rings with plain dots for the products; it is slow
+(tens of seconds per forward + backward), hence few, small cases that each cover several paths.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention as sa
+from pallas_kernels import sparse_attention_mgpu as mgpu
+from pallas_kernels.mgpu_common import FineWalk, Ops, import_plgpu
+from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu, sparse_attention_mgpu_backward
+
+
+def selection(key, b, h, tiles, blocks, counts):
+    """Ascending distinct ids, the given counts per tile, garbage (out of range too) past the count."""
+    n_sel = max(counts)
+    k1, k2 = jax.random.split(key)
+    ids = jnp.sort(jax.lax.top_k(jax.random.uniform(k1, (b, h, tiles, blocks)), n_sel)[1], axis=-1)
+    count = jnp.broadcast_to(jnp.asarray(counts, jnp.int32), (b, h, tiles))
+    garbage = jax.random.randint(k2, ids.shape, -3 * blocks, 3 * blocks, dtype=jnp.int32)
+    return jnp.where(jnp.arange(n_sel) < count[..., None], ids, garbage).astype(jnp.int32), count
+
+
+def outputs_and_grads(fn, q, k, v, wo, wl):
+    """(o, lse, dq, dk, dv) of loss = sum(o * wo) + sum(lse * wl) over rows with finite lse."""
+
+    def loss(q, k, v):
+        o, lse = fn(q, k, v)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * wl, 0.0)), (o, lse)
+
+    (_, (o, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return (o, lse, *grads)
+
+
+def assert_close(got, want, names=("o", "lse", "dq", "dk", "dv")):
+    for name, a, w in zip(names, got, want, strict=True):
+        a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+        finite = np.isfinite(w)
+        assert (np.isfinite(a) == finite).all(), f"{name}: non-finite entries differ from the reference"
+        a, w = np.where(finite, a, 0.0), np.where(finite, w, 0.0)
+        err = np.linalg.norm(a - w) / np.linalg.norm(w)
+        assert err < (1e-5 if name == "lse" else 1.5e-2), f"{name}: relative error {err:.2e}"
+
+
+def check_against_reference(q_tile, kv_block, d, s, counts, kv_valid, seed, tuning, b=1, h=1):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
+    index, count = selection(ks[3], b, h, s // q_tile, s // kv_block, counts)
+    wo, wl = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
+    kw = dict(q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid, return_lse=True)
+    kernel = lambda q, k, v: sparse_attention_mgpu(q, k, v, index, count, tuning=tuning, interpret=True, **kw)
+    got = outputs_and_grads(kernel, q, k, v, wo, wl)
+    want = outputs_and_grads(
+        lambda q, k, v: sparse_attention_reference(q, k, v, index, count, **kw),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+        wo,
+        wl,
+    )
+    assert_close(got, want)
+    return got
+
+
+def test_16_row_blocks_two_lists_masked_keys_and_empty_tile_in_gpu_interpreter():
+    """kv_block 16 with 64-row query tiles: the forward's and dQ's two consumers walk their own lists in 64-row
+    stages of four 16-row copies; lists of 0 (no keys: o = 0, lse = -inf, zero grads), 3, 5 and 7 blocks end
+    in partial stages (the last entry repeated, masked); kv_valid masks keys per block (some blocks partly,
+    some wholly); dK/dV walks one 16-key block per consumer; one ring stage in the forward."""
+    kv_valid = jnp.array([[16, 5, 0, 16, 9, 16, 16, 1, 16, 16, 0, 12, 16, 16, 16, 3]], jnp.int32)
+    o, lse, dq, dk, dv = check_against_reference(64, 16, 64, 256, [0, 3, 5, 7], kv_valid, 0, {"fwd_stages": 1})
+    assert np.all(np.asarray(o[:, :64]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :64])))
+    assert np.all(np.asarray(dq[:, :64]) == 0)
+    for blk in np.flatnonzero(np.asarray(kv_valid[0]) < 16):  # masked keys get no gradient
+        masked = slice(blk * 16 + int(kv_valid[0, blk]), (blk + 1) * 16)
+        assert np.all(np.asarray(dk[:, masked]) == 0) and np.all(np.asarray(dv[:, masked]) == 0)
+
+
+def test_32_row_blocks_shared_list_persistent_backward_in_gpu_interpreter():
+    """kv_block 32 with 128-row query tiles at D = 128: both consumers share one list in 128-row steps of four
+    32-row copies (odd counts: a partial last step); dQ and the fine dK/dV persistent (dK/dV: three CTAs over
+    two heads x four block pairs, rings carried from item to item), dK/dV two 64-row steps per query tile."""
+    tuning = {"fwd_stages": 2, "dq_programs": 3, "dkdv_programs": 3}
+    check_against_reference(128, 32, 128, 256, [1, 5], None, 1, tuning, h=2)
+
+
+def test_backward_under_merged_statistics_with_16_row_blocks_in_gpu_interpreter():
+    """sparse_attention_mgpu_backward (what the context-parallel ring calls) at kv_block 16: a selection split
+    into disjoint halves A and B; under the whole selection's (o, lse) the two calls sum to the whole's
+    gradients, with masked keys, a tile that A leaves empty and a tile with kv_count 0 (lse = -inf, nonzero
+    lse cotangent); the fine dK/dV persistent on two CTAs (the interpreter runs CTAs one after another)."""
+    b, h, s, d, q_tile, kv_block = 1, 1, 256, 64, 64, 16
+    ks = jax.random.split(jax.random.key(5), 6)
+    q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
+    index, count = selection(ks[3], b, h, 4, 16, [0, 3, 6, 5])
+    kv_valid = jnp.full((b, 16), 16, jnp.int32).at[0, 2].set(7).at[0, 5].set(0)
+    cot_o, cot_lse = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
+    kw = dict(q_tile=q_tile, kv_block=kv_block, kv_valid=kv_valid)
+    whole = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, return_lse=True, **kw)
+    (o, lse), pullback = jax.vjp(whole, *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = pullback((cot_o, cot_lse))
+    live = jnp.arange(index.shape[-1]) < count[..., None]
+    in_a = live & (jnp.arange(index.shape[-1]) % 2 == 0)
+    in_a = in_a.at[:, :, 1].set(False)  # tile 1: all of its keys in B
+    parts = []
+    for part in (in_a, live & ~in_a):
+        order = jnp.argsort(~part, axis=-1, stable=True)  # the part's entries first, in ascending id order
+        idx = jnp.take_along_axis(index, order, axis=-1)
+        parts.append(
+            sparse_attention_mgpu_backward(
+                q, k, v, idx, part.sum(-1), o, lse, cot_o, cot_lse, interpret=True, tuning={"dkdv_programs": 2}, **kw
+            )
+        )
+    for name, a, bb, w in zip(["dq", "dk", "dv"], *parts, want, strict=True):
+        got, w = np.asarray(a, np.float64) + np.asarray(bb, np.float64), np.asarray(w, np.float64)
+        assert np.all(np.isfinite(got)), f"{name} holds NaN or inf"
+        err = np.linalg.norm(got - w) / np.linalg.norm(w)
+        assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
+    assert np.all(np.asarray(parts[0][0][:, :128]) == 0)  # A: tile 0 has no key, tile 1 none of A's
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainOps(Ops):
+    """Ops of the interpreter (plain arrays), for testing a walk's masks outside a kernel."""
+
+    interpret: bool = True
+
+
+def test_fine_walk_masks_each_block_and_the_partial_last_step():
+    """A 128-row step of 16-row blocks: column c is kept iff c mod 16 < the valid keys of block c // 16;
+    past the list's end (7 entries: the 8th block of the step) nothing is kept."""
+    walk = FineWalk(16, 128)
+    assert (walk.sub, walk.per_block) == (8, 1)
+    per_entry = jnp.array([16, 3, 0, 16, 7, 16, 1, 9], jnp.int32)
+    valid = walk.valid_keys(jnp.int32(0), jnp.int32(7), lambda e: per_entry[e])
+    keep = np.asarray(walk.keep(PlainOps(import_plgpu()), (64, 128), valid))
+    want = np.concatenate([np.arange(16) < (int(n) if i < 7 else 0) for i, n in enumerate(per_entry)])
+    assert (keep == want[None, :]).all()
+    unmasked = walk.valid_keys(jnp.int32(1), jnp.int32(11), None)  # step 1 of 11 entries: 3 of 8 blocks
+    assert [int(x) for x in unmasked] == [16, 16, 16, 0, 0, 0, 0, 0]
+
+
+FINE_LOWERINGS = [  # (q_tile, kv_block, D, masked, tuning)
+    (128, 16, 128, False, None),
+    (128, 16, 128, True, None),
+    (64, 16, 128, True, {"fwd_programs": 0}),
+    (128, 32, 128, False, {"dkdv_programs": 132, "dq_programs": 132}),
+    (64, 32, 64, False, None),
+]
+
+
+@pytest.mark.parametrize("q_tile,kv_block,d,masked,tuning", FINE_LOWERINGS)
+def test_fine_block_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
+    """The compiled forms (wgmma with N = 16 or 32 and transposed SMEM A operands, 16- or 32-row TMA copies
+    into 128-byte swizzled stages, 32- or 64-byte swizzled rings, transposed output tiles) lower to Mosaic GPU
+    on the CPU: forward, dQ and the fine dK/dV, all named for profiles."""
+    s, h = 768, 2
+    x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 5), jnp.int32)
+    cnt = jax.ShapeDtypeStruct((1, h, s // q_tile), jnp.int32)
+    valid = jax.ShapeDtypeStruct((1, s // kv_block), jnp.int32)
+
+    def loss(q, k, v, i, c, kv):
+        kw = dict(q_tile=q_tile, kv_block=kv_block, kv_valid=kv if masked else None, return_lse=True, tuning=tuning)
+        o, lse = sparse_attention_mgpu(q, k, v, i, c, **kw)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(x, x, x, idx, cnt, valid)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+    assert all(name in text for name in ("dsv_sparse_fwd", "dsv_sparse_dq", "dsv_sparse_dkdv_fine"))
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    device_kind: str
+    compute_capability: str
+    platform: str = "gpu"
+
+
+def test_hopper_dispatch_takes_the_mosaic_gpu_kernels_for_16_and_32_row_blocks():
+    h200 = FakeDevice("NVIDIA H200", "9.0")
+    x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    for kv_block in (16, 32):
+        for q_tile in (64, 128):
+            assert sa.kernel_path(x, x, x, q_tile=q_tile, kv_block=kv_block, device=h200) == ("mgpu", [])
+    path, why = sa.kernel_path(x, x, x, q_tile=64, kv_block=8, device=h200)
+    assert path == "triton" and "kv_block=8" in why[0]
+    assert sa.kernel_path(x, x, x, q_tile=128, kv_block=16)[0] == "xla"  # the tests' CPU: the reference
+    q = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+    assert mgpu.supported(q, q, q, q_tile=64, kv_block=16) is None
+    assert "16, 32 or a multiple of 64" in mgpu.supported(q, q, q, q_tile=64, kv_block=48)
+
+
+def test_fine_dkdv_smem_fits_two_stages_not_three_at_d128():
+    """The fine dK/dV's SMEM (two 64-row Q / dO rings, per consumer a block's K, V, P, dS and out tiles) fits
+    two ring stages at D = 128 and refuses three with the kernel named."""
+    cfg = mgpu.default_config(128, 16, 128, 0.1)
+    assert cfg.smem_bytes("dkdv") == 2 * (2 * 16 * 128 * 2 + 2 * 64 * 16 * 2 + 2 * 128 * 16 * 2) + 2 * 2 * (
+        2 * 64 * 128 * 2 + 2 * 64 * 4
+    )
+    mgpu.check_smem(cfg)
+    with pytest.raises(ValueError, match="dK/dV kernel would need"):
+        mgpu.check_smem(mgpu.default_config(128, 16, 128, 0.1, tuning={"dkdv_stages": 3}))
