@@ -261,3 +261,9 @@ def test_shell_lines_split_into_commands():
     assert segments("srun -N 4 dsv-jax train --config 30b \\\n  parallel.context=16".replace("\\\n", " ")) == [
         ["srun", "-N", "4", "dsv-jax", "train", "--config", "30b", "parallel.context=16"]
     ]
+    # the requeue recipes of training.md: a `#SBATCH` comment line, `; status=$?`, an until-loop
+    assert segments("#SBATCH --requeue --signal=TERM@120  # SIGTERM") == []
+    train = ("cli", None, ["train", "--config", "tiny"])
+    assert [classify(s) for s in segments("srun dsv-jax train --config tiny; status=$?")] == [train, None]
+    until = "until dsv-jax train --config tiny; do [ $? -eq 143 ] || break; done"
+    assert [classify(s) for s in segments(until)] == [train, None, None, None]
