@@ -108,10 +108,17 @@ def pyplot():
     return plt
 
 
+PLOTS_DIR = os.path.join(RESULTS_DIR, "plots")  # the results' figures: the top of results/ keeps the JSONs
+
+
 def save_figure(fig, path: str, dpi: int = 120) -> str:
-    """Save and close `fig` at `path`, and a copy into $OUT when set (the device tool brings it back)."""
+    """Save and close `fig` at `path` (a figure aimed at the top of experiments/results/ goes to its plots/
+    folder), and a copy into $OUT when set (the device tool brings it back). Returns where it went."""
     import matplotlib.pyplot as plt
 
+    if os.path.abspath(os.path.dirname(path)) == os.path.abspath(RESULTS_DIR):
+        os.makedirs(PLOTS_DIR, exist_ok=True)
+        path = os.path.join(PLOTS_DIR, os.path.basename(path))
     fig.savefig(path, dpi=dpi)
     out = os.environ.get("OUT")
     if out and os.path.abspath(os.path.dirname(path)) != os.path.abspath(out):
