@@ -332,7 +332,10 @@ class DSVConfig:
     # attention mass inside the predictor's selection, profiled as a curve over keep ratios) reaches this;
     # replaces the keep_scale rule once a block has a curve.
     recall_target: float = 0.0
-    kv_block: int = 0  # tokens per KV block of the selection; 0: the token layout's 3D tile
+    # tokens per KV block of the selection; 0: the token layout's 3D tile (64 tokens), the default because at equal
+    # recall it is the fastest: finer blocks hold little more of the mass per kept key on trained models while
+    # their kernels run 2.6x (16) and 1.3x (32) slower per kept key (RESULTS.md, "Recall by granularity")
+    kv_block: int = 0
     block_reduce: str = "mean"  # how a KV block's score reduces over its keys (mean | max)
     dense_backend: str = "auto"  # the dense attention used by dense blocks and text tokens
     window: float = 1 / 3  # window baseline: window / grid per dimension (WA-M 1/3, WA-L 2/3)
