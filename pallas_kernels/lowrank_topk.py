@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 from pallas_kernels.lowering import log_fallback, triton_missing
 from pallas_kernels.lowrank_topk_reference import (
     block_mean_keys,
@@ -33,7 +34,9 @@ __all__ = [
 ]
 
 
-def lowrank_topk(q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mean", kv_valid=None, impl="auto"):
+def lowrank_topk(
+    q_lr, k_lr, top_k, *, q_tile=Q_TILE, kv_block=KV_BLOCK, block_reduce="mean", kv_valid=None, impl="auto"
+):
     """impl: "pallas" (fused select kernel; interpret mode off GPU), "xla" (the reference), or "auto":
     Pallas on a GPU, else XLA. Returns int32 [B, H, S // q_tile, top_k], ascending per row."""
     if impl not in ("auto", "pallas", "xla"):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
+
 
 def check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_valid=None):
     if q_lr.ndim != 4 or k_lr.shape != q_lr.shape:
@@ -79,7 +81,7 @@ def reduce_block(scores, block_reduce: str, n_valid=None):
     return jnp.where(n_valid > 0, red, -jnp.inf)
 
 
-def block_scores(q_lr, k_lr, *, q_tile=64, kv_block=64, block_reduce="mean", tiles=None, kv_valid=None):
+def block_scores(q_lr, k_lr, *, q_tile=Q_TILE, kv_block=KV_BLOCK, block_reduce="mean", tiles=None, kv_valid=None):
     """Scores [B, H, T, S // kv_block] in fp32 (materialised: the reference's way) of every query tile
     (T = S // q_tile), or of the query tiles `tiles` (int array [T]) only."""
     b, s, h, r = q_lr.shape
@@ -94,7 +96,7 @@ def block_scores(q_lr, k_lr, *, q_tile=64, kv_block=64, block_reduce="mean", til
 
 
 def lowrank_topk_reference(
-    q_lr, k_lr, top_k, *, q_tile=64, kv_block=64, block_reduce="mean", kv_valid=None, impl="auto"
+    q_lr, k_lr, top_k, *, q_tile=Q_TILE, kv_block=KV_BLOCK, block_reduce="mean", kv_valid=None, impl="auto"
 ):
     del impl
     check_topk_inputs(q_lr, k_lr, top_k, q_tile, kv_block, block_reduce, kv_valid)

@@ -23,6 +23,7 @@ from types import ModuleType
 import jax
 
 from pallas_kernels import sparse_attention_mgpu
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 from pallas_kernels.lowering import log_fallback, triton_missing
 from pallas_kernels.sparse_attention_reference import (
     RESIDUAL_NAME,
@@ -134,7 +135,18 @@ def _chosen(q, k, v, *, q_tile, kv_block, impl, caller) -> Implementation | None
 
 
 def sparse_attention(
-    q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None, return_lse=False, impl="auto"
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    *,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
+    sm_scale=None,
+    kv_valid=None,
+    return_lse=False,
+    impl="auto",
 ):
     """impl: "pallas" (the Pallas kernels; interpret mode off GPU), "xla" (the reference), or "auto": the
     fastest path this device and geometry have (`kernel_path`: Mosaic GPU on sm90, the Triton lowering
@@ -183,8 +195,8 @@ def sparse_attention_backward(
     do,
     dlse=None,
     *,
-    q_tile=64,
-    kv_block=64,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
     sm_scale=None,
     kv_valid=None,
     impl="auto",

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels.defaults import KV_BLOCK, Q_TILE
+
 # The custom VJPs name the forward's output and softmax statistics, the residuals their backward reads
 # besides q, k, v and the index, so that a jax.checkpoint policy can keep them for the backward instead
 # of running the forward kernel a second time (dsv_jax.model.attention.remat_policy(keep_attention=True)).
@@ -102,7 +104,18 @@ def masked_softmax_attend(logits, values):
 
 
 def sparse_attention_reference(
-    q, k, v, kv_index, kv_count, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None, return_lse=False, impl="auto"
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    *,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
+    sm_scale=None,
+    kv_valid=None,
+    return_lse=False,
+    impl="auto",
 ):
     """Plain JAX, one query tile at a time (lax.map), so memory is O(S * K * kv_block), never [S, S]."""
     del impl
@@ -151,7 +164,20 @@ def _share_weight(lse_part, lse):
 
 
 def sparse_attention_reference_backward(
-    q, k, v, kv_index, kv_count, o, lse, do, dlse=None, *, q_tile=64, kv_block=64, sm_scale=None, kv_valid=None
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    o,
+    lse,
+    do,
+    dlse=None,
+    *,
+    q_tile=Q_TILE,
+    kv_block=KV_BLOCK,
+    sm_scale=None,
+    kv_valid=None,
 ):
     """sparse_attention_backward in plain JAX. With w = exp(lse_b - lse) for this call's (o_b, lse_b) and the
     merged lse held constant, o_b * w = p v and w = rowsum(p); so the VJP of (q, k, v) -> (o_b * w, w) with

@@ -57,3 +57,39 @@ def test_results_hold_current_runs_only():
     assert len(files) <= 40, f"{len(files)} files at the top of experiments/results/; archive superseded runs"
     with open(os.path.join(results, "RESULTS.md"), encoding="utf-8") as f:
         assert len(f.read().splitlines()) <= 600
+
+
+def _literal_geometry_defaults(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            pairs = list(zip(args.args[len(args.args) - len(args.defaults) :], args.defaults))
+            pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            for arg, default in pairs:
+                # 0 (the layout's tile) and 1 (single tokens) are meanings, not a geometry
+                if (
+                    arg.arg in ("q_tile", "kv_block")
+                    and isinstance(default, ast.Constant)
+                    and default.value not in (0, 1)
+                ):
+                    yield node.name, arg.arg, default.value, node.lineno
+
+
+def test_the_default_sparse_geometry_lives_in_one_place():
+    """Signatures take their q_tile / kv_block defaults from pallas_kernels.defaults, not a literal of their own."""
+    problems = []
+    for package in ("dsv_jax", "pallas_kernels"):
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        tree = ast.parse(f.read())
+                    for fn, arg, value, line in _literal_geometry_defaults(tree):
+                        problems.append(f"{os.path.relpath(path, ROOT)}:{line} {fn}({arg}={value})")
+    assert not problems, "use pallas_kernels.defaults (Q_TILE, KV_BLOCK):\n" + "\n".join(problems)
+
+
+def test_the_geometry_check_sees_a_literal_default():
+    tree = ast.parse("def f(q, *, q_tile=64, kv_block=KV_BLOCK):\n    pass\n")
+    assert [(a, v) for _, a, v, _ in _literal_geometry_defaults(tree)] == [("q_tile", 64)]
