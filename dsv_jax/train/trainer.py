@@ -38,6 +38,7 @@ from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
 from dsv_jax.train.step import abstract_model, create_state, ema_layout, make_train_step, state_layout
+from dsv_jax.train.step_costs import StepCosts, step_kind
 
 log = logging.getLogger("dsv_jax")
 
@@ -219,6 +220,7 @@ class Trainer:
         self._eval_fns: dict[Any, Any] = {}
         self._warm = False  # set once every bucket of the feed is compiled
         self._data_state = None  # where the last run() stopped reading (its prefetcher ran ahead of it)
+        self.step_costs = StepCosts()  # each step's wall time by kind, for the policy's end-of-run summary
 
     @property
     def inference_params(self):
@@ -341,6 +343,7 @@ class Trainer:
                 total=end, initial=step, desc="train", disable=not (self.progress and self.is_main), dynamic_ncols=True
             )
             pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
+            costs = self.step_costs
             # Host time spent beside the steps in the current log window (compiling a new attention variant,
             # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
             aside = 0.0
@@ -356,6 +359,7 @@ class Trainer:
             try:
                 with StopRequest() as stop:
                     while step < end and not any_process(stop.requested) and not guard.should_stop:
+                        step_t0, aside_t0 = time.perf_counter(), aside
                         batch = prefetch.next()
                         shape = batch["latents"].shape[1:4]
                         b_global = batch["latents"].shape[0] * jax.process_count()
@@ -365,13 +369,14 @@ class Trainer:
                         plans, inputs = self.attention_for(shape, profile=profile, step=step)
                         args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
                         self.state, metrics = timed(self.compiled_step, shape, plans)(*args)
-                        extra = self.policy.record(shape)
+                        extra = self.policy.record(shape, step=step, profile=profile)
                         step += 1
                         if profile:  # the policy decides on this step's statistics (a host sync)
                             host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
                             self._policy_events(writer, step, self.policy.observe(step - 1, shape, host))
                         if self._check_step(step, metrics).bad == "diverged":
                             extra = {**extra, "diverged": 1}
+                        costs.add(shape, step_kind(extra), time.perf_counter() - step_t0 - (aside - aside_t0))
                         window_tokens += b_global * tokens_per_sample(shape, cfg.model.patch)
                         window_flops = window_flops + self.step_flops(shape, b_global, plans, inputs)
                         pending.append((step, shape, b_global, metrics, extra))
@@ -396,6 +401,7 @@ class Trainer:
                         records.append(rec)
                     self.save(prefetch.state)
                     stopped = step < end
+                    self._run_summary(writer, step, costs)
             finally:
                 prefetch.close()
                 self._data_state = prefetch.state
@@ -421,6 +427,15 @@ class Trainer:
         verdict = self.guard.observe(step, loss, bool(finite))
         self.checkpointer.judge(step - 1, verdict.bad is None, verdict.reason or f"next loss {verdict.loss:.4g}")
         return verdict
+
+    def _run_summary(self, writer, step, costs: StepCosts):
+        """The policy's end-of-run summary (DSV: steps that trained the predictor and profiled, back-off,
+        measured cost), logged and written to the metrics."""
+        summary = self.policy.run_summary(costs.estimate())
+        if summary:
+            for line in (v for v in summary.values() if isinstance(v, str)):
+                log.info(line)
+            writer.write(step, summary)
 
     def _policy_events(self, writer, step, lines):
         for line in lines:
