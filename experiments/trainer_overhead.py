@@ -34,6 +34,8 @@ rounds, and per round against the full round beside it: the spread), the trainer
 summary, and the compiled steps alone (blocked, interleaved, largest bucket): full, DSV without predictor or
 profile ("plain"), with the predictor ("predictor", stage 2's rows), and a profile step ("profile"), from which
 `model` estimates each schedule's ratio (its counted step kinds x these times; without the profiles' host sync).
+Also the process CPU time of each round and compiled step (`cpu_*`): on a shared CPU, where other programs
+slow the wall clock by tens of percent from one minute to the next, the CPU time is the steadier measure.
 Writes experiments/results/dsv_overhead_<setup>_<device>.json (--quick: dsv_overhead_quick.json, git-ignored).
 """
 
@@ -168,10 +170,9 @@ def dsv_arms(args) -> dict[str, list[str]]:
     }
 
 
-def dense_stage2(trainer: Trainer, backed_off: bool) -> None:
-    """Put the trainer's DSV controller in stage 2 with every block of every bucket dense: at the steady state
+def dense_stage2(ctl, shapes, backed_off: bool) -> None:
+    """Put a DSV controller in stage 2 with every block of every bucket in `shapes` dense: at the steady state
     of its back-off (the next profile of each bucket half a cycle in), or at the start of stage 2."""
-    ctl = trainer.controller
     level = ctl.max_backoff if backed_off else 0
     every = min(ctl.dsv.profile_every << level, max(ctl.dsv.backoff_max_every, ctl.dsv.profile_every))
     state = ctl.state_dict()
@@ -184,24 +185,35 @@ def dense_stage2(trainer: Trainer, backed_off: bool) -> None:
             "backoff": level,
             "last_profile": every // 2 - every if backed_off else None,
         }
-        for shape in trainer.feed.shapes
+        for shape in shapes
     }
     ctl.load_state_dict(state)
 
 
 def _time_bare(executables: dict, reps: int) -> dict:
-    """Each compiled step (name -> (exe, state, args)) called `reps` times, blocked on, interleaved."""
-    times = {name: [] for name in executables}
+    """Each compiled step (name -> (exe, state, args)) called `reps` times, blocked on, interleaved: wall and
+    process CPU seconds per call (on a shared CPU the CPU time is the steadier measure of the work)."""
+    wall, cpu = {name: [] for name in executables}, {name: [] for name in executables}
     states = {name: state for name, (_, state, _) in executables.items()}
-    for _ in range(reps + 1):  # the first round warms up
+    for rep in range(reps + 1):  # the first round warms up
         for name, (exe, _, args) in executables.items():
-            states[name], t = run_steps(exe, states[name], args, 1)
-            times[name].append(t.times_s[0])
-    out = {}
-    for name, t in times.items():
-        t = t[1:]
-        out[name] = {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "times_s": t}
-    return out
+            t0, c0 = time.perf_counter(), time.process_time()
+            states[name], metrics = exe(states[name], *args)
+            jax.block_until_ready((states[name], metrics))
+            if rep:
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    return {
+        name: {
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "max_s": max(t),
+            "times_s": t,
+            "cpu_median_s": statistics.median(cpu[name]),
+            "cpu_times_s": cpu[name],
+        }
+        for name, t in wall.items()
+    }
 
 
 def _bare_steps(trainers: dict, reps: int) -> dict:
@@ -224,7 +236,19 @@ def _bare_steps(trainers: dict, reps: int) -> dict:
     for name, plans in variants.items():
         exes[name] = (dsv.compiled_step(shape, plans), copy(dsv.state), (batch, lr, inputs))
     out = _time_bare(exes, reps)
+    for name, (exe, _, _) in exes.items():  # what XLA counts in each program (a scanned block once)
+        cost = exe.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per device
+        out[name].update(
+            flops=float(cost.get("flops", np.nan)), bytes_accessed=float(cost.get("bytes accessed", np.nan))
+        )
     return {"shape": list(shape), **out}
+
+
+def _paired(per_round: dict, arm: str) -> float:
+    """An arm's time over its rounds / full attention's over the same rounds (the same steps)."""
+    n = len(per_round[arm])
+    return float(np.sum(per_round[arm]) / np.sum(per_round["full"][:n]))
 
 
 def _kinds(records) -> dict[str, int]:
@@ -241,13 +265,14 @@ def dsv_main(args) -> int:
     arms = dsv_arms(args)
     setup = "quick" if quick else args.preset
     trainers, rounds, records, workdirs = {}, {a: [] for a in arms}, {a: [] for a in arms}, {}
+    cpu = {a: [] for a in arms}  # process CPU seconds per step of each round (the whole run() call)
     with tempfile.TemporaryDirectory() as root:
         for name, overrides in arms.items():
             workdirs[name] = f"{root}/{name}"
             trainer = Trainer(get_config("tiny", overrides), workdirs[name], progress=False)
             trainer.save = lambda data_state: None  # no checkpoints: not what this measures
             if trainer.controller is not None:
-                dense_stage2(trainer, backed_off=name == "dsv")
+                dense_stage2(trainer.controller, trainer.feed.shapes, backed_off=name == "dsv")
             trainers[name] = trainer
         ctl = trainers["dsv"].controller
         # the steady state's period: the back-off's cycle; before the back-off, profile_every x the predictor's
@@ -265,7 +290,9 @@ def dsv_main(args) -> int:
                 if done[name] >= total[name]:
                     continue
                 stop = done[name] + min(n_round, total[name] - done[name])
+                c0 = time.process_time()
                 recs = [r for r in trainer.run(stop_at=stop) if "loss" in r]
+                cpu[name].append((time.process_time() - c0) / len(recs))
                 rounds[name].append(float(np.mean([r["step_time"] for r in recs])))
                 records[name] += recs
                 done[name] = stop
@@ -285,17 +312,23 @@ def dsv_main(args) -> int:
         "step_kinds": {a: _kinds(records[a]) for a in arms if a != "full"},
         "round_mean_step_s": rounds,
         "mean_step_s": mean,
-        "ratio_to_full": {a: mean[a] / mean["full"] for a in arms if a != "full"},
-        # each round against the full round run just before it (same steps of the same batches)
+        # against full attention's rounds over the same steps (the same batches): all of them, and each round
+        # against the full round run just before it
+        "ratio_to_full": {a: _paired(rounds, a) for a in arms if a != "full"},
         "round_ratios": {a: [x / f for x, f in zip(rounds[a], rounds["full"])] for a in arms if a != "full"},
+        # process CPU time per step of each round (a GPU: the host's work only; a CPU: the work itself)
+        "round_cpu_step_s": cpu,
+        "cpu_ratio_to_full": {a: _paired(cpu, a) for a in arms if a != "full"},
+        "round_cpu_ratios": {a: [x / f for x, f in zip(cpu[a], cpu["full"])] for a in arms if a != "full"},
         "bare": bare,
         "dsv_summary": summary,
     }
-    t = {k: bare[k]["median_s"] for k in ("full", "plain", "predictor", "profile")}
-    out["model"] = {
-        a: sum(n * t[k] for k, n in out["step_kinds"][a].items()) / (sum(out["step_kinds"][a].values()) * t["full"])
-        for a in out["step_kinds"]
-    }
+    for key, field in (("model", "median_s"), ("model_cpu", "cpu_median_s")):
+        t = {k: bare[k][field] for k in ("full", "plain", "predictor", "profile")}
+        out[key] = {
+            a: sum(n * t[k] for k, n in kinds.items()) / (sum(kinds.values()) * t["full"])
+            for a, kinds in out["step_kinds"].items()
+        }
     device = "gpu" if harness.on_gpu() else "cpu"
     name = "dsv_overhead_quick" if quick else f"dsv_overhead_{'photos16k' if setup == 'photos' else setup}_{device}"
     path = harness.write_results(name, out)
@@ -307,18 +340,36 @@ def dsv_main(args) -> int:
                 "x full": mean[a] / mean["full"],
                 "rounds x full": " ".join(f"{x:.3f}" for x in out["round_ratios"].get(a, [])),
                 "model x full": out["model"].get(a, 1.0),
+                "cpu x full": out["cpu_ratio_to_full"].get(a, 1.0),
+                "cpu rounds x full": " ".join(f"{x:.3f}" for x in out["round_cpu_ratios"].get(a, [])),
+                "cpu model x full": out["model_cpu"].get(a, 1.0),
             }
             for a in arms
         ],
-        ["arm", "ms/step", "x full", "rounds x full", "model x full"],
+        [
+            "arm",
+            "ms/step",
+            "x full",
+            "rounds x full",
+            "model x full",
+            "cpu x full",
+            "cpu rounds x full",
+            "cpu model x full",
+        ],
     )
     harness.print_table(
         [
-            {"step": k, "median_ms": 1e3 * v["median_s"], "min_ms": 1e3 * v["min_s"], "max_ms": 1e3 * v["max_s"]}
+            {
+                "step": k,
+                "median_ms": 1e3 * v["median_s"],
+                "min_ms": 1e3 * v["min_s"],
+                "max_ms": 1e3 * v["max_s"],
+                "cpu_median_ms": 1e3 * v["cpu_median_s"],
+            }
             for k, v in bare.items()
             if k != "shape"
         ],
-        ["step", "median_ms", "min_ms", "max_ms"],
+        ["step", "median_ms", "min_ms", "max_ms", "cpu_median_ms"],
     )
     print(summary)
     print("wrote", path)
