@@ -16,8 +16,8 @@ Writes experiments/results/trainer_overhead.json (--quick: *_quick.json, git-ign
 
 What DSV adds when every block is dense (--dsv; issue 38, "DSV never costs more than it saves"):
 
-    python -m experiments.trainer_overhead --dsv                 # GPU: the 16k photos setup (~4 min on an H200)
-    python -m experiments.trainer_overhead --dsv --preset tiny   # the tiny preset as it is (CPU: ~8 min)
+    python -m experiments.trainer_overhead --dsv --baseline-steps 100   # GPU: the 16k photos setup (~4-5 min)
+    python -m experiments.trainer_overhead --dsv --preset tiny   # the tiny preset as it is (CPU: 10-15 min)
     python -m experiments.trainer_overhead --dsv --quick         # CPU, tiny sizes, proves the script works
 
 Arms, each a `Trainer` on the same batches (same data seed), run in interleaved rounds of --round steps:
@@ -78,6 +78,12 @@ def main(argv=None) -> int:
     p.add_argument("--round", type=int, help="--dsv: steps per round (default 100; tiny 50; quick 8)")
     p.add_argument("--cycles", type=int, default=1, help="--dsv: back-off cycles (dsv.backoff_max_every steps)")
     p.add_argument("--bare", type=int, help="--dsv: timed calls per compiled step (default 10; quick 2)")
+    p.add_argument(
+        "--baseline-steps",
+        type=int,
+        help="--dsv: steps of the arm without the back-off, rounded up to whole periods of its schedule "
+        "(default: half the DSV arm's)",
+    )
     args = p.parse_args(argv)
     if args.dsv:
         return dsv_main(args)
@@ -279,7 +285,8 @@ def dsv_main(args) -> int:
         cycle = max(ctl.dsv.backoff_max_every, ctl.dsv.profile_every)
         period = math.lcm(ctl.dsv.profile_every, ctl.dsv.stage2_predictor_every)
         total = {"full": cycle * args.cycles, "dsv": cycle * args.cycles}
-        total["dsv_no_backoff"] = period * math.ceil(total["dsv"] / 2 / period)  # whole periods, half the steps
+        # whole periods of the old schedule: --baseline-steps or half the DSV arm's steps, rounded up
+        total["dsv_no_backoff"] = period * math.ceil((args.baseline_steps or total["dsv"] / 2) / period)
         print(f"steps per arm: {total}, rounds of {n_round}", flush=True)
         for trainer in trainers.values():  # compile every variant before anything is timed
             trainer.precompile()
