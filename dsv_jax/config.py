@@ -317,6 +317,13 @@ class DSVConfig:
     stage2_predictor_every: int = 4
     theta: float = 0.9  # critical KV: the fewest keys holding this share of a query's attention mass
     profile_every: int = 50  # steps between sparsity profiles (and the first step of each bucket)
+    # Back-off while nothing is sparse (ours; 0 = off): in stage 2, each profile that leaves every block of a
+    # bucket dense doubles that bucket's intervals between profiles and between predictor steps, until
+    # profiles are this many steps apart; a profile that makes a block sparse restores profile_every and
+    # stage2_predictor_every. Then a DSV step costs what a full-attention step does, but for a profile and
+    # a predictor step in every this-many steps (experiments/results/RESULTS.md, "DSV's overhead"). No
+    # back-off where it is not above profile_every.
+    backoff_max_every: int = 400
     ema: float = 0.9  # momentum of the sparsity (and predictor-loss) moving averages
     percentile: float = 10.0  # conservative head sparsity: this low percentile over sampled queries
     switch_loss: float = 0.01  # stage 2 once the predictor loss averaged over blocks is below this ...
@@ -360,6 +367,8 @@ class DSVConfig:
             raise ConfigError(f"dsv.stage2_max_queries={self.stage2_max_queries} must be >= 0 (0: dsv.max_queries)")
         if self.stage1_steps < 0 or self.kv_block < 0 or self.stage2_lr_scale < 0 or self.hysteresis < 0:
             raise ConfigError("dsv.stage1_steps, dsv.kv_block, dsv.stage2_lr_scale and dsv.hysteresis must be >= 0")
+        if self.backoff_max_every < 0:
+            raise ConfigError(f"dsv.backoff_max_every={self.backoff_max_every} must be >= 0 (0: no back-off)")
         _choice("dsv.block_reduce", self.block_reduce, ("mean", "max"))
         if not 0 < self.window <= 1:
             raise ConfigError(f"dsv.window={self.window} must be in (0, 1]")

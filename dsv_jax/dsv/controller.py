@@ -27,6 +27,18 @@ That is what the goal asks of a selection (its recall), measured on the selectio
 (tile proxy, block scores), so the keep ratios of stage 2 are calibrated while stage 1 runs; the
 threshold then compares the sparsity at the target recall, 1 - mean keep, with the kernel's break-even.
 
+Back-off (dsv.backoff_max_every; ours): DSV's own work, the predictor's loss and the profiles, is all it
+adds to a step whose blocks are all dense, so in stage 2 each profile that leaves every block of a bucket
+dense doubles that bucket's intervals between profiles (dsv.profile_every) and between predictor steps
+(dsv.stage2_predictor_every), until profiles are dsv.backoff_max_every steps apart; a profile that makes a
+block sparse restores both at once. Backed-off profiles stay on the dsv.profile_every grid (the first grid
+step at least the interval after the bucket's last profile); predictor steps are the multiples of their
+interval. The predictor's per-step learning rate is unchanged: while nothing is sparse it fine-tunes more
+slowly, and the profiles, which train it on dsv.max_queries rows, still tell when sparsity emerges. A step
+that neither profiles nor trains the predictor runs the program of full attention (the predictor and its
+AdamW state pass through untouched). The controller counts the steps that trained the predictor and that
+profiled (`record`, per stage) for the end-of-run summary (`run_summary`).
+
 All decisions depend only on the step number and the profiled metrics, and the whole state is JSON
 (checkpointed with the run), so a resumed run makes the same decisions as an uninterrupted one.
 """
@@ -56,8 +68,13 @@ class DSVController:
         self.depth, self.heads = cfg.model.depth, cfg.model.heads
         self.stage, self.switch_step, self.loss_ema = 1, None, None
         # shape key -> {"sparsity": [depth][H] EMA, "recall_curve": [depth] of None or [H][F] EMA,
-        #               "rungs": [depth], "profiles": n}
+        #               "rungs": [depth], "profiles": n, "backoff": back-off level (intervals x 2**level),
+        #               "last_profile": step or None, "sparse_since": step or None (some block sparse)}
         self.shapes: dict[str, dict[str, Any]] = {}
+        # training steps per stage: all, those that trained the predictor, those that profiled (`record`)
+        self.counts = {stage: dict.fromkeys(COUNTS, 0) for stage in STAGES}
+        self.first_sparse_step: int | None = None  # the first step a block attended sparsely
+        self.backoff_every = 0  # the longest interval between profiles a step ran with (back-off; `record`)
         # The selection measured for recall while a block is dense: the rung at the threshold.
         self.prospective = self.rung_for(1.0 - self.dsv.threshold) or self.dsv.ladder[-1]
         if state:
@@ -65,12 +82,43 @@ class DSVController:
 
     # -- what the next step runs ----------------------------------------------------------------
     def profile_due(self, step: int, shape) -> bool:
-        return step % self.dsv.profile_every == 0 or shape_key(shape) not in self.shapes
+        """Whether training step `step` on `shape` profiles: the bucket's first step, then steps on the
+        dsv.profile_every grid at least the bucket's profile interval (see `intervals`) after its last profile."""
+        entry = self.shapes.get(shape_key(shape))
+        if entry is None:
+            return True
+        if step % self.dsv.profile_every:
+            return False
+        every, last = self.intervals(shape)[0], entry["last_profile"]
+        return every <= self.dsv.profile_every or last is None or step - last >= every
 
-    def trains_predictor(self, step: int | None, profile: bool = False) -> bool:
-        """Whether training step `step` (None: any) computes the predictor loss and updates the predictor."""
-        every = self.dsv.stage2_predictor_every
-        return self.stage == 1 or profile or step is None or every == 1 or step % every == 0
+    def trains_predictor(self, step: int | None, profile: bool = False, shape=None) -> bool:
+        """Whether training step `step` (None: any) on `shape` computes the predictor loss and updates the
+        predictor: every stage-1 step; in stage 2 profile steps and the multiples of the predictor interval."""
+        if self.stage == 1 or profile or step is None:
+            return True
+        every = self.intervals(shape)[1] if shape is not None else self.dsv.stage2_predictor_every
+        return every == 1 or step % every == 0
+
+    @property
+    def max_backoff(self) -> int:
+        """The back-off level at which profiles are dsv.backoff_max_every steps apart (0: no back-off)."""
+        d, level = self.dsv, 0
+        while d.profile_every << level < d.backoff_max_every:
+            level += 1
+        return level
+
+    def intervals(self, shape) -> tuple[int, int]:
+        """(steps between profiles, steps between stage-2 predictor steps) of a bucket: dsv.profile_every and
+        dsv.stage2_predictor_every, both doubled per back-off level, capped at dsv.backoff_max_every."""
+        d = self.dsv
+        entry = self.shapes.get(shape_key(shape))
+        level = min(entry["backoff"], self.max_backoff) if entry else 0
+        if not level:
+            return d.profile_every, d.stage2_predictor_every
+        cap = d.backoff_max_every
+        predictor = min(d.stage2_predictor_every << level, max(cap, d.stage2_predictor_every))
+        return min(d.profile_every << level, cap), predictor
 
     def plans(
         self, shape, *, train: bool = True, profile: bool = False, step: int | None = None
@@ -80,7 +128,7 @@ class DSVController:
         evaluation and sampling."""
         d = self.dsv
         profile = train and profile
-        predictor = train and self.trains_predictor(step, profile)
+        predictor = train and self.trains_predictor(step, profile, shape)
         lower_rate = self.stage == 2 and train and not profile and d.stage2_max_queries
         queries = min(d.stage2_max_queries, d.max_queries) if lower_rate else d.max_queries
         out = []
@@ -177,10 +225,14 @@ class DSVController:
                 "recall_curve": [None] * self.depth,
                 "rungs": [0.0] * self.depth,
                 "profiles": 0,
+                "backoff": 0,
+                "last_profile": None,
+                "sparse_since": None,
             }
         else:
             entry["sparsity"] = (d.ema * np.asarray(entry["sparsity"]) + (1 - d.ema) * measured).tolist()
         entry["profiles"] += 1
+        entry["last_profile"] = int(step)
         curves = metrics.get("dsv/recall_curve")
         if curves is not None:
             for i, curve in enumerate(np.asarray(curves, np.float64)):
@@ -193,30 +245,58 @@ class DSVController:
             if self.loss_ema < d.switch_loss:
                 return self._switch(step + 1, f"predictor loss {self.loss_ema:.4f} < {d.switch_loss}")
             return []
-        return self._update_rungs(key)
+        return self._update_rungs(key, step + 1) + self._back_off(key)
 
-    def _update_rungs(self, key: str) -> list[str]:
+    def _update_rungs(self, key: str, step: int) -> list[str]:
+        """Decide a bucket's blocks for the steps from `step` on."""
         entry = self.shapes[key]
         keep = self._keep(entry)
+        was_sparse = any(r > 0 for r in entry["rungs"])
         events = []
         for i in range(self.depth):
             new = self.decide(keep[i], entry["rungs"][i])
             if new != entry["rungs"][i]:
                 events.append(f"block {i}: {_describe(entry['rungs'][i])} -> {_describe(new)}")
                 entry["rungs"][i] = new
+        if not any(r > 0 for r in entry["rungs"]):
+            entry["sparse_since"] = None
+        elif not was_sparse:
+            entry["sparse_since"] = int(step)
+            if self.first_sparse_step is None:
+                self.first_sparse_step = int(step)
         return [f"DSV {key}: " + ", ".join(events)] if events else []
+
+    def _back_off(self, key: str) -> list[str]:
+        """After a stage-2 profile of a bucket: one back-off level more if every block stays dense, none once
+        one is sparse (see the module docstring)."""
+        entry = self.shapes[key]
+        shape = tuple(int(v) for v in key.split("x"))
+        if any(r > 0 for r in entry["rungs"]):
+            if not entry["backoff"]:
+                return []
+            entry["backoff"] = 0
+            profile, predictor = self.intervals(shape)
+            return [f"DSV {key}: a block is sparse: profiles every {profile} steps, the predictor every {predictor}"]
+        if entry["backoff"] >= self.max_backoff:
+            return []
+        entry["backoff"] += 1
+        profile, predictor = self.intervals(shape)
+        return [
+            f"DSV {key}: every block dense: profiles every {profile} steps, the predictor every {predictor} (back-off)"
+        ]
 
     def _switch(self, step: int, reason: str) -> list[str]:
         self.stage, self.switch_step = 2, int(step)
         lines = [f"DSV stage 2 from step {step} ({reason})"]
         for key in sorted(self.shapes):
-            self._update_rungs(key)
+            self._update_rungs(key, step)
             lines.append(f"  {key}: " + ", ".join(_describe(r) for r in self.shapes[key]["rungs"]))
         return ["\n".join(lines)]
 
     # -- logging and checkpoints --------------------------------------------------------------------
-    def record(self, shape) -> dict[str, float]:
-        """Scalars for the metrics log of a step on `shape`: stage and per-block decisions."""
+    def record(self, shape, *, step: int | None = None, profile: bool = False) -> dict[str, float]:
+        """Scalars for the metrics log of a step on `shape`: stage and per-block decisions. With `step` (the
+        training step that just ran, profiled or not), also what it did, which the controller counts."""
         rungs = self.rungs(shape)
         sparse = [self.stage == 2 and r > 0 for r in rungs]
         rec = {"dsv/stage": self.stage, "dsv/sparse_blocks": int(sum(sparse))}
@@ -225,10 +305,79 @@ class DSVController:
             rec[f"dsv/sparse/block{i}"] = int(s)
             rec[f"dsv/keep/block{i}"] = float(r) if s else 1.0
             rec[f"dsv/head_keep/block{i}"] = float(np.mean(keep[i]))  # the per-head ratios the rules ask for
+        if step is not None:
+            trains = self.trains_predictor(step, profile, shape)
+            counts = self.counts[f"stage{self.stage}"]
+            counts["steps"] += 1
+            counts["predictor"] += int(trains)
+            counts["profile"] += int(profile)
+            every, predictor_every = self.intervals(shape)
+            if every > self.dsv.profile_every:
+                self.backoff_every = max(self.backoff_every, every)
+            rec.update(
+                {
+                    "dsv/predictor_step": int(trains),
+                    "dsv/profile_step": int(profile),
+                    "dsv/profile_every": every,
+                    "dsv/predictor_every": predictor_every if self.stage == 2 else 1,
+                }
+            )
         return rec
 
     def summary(self, shapes) -> dict[str, Any]:
         return {}
+
+    def run_summary(self, costs: dict[str, float] | None = None) -> dict[str, Any]:
+        """What DSV did over the run (the counted steps of every session of it): stage, sparse blocks, the steps
+        that trained the predictor and that profiled, the back-off reached, and with `costs` (the trainer's
+        `StepCosts.estimate()` of this session) what the predictor and the profiles cost; "dsv/summary" says
+        it in words."""
+        one, two = self.counts["stage1"], self.counts["stage2"]
+        total = {k: one[k] + two[k] for k in COUNTS}
+        out = {
+            "dsv/steps": total["steps"],
+            "dsv/predictor_steps": total["predictor"],
+            "dsv/profile_steps": total["profile"],
+            "dsv/stage2_steps": two["steps"],
+            "dsv/stage2_predictor_steps": two["predictor"],
+            "dsv/stage2_profile_steps": two["profile"],
+            "dsv/backoff_every": self.backoff_every,
+        }
+        if self.first_sparse_step is not None:
+            out["dsv/first_sparse_step"] = self.first_sparse_step
+        words = [f"stage 2 from step {self.switch_step}" if self.stage == 2 else "stage 1"]
+        sparse = {k: sum(r > 0 for r in e["rungs"]) for k, e in self.shapes.items()} if self.stage == 2 else {}
+        if any(sparse.values()):
+            words.append(
+                "sparse blocks at the end: "
+                + ", ".join(
+                    f"{k} {n} of {self.depth}{_since(self.shapes[k]['sparse_since'])}" for k, n in sparse.items() if n
+                )
+            )
+        else:
+            words.append("every block dense at the end")
+            if self.first_sparse_step is not None:
+                words[-1] += f" (blocks were sparse from step {self.first_sparse_step})"
+        words.append(
+            f"the predictor trained on {total['predictor']} of {total['steps']} steps, {total['profile']} profiled"
+        )
+        if two["steps"]:
+            words.append(f"in stage 2 {two['predictor']} of {two['steps']} steps trained it, {two['profile']} profiled")
+        if self.backoff_every:
+            words.append(f"back-off reached profiles every {self.backoff_every} steps")
+        if costs:
+            out.update({f"dsv/cost/{k}": v for k, v in costs.items()})
+            parts = [f"a plain step {1e3 * costs['plain_step_s']:.1f} ms"] + [
+                f"{kind} steps +{100 * costs[f'{kind}_extra']:.0f}%"
+                for kind in ("predictor", "profile", "stage1")
+                if f"{kind}_extra" in costs
+            ]
+            words.append(
+                f"the predictor and the profiles cost ~{100 * costs['overhead']:.1f}% of the stage-2 steps "
+                f"({', '.join(parts)}; measured this session)"
+            )
+        out["dsv/summary"] = "DSV: " + "; ".join(words)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -236,19 +385,31 @@ class DSVController:
             "switch_step": self.switch_step,
             "loss_ema": self.loss_ema,
             "recall_fractions": list(RECALL_FRACTIONS),
+            "counts": {stage: dict(c) for stage, c in self.counts.items()},
+            "first_sparse_step": self.first_sparse_step,
+            "backoff_every": self.backoff_every,
             "shapes": {
                 k: {
                     "sparsity": v["sparsity"],
                     "recall_curve": v["recall_curve"],
                     "rungs": v["rungs"],
                     "profiles": v["profiles"],
+                    "backoff": v["backoff"],
+                    "last_profile": v["last_profile"],
+                    "sparse_since": v["sparse_since"],
                 }
                 for k, v in self.shapes.items()
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; a state saved before the back-off (no counts, back-off levels or profile
+        steps) loads as one that never backed off, with its steps uncounted."""
         self.stage, self.switch_step, self.loss_ema = int(state["stage"]), state["switch_step"], state["loss_ema"]
+        counts = state.get("counts") or {}
+        self.counts = {stage: {k: int((counts.get(stage) or {}).get(k, 0)) for k in COUNTS} for stage in STAGES}
+        self.first_sparse_step = _optional_int(state.get("first_sparse_step"))
+        self.backoff_every = int(state.get("backoff_every") or 0)
         self.shapes = {}
         for k, v in state["shapes"].items():
             sparsity = np.asarray(v["sparsity"], np.float64)
@@ -292,7 +453,22 @@ class DSVController:
                 "rungs": [float(r) for r in v["rungs"]],
                 "recall_curve": [None if c is None else np.asarray(c, np.float64).tolist() for c in curves],
                 "profiles": int(v["profiles"]),
+                "backoff": int(v.get("backoff") or 0),
+                "last_profile": _optional_int(v.get("last_profile")),
+                "sparse_since": _optional_int(v.get("sparse_since")),  # an older state: not known
             }
+
+
+STAGES = ("stage1", "stage2")
+COUNTS = ("steps", "predictor", "profile")
+
+
+def _since(step: int | None) -> str:
+    return "" if step is None else f" (since step {step})"
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
 
 
 def _describe(rung: float) -> str:

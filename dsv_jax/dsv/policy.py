@@ -10,8 +10,10 @@ their runtime inputs, and feed it what a profiled step measured; they never ask 
     inputs = policy.inputs(shape, train=True, step=step)  # runtime arrays of the plans, or None
     ... run the step ...
     events = policy.observe(step, shape, host_metrics)         # only after a profiled step
-    policy.record(shape), policy.state_dict()    # metrics of the step; JSON state for checkpoints
+    policy.record(shape, step=step, profile=profile)  # metrics of the step (which the policy may count)
+    policy.state_dict()                          # JSON state for checkpoints
     policy.summary(shapes)                       # logged once, with the compile time
+    policy.run_summary(costs)                    # logged at the end of a run: what the policy did
 
 `StaticPolicy` serves every fixed choice: a dense backend name, the window baseline, or a wrapper's
 fixed plans (context parallelism wraps any policy: `dsv_jax.parallel.policy.ContextPolicy`).
@@ -32,8 +34,9 @@ class AttentionPolicy(Protocol):
     def profile_due(self, step: int, shape) -> bool: ...
     def before_step(self, step: int) -> list[str]: ...
     def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]: ...
-    def record(self, shape) -> dict[str, Any]: ...
+    def record(self, shape, *, step: int | None = None, profile: bool = False) -> dict[str, Any]: ...
     def summary(self, shapes) -> dict[str, Any]: ...
+    def run_summary(self, costs: dict[str, float] | None = None) -> dict[str, Any]: ...
     def state_dict(self) -> dict[str, Any] | None: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -60,10 +63,13 @@ class StaticPolicy:
     def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]:
         return []
 
-    def record(self, shape) -> dict[str, Any]:
+    def record(self, shape, *, step: int | None = None, profile: bool = False) -> dict[str, Any]:
         return {}
 
     def summary(self, shapes) -> dict[str, Any]:
+        return {}
+
+    def run_summary(self, costs: dict[str, float] | None = None) -> dict[str, Any]:
         return {}
 
     def state_dict(self) -> None:

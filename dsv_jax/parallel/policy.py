@@ -96,9 +96,9 @@ class ContextPolicy:
     def observe(self, step: int, shape, metrics: dict[str, Any]) -> list[str]:
         return self.inner.observe(step, shape, metrics) + self._drain()
 
-    def record(self, shape) -> dict[str, Any]:
+    def record(self, shape, *, step: int | None = None, profile: bool = False) -> dict[str, Any]:
         """The inner policy's scalars plus the bytes each device sends per step in attention."""
-        rec = dict(self.inner.record(shape))
+        rec = dict(self.inner.record(shape, step=step, profile=profile))
         plans = self.inner.plans(shape)
         per_block = isinstance(plans, (list, tuple))
         blocks = plans if per_block else [plans] * self.cfg.model.depth
@@ -116,6 +116,9 @@ class ContextPolicy:
             out[f"cp/{_key(shape)}/plan"] = f"{ph}x{ps} {strategy if ps > 1 else 'ulysses'}"
             out[f"cp/{_key(shape)}/bytes_per_layer"] = float(parts["total"])
         return {**self.inner.summary(shapes), **out}
+
+    def run_summary(self, costs: dict[str, float] | None = None) -> dict[str, Any]:
+        return self.inner.run_summary(costs)
 
     def state_dict(self) -> dict[str, Any] | None:
         inner = self.inner.state_dict()

@@ -41,6 +41,7 @@ from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
 from dsv_jax.train.step import abstract_model, create_state, ema_layout, make_train_step, state_layout
+from dsv_jax.train.step_costs import StepCosts, step_kind
 
 log = logging.getLogger("dsv_jax")
 
@@ -250,6 +251,7 @@ class Trainer:
         self._eval_fns: dict[Any, Any] = {}
         self._warm = False  # set once every bucket of the feed is compiled
         self._data_state = None  # where the last run() stopped reading (its prefetcher ran ahead of it)
+        self.step_costs = StepCosts()  # each step's wall time by kind, for the policy's end-of-run summary
 
     @property
     def inference_params(self):
@@ -439,6 +441,7 @@ class Trainer:
             step=step, first=step, end=end, loss=float("nan"), tokens=0, t0=now, beat_t=now, beat_tokens=0
         )
         pending, window_t0, window_tokens, window_flops = [], time.perf_counter(), 0, 0.0
+        costs = self.step_costs
         # Host time spent beside the steps in the current log window (compiling a new attention variant,
         # saving, evaluating): left out of step_time / tokens_per_s / MFU, which measure training steps.
         aside = 0.0
@@ -458,6 +461,7 @@ class Trainer:
                     if any_process(stop.requested):  # a signal on any process stops all of them here
                         signalled = True
                         break
+                    step_t0, aside_t0 = time.perf_counter(), aside
                     batch = prefetch.next()
                     shape = batch["latents"].shape[1:4]
                     b_global = batch["latents"].shape[0] * jax.process_count()
@@ -467,7 +471,7 @@ class Trainer:
                     plans, inputs = self.attention_for(shape, profile=profile, step=step)
                     args = (self.state, self.to_global(batch), lr) + ((inputs,) if inputs is not None else ())
                     self.state, metrics = timed(self.compiled_step, shape, plans)(*args)
-                    extra = self.policy.record(shape)
+                    extra = self.policy.record(shape, step=step, profile=profile)
                     step += 1
                     if profile:  # the policy decides on this step's statistics (a host sync)
                         host = jax.device_get({k: v for k, v in metrics.items() if k.startswith("dsv/")})
@@ -475,6 +479,7 @@ class Trainer:
                     verdict = self._check_step(step, metrics)
                     if verdict.bad == "diverged":
                         extra = {**extra, "diverged": 1}
+                    costs.add(shape, step_kind(extra), time.perf_counter() - step_t0 - (aside - aside_t0))
                     tokens = b_global * tokens_per_sample(shape, cfg.model.patch)
                     window_tokens += tokens
                     self._status.update(step=step, loss=verdict.loss, tokens=self._status["tokens"] + tokens)
@@ -501,6 +506,7 @@ class Trainer:
                     records.append(rec)
                 self.save(prefetch.state)
                 stopped = step < end
+                self._run_summary(writer, step, costs)
                 if signalled:  # a process without a signal of its own was stopped by another's: as SIGTERM
                     self.stop_signal = stop.signum or signal.SIGTERM
         finally:
@@ -525,6 +531,15 @@ class Trainer:
         verdict = self.guard.observe(step, loss, bool(finite), float(grad_norm))
         self.checkpointer.judge(step - 1, verdict.bad is None, verdict.reason or f"next loss {verdict.loss:.4g}")
         return verdict
+
+    def _run_summary(self, writer, step, costs: StepCosts):
+        """The policy's end-of-run summary (DSV: steps that trained the predictor and profiled, back-off,
+        measured cost), logged and written to the metrics."""
+        summary = self.policy.run_summary(costs.estimate())
+        if summary:
+            for line in (v for v in summary.values() if isinstance(v, str)):
+                log.info(line)
+            writer.write(step, summary)
 
     def _policy_events(self, writer, step, lines):
         for line in lines:
