@@ -213,6 +213,43 @@ def producer(plgpu, ops: Ops, work, *, lists: int, stages: int, registers: int, 
     drain(plgpu, [Group(None, ready, free) for ready, free in rings], done, stages)
 
 
+def transposed_streams(plgpu, *, tiles_ref, starts_ref, block_of, per_tile, q_tile, lists, stages, groups):
+    """`producer`'s streams(item) for a dK/dV kernel (the transposed index): list j of work item (head, pair,
+    batch) walks the query tiles that selected its row block blk = block_of(item, j), i.e. tiles_ref[b, h,
+    starts_ref[b, h, blk] : starts_ref[b, h, blk + 1]], in per_tile = q_tile // 64 steps of 64 query rows.
+    groups: per ring group, the (source ref, ring) pairs copied for a step's rows, in order: a [B, S, H, D]
+    source (Q, dO) by rows, a [B, H, S] one (lse, delta) along its last axis (the ring slot's index is computed
+    once per group: the 64-row dK/dV kernel's lowering differs from its two-copy form only there)."""
+
+    def copies(item, firsts):
+        hi, _, bi = item
+
+        def source(list_id, step):
+            entry, offset = (step, 0) if per_tile == 1 else (lax.div(step, per_tile), lax.rem(step, per_tile) * ROWS)
+            tile = tiles_ref[bi, hi, firsts[list_id] + entry]
+            return pl.ds(tile * q_tile + offset, ROWS)
+
+        def group_copies(pairs):
+            def copy(list_id, step, slot, barrier):
+                src, at = source(list_id, step), list_id * stages + slot
+                for ref, ring in pairs:
+                    view = ref.at[bi, src, hi] if len(ref.shape) == 4 else ref.at[bi, hi, src]
+                    plgpu.copy_gmem_to_smem(view, ring.at[at], barrier)
+
+            return copy
+
+        return [group_copies(pairs) for pairs in groups]
+
+    def streams(item):
+        hi, _, bi = item
+        blocks = [block_of(item, j) for j in range(lists)]
+        firsts = [starts_ref[bi, hi, blk] for blk in blocks]
+        counts = [(starts_ref[bi, hi, blk + 1] - f) * per_tile for blk, f in zip(blocks, firsts)]
+        return copies(item, firsts), counts
+
+    return streams
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkItems:
     """The work items (head, pair of 64-row tiles, batch) of a kernel, the order the GPU starts them in,

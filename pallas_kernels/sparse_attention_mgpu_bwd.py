@@ -34,6 +34,7 @@ from pallas_kernels.mgpu_common import (
     kernel_call,
     producer,
     swizzled,
+    transposed_streams,
     walk_for,
 )
 from pallas_kernels.sparse_index import result_type
@@ -206,11 +207,6 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
-    def split(step):
-        if per_tile == 1:
-            return step, 0
-        return lax.div(step, per_tile), lax.rem(step, per_tile) * ROWS
-
     work = cfg.work("dkdv", h, s // _PAIR, b)
 
     def body(refs, scratch):
@@ -300,33 +296,17 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            def copies(item, firsts):  # group a: Q and lse2 of a step's 64 query rows; group b: dO and delta
-                hi, _, bi = item
-
-                def source(list_id, step):
-                    entry, offset = split(step)
-                    tile = tiles_ref[bi, hi, firsts[list_id] + entry]
-                    return pl.ds(tile * cfg.q_tile + offset, ROWS)
-
-                def copy_a(list_id, step, slot, barrier):
-                    src = source(list_id, step)
-                    plgpu.copy_gmem_to_smem(q_ref.at[bi, src, hi], q_ring.at[list_id * stages + slot], barrier)
-                    plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, src], lse_ring.at[list_id * stages + slot], barrier)
-
-                def copy_b(list_id, step, slot, barrier):
-                    src = source(list_id, step)
-                    plgpu.copy_gmem_to_smem(do_ref.at[bi, src, hi], do_ring.at[list_id * stages + slot], barrier)
-                    plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, src], delta_ring.at[list_id * stages + slot], barrier)
-
-                return [copy_a, copy_b]
-
-            def streams(item):  # the query tiles that selected each list's row block
-                hi, _, bi = item
-                blocks = [block_of(item, j) for j in range(lists)]
-                firsts = [starts_ref[bi, hi, blk] for blk in blocks]
-                counts = [(starts_ref[bi, hi, blk + 1] - f) * per_tile for blk, f in zip(blocks, firsts)]
-                return copies(item, firsts), counts
-
+            streams = transposed_streams(
+                plgpu,
+                tiles_ref=tiles_ref,
+                starts_ref=starts_ref,
+                block_of=block_of,
+                per_tile=per_tile,
+                q_tile=cfg.q_tile,
+                lists=lists,
+                stages=stages,
+                groups=[[(q_ref, q_ring), (lse_ref, lse_ring)], [(do_ref, do_ring), (delta_ref, delta_ring)]],
+            )
             producer(
                 plgpu,
                 ops,
