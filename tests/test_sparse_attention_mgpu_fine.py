@@ -19,27 +19,13 @@ from pallas_kernels import sparse_attention_mgpu as mgpu
 from pallas_kernels.mgpu_common import FineWalk, Ops, import_plgpu
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.sparse_attention_mgpu import sparse_attention_mgpu, sparse_attention_mgpu_backward
+from tests.test_sparse_attention_mgpu import outputs_and_grads
+from tests.test_sparse_attention_mgpu import selection as mgpu_selection
 
 
 def selection(key, b, h, tiles, blocks, counts):
     """Ascending distinct ids, the given counts per tile, garbage (out of range too) past the count."""
-    n_sel = max(counts)
-    k1, k2 = jax.random.split(key)
-    ids = jnp.sort(jax.lax.top_k(jax.random.uniform(k1, (b, h, tiles, blocks)), n_sel)[1], axis=-1)
-    count = jnp.broadcast_to(jnp.asarray(counts, jnp.int32), (b, h, tiles))
-    garbage = jax.random.randint(k2, ids.shape, -3 * blocks, 3 * blocks, dtype=jnp.int32)
-    return jnp.where(jnp.arange(n_sel) < count[..., None], ids, garbage).astype(jnp.int32), count
-
-
-def outputs_and_grads(fn, q, k, v, wo, wl):
-    """(o, lse, dq, dk, dv) of loss = sum(o * wo) + sum(lse * wl) over rows with finite lse."""
-
-    def loss(q, k, v):
-        o, lse = fn(q, k, v)
-        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * wl, 0.0)), (o, lse)
-
-    (_, (o, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return (o, lse, *grads)
+    return mgpu_selection(key, b, h, tiles, blocks, max(counts), counts)
 
 
 def assert_close(got, want, names=("o", "lse", "dq", "dk", "dv")):
