@@ -1,7 +1,7 @@
 """Time the selection kernel (lowrank_topk, Pallas Triton lowering) per tuning, at token level and 3D blocks,
 and measure the attention mass its selection captures against an exact top-k's.
 
-    python -m experiments.bench_topk                                   # H200, ~3 min
+    python -m experiments.bench_topk                                   # one GPU, <= ~4 min (--budget-s 240)
     python -m experiments.bench_topk --variants '[{}, {"sample": 0}, {"warps": 8}]'
     python -m experiments.bench_topk --quick                           # CPU, interpret mode, tiny sizes
 
@@ -19,7 +19,7 @@ tf32x3 / ieee), checked on 8 sampled query tiles against an exact top-k of the s
                 Goal (issue 38): >= 0.99. Near-ties at the k-th score (TF32 dots) swap ids but cost little
                 mass, as the swapped keys score (nearly) alike.
   same_ids_as_first  a tuning that changes only the speed picks the first variant's ids bit for bit (a
-                precision variant may not: that is what it is for).
+                precision variant may not: that is what it is for); compared by ids_fingerprint.
 
 Inputs (--inputs): "projected" (default): q, k [1, S, H, 128] drawn as video attention's mix of local and
 global keys (a component shared by neighbouring tokens, smooth over ~64 positions of the tile-major sequence,
@@ -37,6 +37,14 @@ is S/q_tile * H * S/kv_block scores times (passes + 1 compaction pass) per nanos
 With --attention-seqs, the token-level sparse attention (Triton path, random 16-token groups) fwd+bwd is
 timed too at those S, so that each selection's share of it (issue 16's goal: <= 0.15 at 128k) comes from
 one run. Writes experiments/results/bench_topk.json (and $OUT/ when set).
+
+Each job runs in a child process (this one never starts jax's backend), so that a crash costs its row, not the
+run: per S the first variant's rows (the default `{}`, put first: the key result), then the attention, then
+per S the other variants' rows, variant by variant, precision variants last (`plan`). A child records each
+stage before it starts it (`Progress`); one that dies (an abort in XLA's compile) or spends more than
+--job-timeout-s in a stage leaves its rows in that stage's scope with `status` "crashed" / "timed out", the
+`stage` and the tail of its stderr (`error`), and a new child goes on with the rest. --budget-s: no row starts
+past it (rows left: `skipped`); the last jobs, the precision variants at the largest S, go first.
 """
 
 from __future__ import annotations
@@ -47,8 +55,12 @@ import experiments.quick_cpu  # noqa: F401 (first: --quick puts jax on the CPU b
 
 import argparse
 import dataclasses
+import faulthandler
 import functools
 import json
+import os
+import re
+import tempfile
 import time
 
 import jax
@@ -65,7 +77,7 @@ from experiments.bench_sparse_attention import (
     to_tokens,
 )
 from pallas_kernels.lowrank_topk_triton import SEED_MIN_RATIO, first_thresholds, lowrank_topk_pallas, sortable_key
-from pallas_kernels.tuning import for_device
+from pallas_kernels.tuning import TopkTuning, for_device
 
 FULL = dict(
     seqs=[32768, 131072],
@@ -205,110 +217,350 @@ def recall(ids, sampled: dict, top_k, *, tiles) -> float:
     return float(np.sum(hits) / (len(hits) * top_k))
 
 
-def run(cfg, variants, budget, interpret):
-    rows, attention = [], []
-    base = for_device()[1]
+def ids_fingerprint(ids) -> str:
+    """64 bits that stand for a whole id array: two sums (mod 2**32) of a 32-bit hash of each id with its
+    position. Equal arrays give equal fingerprints; arrays that differ anywhere, in an id or an order, differ but
+    with chance ~2**-64. Rows measured in different processes compare their ids bit for bit by it, without
+    moving them (1.7 GB at 128k, token level)."""
+
+    @jax.jit
+    def fingerprint(ids):
+        x = ids.reshape(-1).astype(jnp.uint32)
+        pos = jax.lax.iota(jnp.uint32, x.size)
+
+        def mix(seed):  # a bijection of x at each position, then murmur3's finaliser
+            h = (x * jnp.uint32(0x9E3779B1)) ^ ((pos + jnp.uint32(seed)) * jnp.uint32(0x85EBCA77))
+            h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
+            h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
+            return jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
+
+        return jnp.stack([mix(0), mix(0x5BD1E995)])
+
+    return "".join(f"{int(v):08x}" for v in np.asarray(fingerprint(ids)))
+
+
+def top_k_of(seq, kv_block, sparsity) -> int:
+    return max(1, round((1 - sparsity) * seq / kv_block))
+
+
+# -- a child process: one job's rows, stage by stage -------------------------------------------------------
+
+# Test hook (tests/experiments/test_bench_topk.py): a JSON list of {"fault": "abort" | "hang", **row key items};
+# a child aborts (as XLA's fatal checks do) or hangs at the "compile" stage of each row whose key has the items.
+FAULT_ENV = "BENCH_TOPK_TEST_FAULT"
+
+
+class Progress:
+    """A child's progress, as JSON lines in a file that the parent reads however the child ends:
+    {"running": stage, "scope": {...}, "row": {...} or null} before each stage (the scope: the row key items
+    whose rows a crash there takes down, e.g. {"seq": S} for the inputs), {"row": {...}} after each finished
+    row. Every stage is watched: one that runs past timeout_s (a hang, in C++ too) dumps the Python stacks to
+    stderr and ends the process (faulthandler), as a fatal signal (XLA's abort) dumps them."""
+
+    def __init__(self, path: str, timeout_s: float):
+        self.file = open(path, "a")
+        self.timeout_s = timeout_s
+        self.faults = json.loads(os.environ.get(FAULT_ENV, "[]"))
+        faulthandler.enable()
+
+    def _write(self, record):
+        self.file.write(json.dumps(record, default=float) + "\n")
+        self.file.flush()  # in the kernel's hands before the stage starts: an abort cannot lose it
+
+    def stage(self, name: str, scope: dict, row: dict | None = None):
+        self._write({"running": name, "scope": scope, "row": row})
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True)
+        for fault in self.faults if name == "compile" else ():
+            if all(scope.get(k) == v for k, v in fault.items() if k != "fault"):
+                os.abort() if fault["fault"] == "abort" else time.sleep(1e9)
+
+    def done(self, row: dict):
+        faulthandler.cancel_dump_traceback_later()
+        self._write({"row": row})
+        print(json.dumps({k: v for k, v in row.items() if k not in ("tuning", "error")}), flush=True)
+
+    def close(self):
+        faulthandler.cancel_dump_traceback_later()
+        self.file.close()
+
+
+def sampled_tiles(seq, q_tile):
+    return np.sort(np.random.default_rng(seq).choice(seq // q_tile, min(8, seq // q_tile), replace=False))
+
+
+def measure_select(job, progress: Progress) -> dict:
+    """A select job's rows (one S): the inputs and mass tables once, each kv_block's sampled scores and each
+    sparsity's exact top-k when first needed, then per row the kernel compiled, checked, measured and timed."""
+    cfg, seq = job["cfg"], job["seq"]
     q_tile, h = cfg["q_tile"], cfg["heads"]
-    for seq in cfg["seqs"]:
-        tiles = np.sort(np.random.default_rng(seq).choice(seq // q_tile, min(8, seq // q_tile), replace=False))
-        if cfg["inputs"] == "walk":
-            q_lr, k_lr = lowrank_inputs(jax.random.key(seq), seq, h, cfg["rank"])
-            tables = {"lowrank": mass_table(q_lr, k_lr, q_tile=q_tile, tiles=tiles)}
-        else:
-            q, k, q_lr, k_lr = projected_inputs(jax.random.key(seq), seq, h, cfg["head_dim"], cfg["rank"])
-            tables = {
-                "lowrank": mass_table(q_lr, k_lr, q_tile=q_tile, tiles=tiles),
-                "full": mass_table(q, k, q_tile=q_tile, tiles=tiles),
-            }
-            del q, k
-        for kv_block in cfg["kv_blocks"]:
+    base, interpret = for_device()[1], not harness.on_gpu()
+    tiles = sampled_tiles(seq, q_tile)
+    progress.stage("inputs and mass tables", {"seq": seq})
+    if cfg["inputs"] == "walk":
+        q_lr, k_lr = lowrank_inputs(jax.random.key(seq), seq, h, cfg["rank"])
+        tables = {"lowrank": mass_table(q_lr, k_lr, q_tile=q_tile, tiles=tiles)}
+    else:
+        q, k, q_lr, k_lr = projected_inputs(jax.random.key(seq), seq, h, cfg["head_dim"], cfg["rank"])
+        tables = {
+            "lowrank": mass_table(q_lr, k_lr, q_tile=q_tile, tiles=tiles),
+            "full": mass_table(q, k, q_tile=q_tile, tiles=tiles),
+        }
+        del q, k
+    jax.block_until_ready(tables)
+    per_block, exacts = {}, {}  # kv_block -> (sampled scores, masses); (kv_block, sparsity) -> exact top-k
+    for key in job["rows"]:
+        if time.time() + 30 > job["deadline"]:
+            return {"stopped": "time budget"}
+        kv_block, sparsity = key["kv_block"], key["sparsity"]
+        top_k = top_k_of(seq, kv_block, sparsity)
+        if kv_block not in per_block:
+            progress.stage("sampled scores and block masses", {"seq": seq, "kv_block": kv_block})
             sampled = sampled_scores(q_lr, k_lr, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
-            masses = {name: block_mass(t, kv_block) for name, t in tables.items()}
-            for sparsity in cfg["sparsities"]:
-                top_k = max(1, round((1 - sparsity) * seq / kv_block))
-                exact = exact_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
-                first_ids = None  # of the first variant: a speed-only tuning must pick the same ids, bit for bit
-                for variant in variants:
-                    tuning = dataclasses.replace(base, **variant)
-                    row = {
-                        "seq": seq,
-                        "kv_block": kv_block,
-                        "sparsity": sparsity,
-                        "top_k": top_k,
-                        "variant": json.dumps(variant),
-                        "tuning": str(tuning),
-                    }
-                    if not budget.allows(30):
-                        row["skipped"] = "time budget"
-                        rows.append(row)
-                        continue
-                    try:
-                        select = functools.partial(
-                            lowrank_topk_pallas,
-                            top_k=top_k,
-                            q_tile=q_tile,
-                            kv_block=kv_block,
-                            block_reduce="mean",
-                            tuning=tuning,
-                            interpret=interpret,
-                        )
-                        compiled, row["compile_s"] = harness.compile_timed(select, q_lr, k_lr)
-                        ids = compiled(q_lr, k_lr)
-                        row.update(
-                            check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
-                        )
-                        row["recall"] = recall(ids, sampled, top_k, tiles=tiles)
-                        for name, m in masses.items():
-                            got = mass_captured(ids[:, :, tiles], exact, m)
-                            row[f"mass_captured_{name}"] = got["mean"]
-                            row[f"mass_captured_{name}_min"] = got["min"]
-                            row[f"exact_mass_{name}"] = got["exact_mass"]
-                        if first_ids is None:
-                            first_ids = ids
-                        else:
-                            row["same_ids_as_first"] = bool(jax.numpy.array_equal(ids, first_ids))
-                        t = harness.time_fn(compiled, q_lr, k_lr, warmup=1, iters=cfg["iters"])
-                        row.update(select_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
-                        row["passes"] = passes_model(sampled, top_k, tuning=tuning)
-                        scores = (seq // q_tile) * h * (seq // kv_block)
-                        row["score_passes_per_ns"] = scores * (row["passes"] + 1) / (row["select_ms"] * 1e6)
-                    except Exception as e:  # recorded; the run goes on
-                        row["error"] = harness.error_text(e, trace=True)
-                    rows.append(row)
-                    print(json.dumps({k_: v for k_, v in row.items() if k_ not in ("tuning", "error")}), flush=True)
+            per_block[kv_block] = sampled, {name: block_mass(t, kv_block) for name, t in tables.items()}
+        sampled, masses = per_block[kv_block]
+        if (kv_block, sparsity) not in exacts:
+            progress.stage("exact top-k", {"seq": seq, "kv_block": kv_block, "sparsity": sparsity})
+            exacts[kv_block, sparsity] = jax.block_until_ready(
+                exact_topk(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles)
+            )
+        exact = exacts[kv_block, sparsity]
+        tuning = dataclasses.replace(base, **json.loads(key["variant"]))  # its values: checked by main
+        row = {**key, "top_k": top_k, "tuning": str(tuning)}
+        progress.stage("compile", key, row)
+        try:
+            select = functools.partial(
+                lowrank_topk_pallas,
+                top_k=top_k,
+                q_tile=q_tile,
+                kv_block=kv_block,
+                block_reduce="mean",
+                tuning=tuning,
+                interpret=interpret,
+            )
+            compiled, row["compile_s"] = harness.compile_timed(select, q_lr, k_lr)
+            progress.stage("check", key, row)
+            ids = compiled(q_lr, k_lr)
+            row.update(check_selection(ids, q_lr, k_lr, top_k, q_tile=q_tile, kv_block=kv_block, tiles=tiles))
+            row["recall"] = recall(ids, sampled, top_k, tiles=tiles)
+            for name, m in masses.items():
+                got = mass_captured(ids[:, :, tiles], exact, m)
+                row[f"mass_captured_{name}"] = got["mean"]
+                row[f"mass_captured_{name}_min"] = got["min"]
+                row[f"exact_mass_{name}"] = got["exact_mass"]
+            row["ids_fingerprint"] = ids_fingerprint(ids)
+            del ids
+            progress.stage("time", key, row)
+            t = harness.time_fn(compiled, q_lr, k_lr, warmup=1, iters=cfg["iters"])
+            row.update(select_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
+            row["passes"] = passes_model(sampled, top_k, tuning=tuning)
+            scores = (seq // q_tile) * h * (seq // kv_block)
+            row["score_passes_per_ns"] = scores * (row["passes"] + 1) / (row["select_ms"] * 1e6)
+        except Exception as e:  # recorded; the job goes on
+            row["error"] = harness.error_text(e, trace=True)
+        progress.done(row)
+    return {"finished": True}
+
+
+def measure_attention(job, progress: Progress) -> dict:
+    """An attention job's rows: the token-level sparse attention (Triton path, random 16-token groups)
+    fwd+bwd at one S, per sparsity."""
+    cfg, seq = job["cfg"], job["seq"]
+    h, q_tile, group = cfg["heads"], cfg["q_tile"], cfg["token_group"]
+    progress.stage("inputs", {"seq": seq})
+    q, k, v, do = harness.random_qkv(jax.random.key(seq + 1), seq, h, cfg["head_dim"])
+    _, fwd_bwd = sparse_fns(q_tile, 1, for_device()[0], not harness.on_gpu())
+    for key in job["rows"]:
+        if time.time() + 60 > job["deadline"]:
+            return {"stopped": "time budget"}
+        row = {**key, "kv_block": 1}
+        progress.stage("compile", key, row)
+        try:
+            selection = random_selection(
+                jax.random.key(seq + 2), seq=seq, heads=h, q_tile=q_tile, group=group, keep=1 - key["sparsity"]
+            )
+            idx, cnt = to_tokens(*selection, group)
+            compiled, row["compile_s"] = harness.compile_timed(fwd_bwd, q, k, v, idx, cnt, do)
+            progress.stage("time", key, row)
+            t = harness.time_fn(compiled, q, k, v, idx, cnt, do, warmup=1, iters=3)
+            row.update(fwd_bwd_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
+        except Exception as e:
+            row["error"] = harness.error_text(e, trace=True)
+        progress.done(row)
+    return {"finished": True}
+
+
+def child_main(job: dict, progress_path: str):
+    progress = Progress(progress_path, job["stage_timeout_s"])
+    measure = measure_select if job["kind"] == "select" else measure_attention
+    answer = measure(job, progress)
+    progress.close()
+    harness.answer(answer)
+
+
+# -- the parent: jobs in child processes, crash by crash ---------------------------------------------------
+
+
+def ordered_variants(variants: list[dict]) -> list[dict]:
+    """The default ({}) first, precision variants last, the others between (in the order given)."""
+    return sorted(variants, key=lambda v: 0 if v == {} else 2 if "precision" in v else 1)
+
+
+def plan(cfg: dict, variants: list[dict]) -> list[dict]:
+    """Jobs in the order they run, each in its own child process with its rows in order: per S the first
+    variant's rows (the default's: the key result), then the token-level attention, then per S the other
+    variants' rows, variant by variant (precision variants last)."""
+
+    def select_job(seq, some):
+        rows = [
+            {"seq": seq, "kv_block": kv_block, "sparsity": sparsity, "variant": json.dumps(v)}
+            for v in some
+            for kv_block in cfg["kv_blocks"]
+            for sparsity in cfg["sparsities"]
+        ]
+        return {"kind": "select", "seq": seq, "cfg": cfg, "rows": rows}
+
+    jobs = [select_job(seq, variants[:1]) for seq in cfg["seqs"]]
     for seq in cfg["attention_seqs"]:
-        q, k, v, do = harness.random_qkv(jax.random.key(seq + 1), seq, h, cfg["head_dim"])
-        _, fwd_bwd = sparse_fns(q_tile, 1, for_device()[0], interpret)
-        for sparsity in cfg["sparsities"]:
-            row = {"seq": seq, "sparsity": sparsity, "kv_block": 1}
-            if not budget.allows(60):
-                row["skipped"] = "time budget"
-                attention.append(row)
-                continue
-            try:
-                idx, cnt = random_selection(
-                    jax.random.key(seq + 2),
-                    seq=seq,
-                    heads=h,
-                    q_tile=q_tile,
-                    group=cfg["token_group"],
-                    keep=1 - sparsity,
-                )
-                idx, cnt = to_tokens(idx, cnt, cfg["token_group"])
-                compiled, row["compile_s"] = harness.compile_timed(fwd_bwd, q, k, v, idx, cnt, do)
-                t = harness.time_fn(compiled, q, k, v, idx, cnt, do, warmup=1, iters=3)
-                row.update(fwd_bwd_ms=t["median_ms"], min_ms=t["min_ms"], max_ms=t["max_ms"])
-            except Exception as e:
-                row["error"] = harness.error_text(e, trace=True)
-            attention.append(row)
-            print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "error"}), flush=True)
-    for row in rows:  # the selection's share of the token-level attention it feeds, same run
+        rows = [{"seq": seq, "sparsity": sparsity} for sparsity in cfg["sparsities"]]
+        jobs.append({"kind": "attention", "seq": seq, "cfg": cfg, "rows": rows})
+    if len(variants) > 1:
+        jobs += [select_job(seq, variants[1:]) for seq in cfg["seqs"]]
+    return jobs
+
+
+def run_child(job: dict, timeout_s: float) -> tuple[dict, list[dict]]:
+    """One job in a child process: (its answer, or harness.in_child's {"error": ...} where it crashed or ran
+    out of time, and the progress records it left)."""
+    fd, path = tempfile.mkstemp(prefix="bench_topk_", suffix=".jsonl")
+    os.close(fd)
+    try:
+        answer = harness.in_child("experiments.bench_topk", ["--job", json.dumps(job), "--progress", path], timeout_s)
+        with open(path) as f:
+            lines = f.read().splitlines()
+    finally:
+        os.remove(path)
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by the crash
+            pass
+    return answer, records
+
+
+WATCHDOG = re.compile(r"Timeout \(\d+:\d\d:\d\d\)!")  # faulthandler's words when a stage ran past its limit
+
+
+def base_row(key: dict) -> dict:
+    """What a row holds before it is measured: its key and top_k (a select row) or kv_block 1 (attention)."""
+    if "variant" in key:
+        return {**key, "top_k": top_k_of(key["seq"], key["kv_block"], key["sparsity"])}
+    return {**key, "kv_block": 1}
+
+
+def run_job(job: dict, budget, job_timeout_s: float, runner=run_child) -> tuple[list[dict], list[dict]]:
+    """All rows of `job`, child after child: (rows, one record per child). A child that crashes or times out
+    (no answer) takes down the rows in the scope of the stage it was in (one row, or every row sharing the
+    inputs that stage made); those rows are recorded with their `status` ("crashed" / "timed out"), the
+    `stage` and the tail of the child's stderr (`error`), and a new child goes on with the rest. Rows that the
+    budget leaves no time for are recorded as skipped."""
+    rows, children, pending = [], [], list(job["rows"])
+    while pending:
+        if not budget.allows(30):
+            break
+        t0 = time.time()
+        left = min(budget.left(), 1e6)  # the child stops starting rows then; its time limit: a stage more
+        child_job = {**job, "rows": pending, "deadline": time.time() + left, "stage_timeout_s": job_timeout_s}
+        answer, records = runner(child_job, left + 2 * job_timeout_s)
+        finished = [r["row"] for r in records if "running" not in r]
+        rows += finished
+        done = [{k: r[k] for k in pending[0]} for r in finished]
+        pending = [key for key in pending if key not in done]
+        child = {"kind": job["kind"], "seq": job["seq"], "rows": len(finished), "wall_s": time.time() - t0}
+        children.append(child)
+        if "error" not in answer:
+            child["ended"] = answer.get("stopped", "finished")
+            break
+        running = records[-1] if records and "running" in records[-1] else None
+        timed_out = answer["error"].startswith("no answer within") or WATCHDOG.search(answer["error"])
+        child["ended"] = "timed out" if timed_out else "crashed"
+        child["stage"] = running["running"] if running else None
+        if running is None and finished:
+            continue  # died between rows: the next child goes on
+        scope = running["scope"] if running else {}  # none: it died before its first stage, and would again
+        hit = [key for key in pending if all(key.get(k) == v for k, v in scope.items())] or pending
+        for key in hit:
+            row = dict(running["row"]) if running and running["row"] and running["scope"] == key else base_row(key)
+            row.update(status=child["ended"], stage=running["running"] if running else "start", error=answer["error"])
+            rows.append(row)
+        pending = [key for key in pending if key not in hit]
+    rows += [{**base_row(key), "skipped": "time budget"} for key in pending]
+    return rows, children
+
+
+def run(cfg, variants, budget, job_timeout_s, runner=run_child):
+    """Every job of `plan`, in order: (select rows, attention rows, one record per child process)."""
+    rows, attention, children = [], [], []
+    for job in plan(cfg, variants):
+        got, kids = run_job(job, budget, job_timeout_s, runner)
+        (rows if job["kind"] == "select" else attention).extend(got)
+        children += kids
+        for kid in kids:
+            print(f"[{budget.elapsed():5.0f} s] {json.dumps(kid)}", flush=True)
+    return summarise(rows, attention, cfg, variants), attention, children
+
+
+def summarise(rows, attention, cfg, variants):
+    """The select rows in the table's order (S, kv_block, sparsity, variant as given), with same_ids_as_first
+    (a row's ids against the first variant's at the same S, kv_block and sparsity, by their fingerprints) and
+    share_of_attention (a token-level row's time over the same run's token-level attention fwd+bwd)."""
+    order = [json.dumps(v) for v in variants]
+    place = lambda r: (
+        cfg["seqs"].index(r["seq"]),
+        cfg["kv_blocks"].index(r["kv_block"]),
+        r["sparsity"],
+        order.index(r["variant"]),
+    )
+    rows = sorted(rows, key=place)
+    first = {(r["seq"], r["kv_block"], r["sparsity"]): r for r in rows if r["variant"] == order[0]}
+    for row in rows:
+        ref = first.get((row["seq"], row["kv_block"], row["sparsity"]))
+        if row is not ref and "ids_fingerprint" in row and ref and "ids_fingerprint" in ref:
+            row["same_ids_as_first"] = row["ids_fingerprint"] == ref["ids_fingerprint"]
         match = [
             a for a in attention if a["seq"] == row["seq"] and a["sparsity"] == row["sparsity"] and "fwd_bwd_ms" in a
         ]
         if row["kv_block"] == 1 and match and "select_ms" in row:
             row["share_of_attention"] = row["select_ms"] / match[0]["fwd_bwd_ms"]
-    return rows, attention
+    return rows
+
+
+TIME_COLUMNS = [
+    "seq",
+    "kv_block",
+    "sparsity",
+    "variant",
+    "select_ms",
+    "min_ms",
+    "max_ms",
+    "passes",
+    "score_passes_per_ns",
+    "share_of_attention",
+    "same_ids_as_first",
+]
+MASS_COLUMNS = [
+    "seq",
+    "kv_block",
+    "sparsity",
+    "variant",
+    "id_agreement",
+    "recall",
+    "mass_captured_lowrank",
+    "mass_captured_lowrank_min",
+    "mass_captured_full",
+    "mass_captured_full_min",
+    "exact_mass_full",
+]
 
 
 def main():
@@ -320,62 +572,66 @@ def main():
     parser.add_argument("--attention-seqs", type=int, nargs="*", help="token-level attention at these S ([] none)")
     parser.add_argument("--variants", help="JSON list of TopkTuning overrides ({} = the device default)")
     parser.add_argument("--inputs", choices=["projected", "walk"], help="q_lr, k_lr (see the module docstring)")
-    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="start no row after this (see the docstring)")
+    parser.add_argument(
+        "--job-timeout-s", type=float, default=60.0, help="a child's stage (setup, compile, check, time) past this"
+    )
     parser.add_argument("--name", default="bench_topk")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # a child process: run this job
+    parser.add_argument("--progress", help=argparse.SUPPRESS)  # ... writing its progress here
     args = parser.parse_args()
+    if args.job:
+        child_main(json.loads(args.job), args.progress)
+        return
 
     cfg = dict(QUICK if args.quick else FULL)
     for key in ("seqs", "sparsities", "kv_blocks", "attention_seqs", "inputs"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     variants = json.loads(args.variants) if args.variants else cfg["variants"]
-    known = {f.name for f in dataclasses.fields(for_device()[1])}
+    known = {f.name for f in dataclasses.fields(TopkTuning)}
     for variant in variants:
         if not isinstance(variant, dict) or set(variant) - known:
             parser.error(f"--variants: {variant!r} is not a dict of TopkTuning fields ({sorted(known)})")
+        try:
+            TopkTuning(**variant)
+        except (TypeError, ValueError) as e:
+            parser.error(f"--variants: {variant!r}: {e}")
+    variants = ordered_variants(variants)
+    cfg["variants"] = variants
     budget = harness.Budget(args.budget_s, reserve=10.0, start=time.time())
-    interpret = not harness.on_gpu()
-    rows, attention = run(cfg, variants, budget, interpret)
+    rows, attention, children = run(cfg, variants, budget, args.job_timeout_s)  # this process never starts jax
     harness.write_results(
         args.name,
-        {"config": cfg, "variants": variants, "rows": rows, "attention": attention, "wall_s": budget.elapsed()},
+        {
+            "config": cfg,
+            "variants": variants,
+            "rows": rows,
+            "attention": attention,
+            "children": children,
+            "wall_s": budget.elapsed(),
+        },
     )
-    print()
-    harness.print_table(
-        [r for r in rows if "select_ms" in r],
-        [
-            "seq",
-            "kv_block",
-            "sparsity",
-            "variant",
-            "select_ms",
-            "min_ms",
-            "max_ms",
-            "passes",
-            "score_passes_per_ns",
-            "share_of_attention",
-            "same_ids_as_first",
-        ],
-    )
-    print()
-    harness.print_table(
-        [r for r in rows if "select_ms" in r],
-        [
-            "seq",
-            "kv_block",
-            "sparsity",
-            "variant",
-            "id_agreement",
-            "recall",
-            "mass_captured_lowrank",
-            "mass_captured_lowrank_min",
-            "mass_captured_full",
-            "mass_captured_full_min",
-            "exact_mass_full",
-        ],
-    )
-    if attention:
-        harness.print_table(attention, ["seq", "sparsity", "fwd_bwd_ms", "min_ms", "max_ms"])
+    tables = [
+        ([r for r in rows if "select_ms" in r], TIME_COLUMNS),
+        ([r for r in rows if "recall" in r], MASS_COLUMNS),  # a row that died while timed has its mass
+        ([r for r in attention if "fwd_bwd_ms" in r], ["seq", "sparsity", "fwd_bwd_ms", "min_ms", "max_ms"]),
+    ]
+    lost = [r for r in rows + attention if {"status", "skipped", "error"} & set(r)]
+    if lost:  # what the run could not measure, and why (the whole text in the JSON's "error")
+        lost = [
+            {
+                **r,
+                "why": r.get("status") or r.get("skipped") or "error",
+                "first_line": (r.get("error", "").strip().splitlines() or [""])[0][:160],
+            }
+            for r in lost
+        ]
+        tables.append((lost, ["seq", "kv_block", "sparsity", "variant", "why", "stage", "first_line"]))
+    for part, columns in tables:
+        if part:
+            print()
+            harness.print_table(part, columns)
 
 
 if __name__ == "__main__":

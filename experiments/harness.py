@@ -159,8 +159,22 @@ def in_child(module: str, args: list[str], timeout_s: float, env: dict[str, str]
         return {"error": f"no answer within {timeout_s:.0f} s (deadlock, hang or slow compile)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]
     if not lines:
-        return {"error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}"}
+        return {"error": f"child exited {proc.returncode}: {crash_text(proc.stderr or proc.stdout)}"}
     return json.loads(lines[-1][len(CHILD_TAG) :])
+
+
+# The line that says why a process died: a glog FATAL (XLA's checks), LLVM's or Python's fatal error, C++'s
+# terminate. A C++ stack trace printed after it can push it out of the output's tail.
+FATAL_LINE = re.compile(r"^(?:F\d{4} |.*(?:Check failed|LLVM ERROR|Fatal Python error|terminate called)).*$", re.M)
+
+
+def crash_text(output: str, tail: int = 2500) -> str:
+    """A dead process's output for a results file: its last `tail` characters, led by the first line that
+    says why it died (FATAL_LINE) where that line lies before them."""
+    fatal = FATAL_LINE.search(output)
+    if fatal and fatal.end() <= len(output) - tail:
+        return f"{fatal.group(0)[:500]}\n...\n{output[-tail:]}"
+    return output[-tail:]
 
 
 # -- time budgets -----------------------------------------------------------------------------------------

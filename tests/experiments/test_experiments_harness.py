@@ -149,6 +149,17 @@ def test_in_child_returns_the_answer_or_why_there_is_none(tmp_path):
     assert hung == {"error": "no answer within 1 s (deadlock, hang or slow compile)"}
 
 
+def test_crash_text_leads_with_the_line_that_says_why_a_process_died():
+    trace = "".join(f"    @ 0x{i:x} xla::PjRtCApiClient::CompileAndLoad()\n" for i in range(200))
+    output = "W1206 a warning\nF1206 12:00:00 1 gpu_compiler.cc:9] Check failed: ok\n*** Check failure stack:\n" + trace
+    text = harness.crash_text(output)
+    assert text.startswith("F1206 12:00:00 1 gpu_compiler.cc:9] Check failed: ok\n...\n")
+    assert text.endswith(output[-2500:])
+    short = "Fatal Python error: Aborted\n  File x.py, line 3"
+    assert harness.crash_text(short) == short  # the line is in the tail already
+    assert harness.crash_text("x" * 3000) == "x" * 2500
+
+
 def test_use_cpu_sets_the_platform_and_flags_once(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
