@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
 # -- --dsv: what DSV adds when every block is dense ------------------------------------------------------
 
-# the quality-parity photos run's DSV settings (experiments/results/RESULTS.md, "Quality parity on photos")
+# the quality-parity photos run's DSV settings (experiments/results/RESULTS.md, "Quality parity", its photos runs)
 PHOTOS_DSV = ["dsv.profile_every=50", "dsv.recall_target=0.95", "dsv.predictor_lr=0.0005"]
 
 

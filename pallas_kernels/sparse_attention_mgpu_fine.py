@@ -3,7 +3,7 @@
 The forward and dQ kernels of these blocks are the 64-row ones (sparse_attention_mgpu_fwd, _bwd) walking
 their lists with `mgpu_common.FineWalk`. The transposed side cannot share a 64-row key tile between blocks:
 with random selections the four 16-row blocks of 64 keys are selected by nearly disjoint query tiles, and
-walking the union of their lists wastes 3.4x the products at 90% sparsity (experiments/results/mgpu_notes.md,
+walking the union of their lists wastes 3.4x the products at 90% sparsity (docs/kernels/mgpu_notes.md,
 "Fine KV blocks"). So each consumer warpgroup owns one block of g = kv_block keys and walks its own list,
 with products whose small side is g:
 

@@ -146,10 +146,10 @@ def mgpu_defaults(q_tile: int, device=None) -> dict:
     """The launch fields of one call on `device` (default: the first) before a tuning's overrides.
 
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
-    measured 13% faster, dQ 0-1.5% (H200, S = 64k, experiments/results/bench_sparse_mgpu_steps.json).
+    measured 13% faster, dQ 0-1.5% (H200, S = 64k, docs/kernels/mgpu_notes.md, "Two KV blocks per step").
     The forward is persistent, one CTA per SM: 2.5-4% faster than one CTA per work item at 32k and 64k
     tokens, where the persistent dQ measured the same and the persistent dK/dV 6-15% slower (register
-    spills), so those two stay one CTA per item (experiments/results/bench_sparse_mgpu_persistent_fwd.json)."""
+    spills), so those two stay one CTA per item (docs/kernels/mgpu_notes.md, "Which CTAs run together")."""
     defaults = {**MGPU_DEFAULTS, "fwd_programs": multiprocessors(device)}
     if q_tile == 128:
         defaults.update(fwd_step_rows=128, dq_step_rows=128)

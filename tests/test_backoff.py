@@ -236,3 +236,29 @@ def test_the_trainer_backs_off_leaves_the_predictor_alone_and_says_so(tmp_path):
     assert "the predictor trained on 7 of 13 steps, 3 profiled" in summary["dsv/summary"]
     assert "back-off reached profiles every 8 steps" in summary["dsv/summary"]
     assert "of the stage-2 steps (a plain step" in summary["dsv/summary"]  # measured: plain steps ran
+
+
+def test_a_run_stopped_by_a_signal_still_writes_the_dsv_summary(tmp_path, monkeypatch):
+    """The stop path (SIGTERM / Ctrl-C on any process) saves and then records what DSV did, like a finished run."""
+    import dsv_jax.train.trainer as trainer_module
+    from dsv_jax.train.metrics import read_metrics
+    from dsv_jax.train.trainer import Trainer
+
+    cfg = small_config(
+        "attention=dsv",
+        "dsv.rank=4",
+        "dsv.stage1_steps=1",
+        "data.buckets=[[4,16,16]]",
+        "data.bucket_weights=[1]",
+        "train.steps=10",
+        "train.ckpt_every=100",
+    )
+    polls = iter(range(100))
+    monkeypatch.setattr(trainer_module, "any_process", lambda requested: next(polls) >= 3)  # a signal after 3 steps
+    trainer = Trainer(cfg, str(tmp_path), progress=False)
+    trainer.run()
+    trainer.close()
+    assert trainer.stop_signal is not None and int(trainer.state.step) == 3
+    summary = [r for r in read_metrics(str(tmp_path)) if "dsv/summary" in r]
+    assert summary and summary[-1]["dsv/predictor_steps"] >= 1
+    assert "of 3 steps" in summary[-1]["dsv/summary"]
