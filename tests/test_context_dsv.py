@@ -96,14 +96,9 @@ def test_cli_dsv_on_eight_context_devices_matches_one_device(tmp_path):
 def _stage2_state(cfg, latent):
     """A controller state with every block sparse at the rung 0.25 on the test bucket."""
     ctl = DSVController(cfg)
-    ctl.stage, ctl.switch_step = 2, 0
     depth, heads = cfg.model.depth, cfg.model.heads
-    ctl.shapes["x".join(map(str, latent))] = {
-        "sparsity": np.full((depth, heads), 0.5).tolist(),
-        "recall_curve": [None] * depth,
-        "rungs": [0.25] * depth,
-        "profiles": 1,
-    }
+    entry = {"sparsity": np.full((depth, heads), 0.5).tolist(), "rungs": [0.25] * depth, "profiles": 1}
+    ctl.load_state_dict({"stage": 2, "switch_step": 0, "loss_ema": 0.0, "shapes": {"x".join(map(str, latent)): entry}})
     return ctl.state_dict()
 
 
