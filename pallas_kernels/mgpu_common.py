@@ -213,13 +213,16 @@ def producer(plgpu, ops: Ops, work, *, lists: int, stages: int, registers: int, 
     drain(plgpu, [Group(None, ready, free) for ready, free in rings], done, stages)
 
 
-def transposed_streams(plgpu, *, tiles_ref, starts_ref, block_of, per_tile, q_tile, lists, stages, groups):
-    """`producer`'s streams(item) for a dK/dV kernel (the transposed index): list j of work item (head, pair,
-    batch) walks the query tiles that selected its row block blk = block_of(item, j), i.e. tiles_ref[b, h,
-    starts_ref[b, h, blk] : starts_ref[b, h, blk + 1]], in per_tile = q_tile // 64 steps of 64 query rows.
-    groups: per ring group, the (source ref, ring) pairs copied for a step's rows, in order: a [B, S, H, D]
-    source (Q, dO) by rows, a [B, H, S] one (lse, delta) along its last axis (the ring slot's index is computed
-    once per group: the 64-row dK/dV kernel's lowering differs from its two-copy form only there)."""
+def transposed_producer(
+    plgpu, ops, work, *, registers, rings, tiles_ref, starts_ref, block_of, per_tile, q_tile, lists, stages, groups
+):
+    """The producer warpgroup of a dK/dV kernel (`producer` over the transposed index): list j of work item
+    (head, pair, batch) walks the query tiles that selected its row block blk = block_of(item, j), i.e.
+    tiles_ref[b, h, starts_ref[b, h, blk] : starts_ref[b, h, blk + 1]], in per_tile = q_tile // 64 steps of 64
+    query rows. groups: per ring group, the (source ref, ring) pairs copied for a step's rows, in order: a
+    [B, S, H, D] source (Q, dO) by rows, a [B, H, S] one (lse, delta) along its last axis; rings: each group's
+    (ready, free) barriers. The ring slot's index is computed once per group (the 64-row kernel's two-copy form
+    computed it per copy: its lowering differs only there)."""
 
     def copies(item, firsts):
         hi, _, bi = item
@@ -247,7 +250,7 @@ def transposed_streams(plgpu, *, tiles_ref, starts_ref, block_of, per_tile, q_ti
         counts = [(starts_ref[bi, hi, blk + 1] - f) * per_tile for blk, f in zip(blocks, firsts)]
         return copies(item, firsts), counts
 
-    return streams
+    producer(plgpu, ops, work, lists=lists, stages=stages, registers=registers, rings=rings, streams=streams)
 
 
 @dataclasses.dataclass(frozen=True)

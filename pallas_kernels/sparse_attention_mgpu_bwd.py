@@ -34,7 +34,7 @@ from pallas_kernels.mgpu_common import (
     kernel_call,
     producer,
     swizzled,
-    transposed_streams,
+    transposed_producer,
     walk_for,
 )
 from pallas_kernels.sparse_index import result_type
@@ -296,8 +296,12 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
 
         @pl.when(wg == CONSUMERS)
         def _produce():
-            streams = transposed_streams(
+            transposed_producer(
                 plgpu,
+                ops,
+                work,
+                registers=cfg.producer_registers,
+                rings=[(a_ready, a_free), (b_ready, b_free)],
                 tiles_ref=tiles_ref,
                 starts_ref=starts_ref,
                 block_of=block_of,
@@ -306,16 +310,6 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, rows_valid, cfg: Atten
                 lists=lists,
                 stages=stages,
                 groups=[[(q_ref, q_ring), (lse_ref, lse_ring)], [(do_ref, do_ring), (delta_ref, delta_ring)]],
-            )
-            producer(
-                plgpu,
-                ops,
-                work,
-                lists=lists,
-                stages=stages,
-                registers=cfg.producer_registers,
-                rings=[(a_ready, a_free), (b_ready, b_free)],
-                streams=streams,
             )
 
     def dsv_sparse_dkdv(*refs):  # the kernel's name in profiles
