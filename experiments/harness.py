@@ -425,10 +425,16 @@ def random_selection(key, *, seq: int, heads: int, q_tile: int, kv_block: int, k
     centre = ((jnp.arange(tiles) * q_tile + q_tile // 2) // kv_block)[None, :, None]  # [1, T, 1]
     first = jnp.clip(centre - near // 2, 0, blocks - near)
     ids = jnp.arange(blocks)
-    local = (ids >= first) & (ids < first + near)  # [H, T, blocks]
-    score = jnp.where(local, 2.0, jax.random.uniform(key, local.shape))  # the local blocks rank first
     cap = int(jnp.max(count))
-    top = jax.lax.top_k(score, cap)[1].astype(jnp.int32)
+
+    def one_head(args):  # one head at a time: [T, blocks] scores (all heads at once is 40 GiB at token level, 64k)
+        head_key, first_h, near_h = args
+        local = (ids >= first_h) & (ids < first_h + near_h)  # [T, blocks]
+        score = jnp.where(local, 2.0, jax.random.uniform(head_key, local.shape))  # the local blocks rank first
+        return jax.lax.top_k(score, cap)[1].astype(jnp.int32)
+
+    first = jnp.broadcast_to(first, (heads, tiles, 1))
+    top = jax.lax.map(one_head, (jax.random.split(key, heads), first, near))  # [H, T, cap]
     index = jnp.sort(jnp.where(jnp.arange(cap) < count[:, None, None], top, blocks), axis=-1)
     index = jnp.where(index == blocks, 0, index)  # past the count: any valid id
     return index[None], jnp.broadcast_to(count[:, None], (heads, tiles))[None]

@@ -6,6 +6,8 @@ The definition (layouts, padded keys, lse, the backward under merged statistics)
 `pallas_kernels.sparse_attention_reference`. The implementations, fastest first (IMPLEMENTATIONS):
 
     sparse_attention_mgpu    Hopper (sm90), Pallas Mosaic GPU: wgmma, TMA, warp specialisation
+    sparse_attention_token   token level (kv_block = 1) on sm80+: Triton kernels through jax-triton
+                             (the `token` extra), row gathers pipelined with cp.async
     sparse_attention_triton  any GPU while jax has Pallas' Triton lowering; interpret mode off a GPU
     sparse_attention_reference  plain JAX, everywhere (impl="xla", and the fallback of impl="auto")
 
@@ -22,7 +24,7 @@ from types import ModuleType
 
 import jax
 
-from pallas_kernels import sparse_attention_mgpu
+from pallas_kernels import sparse_attention_mgpu, sparse_attention_token
 from pallas_kernels.defaults import KV_BLOCK, Q_TILE
 from pallas_kernels.lowering import log_fallback, triton_missing
 from pallas_kernels.sparse_attention_reference import (
@@ -93,6 +95,13 @@ IMPLEMENTATIONS = (
         module=_mgpu,
     ),
     Implementation(
+        name="token",
+        label="token kernels (jax-triton)",
+        interprets=False,
+        missing=lambda device: sparse_attention_token.available(device),
+        module=lambda: sparse_attention_token,
+    ),
+    Implementation(
         name="triton", label="Triton kernels", interprets=True, missing=lambda device: triton_missing(), module=_triton
     ),
 )
@@ -101,7 +110,7 @@ IMPLEMENTATIONS = (
 def kernel_path(q, k, v, *, q_tile: int, kv_block: int, impl: str = "auto", device=None) -> tuple[str, list[str]]:
     """Which implementation `sparse_attention` runs, and why each faster one was passed over.
 
-    -> ("mgpu" | "triton" | "xla", reasons). On a GPU, "auto" and "pallas" take the first of
+    -> ("mgpu" | "token" | "triton" | "xla", reasons). On a GPU, "auto" and "pallas" take the first of
     IMPLEMENTATIONS that this machine has and whose geometry fits (the Hopper kernels on sm90, else the
     portable Triton-lowered kernels while jax has them); "auto" then falls back to the XLA reference,
     "pallas" stops with the reasons. Off a GPU "pallas" runs the Triton kernels in interpret mode (tests)."""

@@ -8,6 +8,8 @@ program owns, and the Triton launch parameters.
 Sparse attention on Hopper (Pallas Mosaic GPU): the launch fields a caller may set (MGPU_TUNABLE) and
 their defaults on a device (`mgpu_defaults`).
 
+Token-level sparse attention (real Triton, through jax-triton): `TokenAttentionTuning`.
+
 AdaLN (Triton lowering): `BlockSizes`, derived from the model width.
 """
 
@@ -42,6 +44,28 @@ class SparseAttentionTuning:
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"SparseAttentionTuning.{name}={val} must be a power of two >= 16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenAttentionTuning:
+    """Token-level sparse attention (real Triton through jax-triton: sparse_attention_token).
+
+    fwd_block_n / bwd_block_n: gathered key rows per loop step of the forward / backward (a power of two
+      >= 16); warps and stages: Triton's launch parameters (stages > 1 pipelines the row gathers with cp.async).
+    """
+
+    fwd_block_n: int = 64
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    bwd_block_n: int = 64
+    bwd_warps: int = 4
+    bwd_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("fwd_block_n", "bwd_block_n"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"TokenAttentionTuning.{name}={val} must be a power of two >= 16")
 
 
 TOPK_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "ieee")

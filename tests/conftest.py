@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Triton's interpreter runs the token kernels here (tests/test_sparse_attention_token.py); triton decorates its
+# own library for the interpreter only if this is set when it is first imported. Nothing else reads it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _xla_accepts(flag: str) -> bool:

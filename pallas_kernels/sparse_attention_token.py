@@ -1,0 +1,400 @@
+"""Token-level sparse attention (kv_block = 1) on a GPU: Triton kernels called through jax-triton.
+
+At token level each query group gathers its own keys one row at a time. Pallas' Mosaic GPU lowering has
+no cp.async row gather and its Triton lowering lacks the launch control (docs/kernels/mgpu_notes.md,
+"Token level"); a real Triton kernel has both: `tl.load` through a vector of row pointers, pipelined
+with cp.async. The kernels are in sparse_attention_token_kernels (imported only where triton is).
+
+    forward   grid (T, B * H): the group's QT queries against its tokens, BN per step, online softmax;
+              o and lse (base 2 inside, natural log outside).
+    backward  grid (T, B * H): the same walk once: dq in registers, dk and dv added with fp32 atomics.
+
+Needs the `token` extra (`pip install -e ".[cuda,token]"`: jax-triton 0.3.1 and triton >= 3.6); where it
+is missing the dispatcher passes to the next path (`available`). jax-triton runs only on a GPU; with
+interpret=True the same kernels run in Triton's interpreter on the host (numpy, through jax.pure_callback),
+which is how the CPU tests check them (triton installed, no GPU needed). On a GPU, experiments/
+bench_sparse_mgpu.py (--rows 1) checks the compiled kernels against the reference before timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.partitioning import partitioned_over_batch_and_heads
+from pallas_kernels.sparse_attention_reference import name_residuals, row_term
+from pallas_kernels.tuning import TokenAttentionTuning
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Static geometry of one call (hashable: a nondiff argument of the custom_vjp)."""
+
+    q_tile: int
+    seq_len: int
+    heads: int
+    head_dim: int
+    n_sel: int
+    sm_scale: float
+    tuning: TokenAttentionTuning
+    interpret: bool = False
+
+    @property
+    def tiles(self) -> int:
+        return self.seq_len // self.q_tile
+
+    def constants(self, block_n: int) -> dict:
+        """The kernels' compile-time geometry (triton constexprs). The interpreter walks each list to its
+        capacity (sparse_attention_token_kernels._walk_length)."""
+        return dict(
+            S=self.seq_len,
+            H=self.heads,
+            T=self.tiles,
+            NSEL=self.n_sel,
+            QT=self.q_tile,
+            D=self.head_dim,
+            BN=block_n,
+            FULL_WALK=self.interpret,
+        )
+
+
+def available(device=None) -> str | None:
+    """None if this process can run the kernels on `device`, else why not."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return f"device {device.device_kind!r} is not a GPU"
+    for package in ("triton", "jax_triton"):
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed (pip install -e '.[token]')"
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and float(capability) < 8.0:
+        return f"compute capability {capability} < 8.0"
+    return None
+
+
+def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
+    """None if the token kernels handle this geometry and these dtypes, else the reason."""
+    if kv_block != 1:
+        return f"kv_block={kv_block} (the token kernels take kv_block=1)"
+    if q_tile not in (16, 32, 64, 128):
+        return f"q_tile={q_tile} must be 16, 32, 64 or 128 for the token kernels"
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1) or d > 256:
+        return f"head dim {d} must be a power of two in 16..256 for the token kernels"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q, k, v must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, {v.dtype}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The launches (jax-triton), sharded over batch and heads (pallas_kernels.partitioning).
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(interpret: bool):
+    """The kernel module; for the interpreter a second copy, loaded with TRITON_INTERPRET=1 so that
+    triton.jit makes every function in it (helpers too) an interpreted one. Triton's own library (tl.zeros,
+    ...) is decorated once, when triton is first imported: the variable must be set by then."""
+    if not interpret:
+        from pallas_kernels import sparse_attention_token_kernels
+
+        return sparse_attention_token_kernels
+    with _interpreting():
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+
+        if isinstance(tl.zeros, JITFunction):  # triton's own library was built for compiling, not interpreting
+            raise RuntimeError(
+                "interpret=True needs TRITON_INTERPRET=1 in the environment before triton is first imported "
+                "(tests/conftest.py sets it)"
+            )
+        spec = importlib.util.find_spec("pallas_kernels.sparse_attention_token_kernels")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _interpreting():
+    """TRITON_INTERPRET=1 for the block (triton reads it when decorating and again while interpreting)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+class _HostArray:
+    """A numpy array as Triton's interpreter takes a tensor (it asks for torch's storage methods)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    dtype = property(lambda self: self.array.dtype)
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self  # already on the host: the interpreter works in place
+
+    def copy_(self, other):
+        del other
+
+    def new_empty(self, *shape, **options):
+        return _HostArray(self.array)
+
+    def set_(self, storage, offset, size, stride):
+        return self
+
+    def storage_offset(self):
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(step // self.array.itemsize for step in self.array.strides)
+
+
+def _interpreted_call(*args, kernel, out_shape, grid, zeroed_outputs, **constants):
+    """triton_call's contract (inputs in order, then outputs; zeroed_outputs start at 0) on the host."""
+    arrays = [a for a in args if not isinstance(a, np.floating | float | int)]
+
+    def host(*values):
+        values = iter(values)
+        inputs = [float(a) if isinstance(a, np.floating | float) else np.array(next(values)) for a in args]
+        outputs = [np.zeros(o.shape, o.dtype) for o in out_shape]  # every output zeroed: a superset of the contract
+        params = [a if isinstance(a, float) else _HostArray(a) for a in inputs] + [_HostArray(o) for o in outputs]
+        with _interpreting():
+            kernel[grid](*params, **constants)
+        return outputs
+
+    del zeroed_outputs
+    return jax.pure_callback(host, out_shape, *arrays)
+
+
+def _call(*args, kernel, out_shape, grid, zeroed_outputs=(), warps, stages, interpret, **constants):
+    if interpret:
+        return _interpreted_call(
+            *args, kernel=kernel, out_shape=out_shape, grid=grid, zeroed_outputs=zeroed_outputs, **constants
+        )
+    import jax_triton
+
+    return jax_triton.triton_call(
+        *args,
+        kernel=kernel,
+        out_shape=out_shape,
+        grid=grid,
+        zeroed_outputs=zeroed_outputs,
+        num_warps=warps,
+        num_stages=stages,
+        **constants,
+    )
+
+
+def _forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
+    b, s, h, _ = q.shape
+    tune = launch.tuning
+    o, lse2 = _call(
+        q,
+        k,
+        v,
+        index,
+        count,
+        key_valid,
+        np.float32(launch.sm_scale * LOG2E),  # a Python float would be fp64 in the kernel
+        kernel=kernels(launch.interpret).token_forward,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
+        grid=(launch.tiles, b * h),
+        warps=tune.fwd_warps,
+        stages=tune.fwd_stages,
+        interpret=launch.interpret,
+        **launch.constants(tune.fwd_block_n),
+    )
+    return o, lse2
+
+
+def _backward(q, k, v, index, count, key_valid, lse2, do, delta, launch: LaunchConfig):
+    b, s, h, _ = q.shape
+    tune = launch.tuning
+    grads = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    dq, dk, dv = _call(
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        delta,
+        index,
+        count,
+        key_valid,
+        np.float32(launch.sm_scale * LOG2E),  # a Python float would be fp64 in the kernel
+        np.float32(launch.sm_scale),
+        kernel=kernels(launch.interpret).token_backward,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), grads, grads],
+        grid=(launch.tiles, b * h),
+        zeroed_outputs=(1, 2),
+        warps=tune.bwd_warps,
+        stages=tune.bwd_stages,
+        interpret=launch.interpret,
+        **launch.constants(tune.bwd_block_n),
+    )
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_QKV, _SEL, _ROWS, _KEYS = ("bshd",) * 3, ("bhtk", "bht"), "bhs", "bs"
+_forward_sharded = partitioned_over_batch_and_heads(_forward, _QKV + _SEL + (_KEYS,), ("bshd", _ROWS))
+_backward_sharded = partitioned_over_batch_and_heads(
+    _backward, _QKV + _SEL + (_KEYS, _ROWS, "bshd", _ROWS), ("bshd",) * 3
+)
+
+
+def natural_lse(lse2):
+    """The kernels' base-2 lse (+inf: no valid key) as the public natural-log lse (-inf: no valid key)."""
+    return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
+
+
+def kernel_lse(lse):
+    """Inverse of natural_lse."""
+    lse = lse.astype(jnp.float32)
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse / LN2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom_vjp. with_lse (static): the result is (o, lse natural log) and the backward takes the lse cotangent.
+
+
+def _grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch: LaunchConfig):
+    delta = row_term(o, do, dlse)
+    return _backward_sharded(q, k, v, index, count, key_valid, lse2, do.astype(q.dtype), delta, launch)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attend(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
+    o, lse2 = _forward_sharded(q, k, v, index, count, key_valid, launch)
+    return (o, natural_lse(lse2)) if with_lse else o
+
+
+def _attend_fwd(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
+    o, lse2 = name_residuals(*_forward_sharded(q, k, v, index, count, key_valid, launch))
+    out = (o, natural_lse(lse2)) if with_lse else o
+    return out, (q, k, v, index, count, key_valid, o, lse2)
+
+
+def _attend_bwd(launch: LaunchConfig, with_lse: bool, res, cotangent):
+    q, k, v, index, count, key_valid, o, lse2 = res
+    do, dlse = cotangent if with_lse else (cotangent, None)
+    return *_grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch), None, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scale, tuning, interpret):
+    """Checks, the launch config, the index and the key flags of one call. Entries past a list's count are
+    never read (the kernels mask them); live ids out of [0, S) are clamped, not trusted."""
+    reason = supported(q, k, v, q_tile=q_tile, kv_block=kv_block)
+    if reason:
+        raise ValueError(reason)
+    if interpret and q.dtype == jnp.bfloat16:  # triton 3.6: its dot multiplies bf16's raw 16-bit patterns
+        raise ValueError("Triton's interpreter computes bfloat16 dots wrong; interpret the token kernels in float16")
+    b, s, h, d = q.shape
+    launch = LaunchConfig(
+        q_tile=q_tile,
+        seq_len=s,
+        heads=h,
+        head_dim=d,
+        n_sel=kv_index.shape[-1],
+        sm_scale=float(sm_scale),
+        tuning=tuning or TokenAttentionTuning(),
+        interpret=bool(interpret),
+    )
+    count = jnp.clip(kv_count.astype(jnp.int32), 0, kv_index.shape[-1])
+    key_valid = jnp.ones((b, s), jnp.int32) if kv_valid is None else (kv_valid > 0).astype(jnp.int32)
+    return launch, kv_index.astype(jnp.int32), count, key_valid
+
+
+def attention(
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    *,
+    q_tile,
+    kv_block,
+    sm_scale,
+    kv_valid=None,
+    return_lse=False,
+    interpret=False,
+    tuning=None,
+):
+    """The dispatcher's interface (pallas_kernels.sparse_attention.Implementation); inputs already checked."""
+    launch, index, count, key_valid = _prepare(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        kv_valid,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
+    return _attend(q, k, v, index, count, key_valid, launch, bool(return_lse))
+
+
+def attention_backward(
+    q,
+    k,
+    v,
+    kv_index,
+    kv_count,
+    o,
+    lse,
+    do,
+    dlse=None,
+    *,
+    q_tile,
+    kv_block,
+    sm_scale,
+    kv_valid=None,
+    interpret=False,
+    tuning=None,
+):
+    """(dq, dk, dv) of this call's share of the attention whose merged statistics are o, lse (natural log)."""
+    launch, index, count, key_valid = _prepare(
+        q,
+        k,
+        v,
+        kv_index,
+        kv_count,
+        kv_valid,
+        q_tile=q_tile,
+        kv_block=kv_block,
+        sm_scale=sm_scale,
+        tuning=tuning,
+        interpret=interpret,
+    )
+    return _grads(q, k, v, index, count, key_valid, o, kernel_lse(lse), do, dlse, launch)
