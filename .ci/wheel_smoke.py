@@ -22,7 +22,10 @@ import tempfile
 PACKAGES = ("dsv_jax", "pallas_kernels")
 # module -> the top-level import it makes that the wheel lacks. Known and owned elsewhere: remove the
 # entry when the file no longer needs it.
-KNOWN_UNRESOLVED: dict[str, str] = {}  # module -> a top-level import the wheel may lack (none today)
+KNOWN_UNRESOLVED: dict[str, str] = {  # module -> a top-level import the wheel may lack
+    # the `token` extra's package (GPU only): imported after sparse_attention_token.available() found it
+    "pallas_kernels.sparse_attention_token": "jax_triton",
+}
 TINY = [
     "model.hidden=32",
     "model.heads=2",

@@ -270,6 +270,8 @@ def test_the_shape_check_tells_roles_apart():
     assert kernel_role("sparse_attention_mgpu_fwd") == ("sparse_attention", "implementation")
     assert kernel_role("lowrank_topk_reference") == ("lowrank_topk", "reference")
     assert may_import("sparse_attention_mgpu", "sparse_attention_mgpu_bwd")
+    assert may_import("sparse_attention_token", "sparse_attention_token_kernels")  # jax-triton side, Triton side
+    assert kernel_role("sparse_attention_token_kernels") == ("sparse_attention", "implementation")
     assert may_import("sparse_attention_triton", "sparse_attention_reference")
     assert not may_import("sparse_attention_triton", "sparse_attention")  # back to the dispatcher: a cycle
     assert not may_import("lowrank_topk_triton", "sparse_attention_triton")  # another kernel's implementation
