@@ -18,17 +18,15 @@ bench_sparse_mgpu.py (--rows 1) checks the compiled kernels against the referenc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import importlib.util
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import triton_call
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
 from pallas_kernels.sparse_attention_reference import name_residuals, row_term
 from pallas_kernels.tuning import TokenAttentionTuning
@@ -71,16 +69,7 @@ class LaunchConfig:
 
 def available(device=None) -> str | None:
     """None if this process can run the kernels on `device`, else why not."""
-    device = device or jax.devices()[0]
-    if device.platform != "gpu":
-        return f"device {device.device_kind!r} is not a GPU"
-    for package in ("triton", "jax_triton"):
-        if importlib.util.find_spec(package) is None:
-            return f"{package} is not installed (pip install -e '.[token]')"
-    capability = getattr(device, "compute_capability", None)
-    if capability is not None and float(capability) < 8.0:
-        return f"compute capability {capability} < 8.0"
-    return None
+    return triton_call.missing(device)
 
 
 def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
@@ -101,120 +90,14 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
 # The launches (jax-triton), sharded over batch and heads (pallas_kernels.partitioning).
 
 
-@functools.lru_cache(maxsize=None)
-def kernels(interpret: bool):
-    """The kernel module; for the interpreter a second copy, loaded with TRITON_INTERPRET=1 so that
-    triton.jit makes every function in it (helpers too) an interpreted one. Triton's own library (tl.zeros,
-    ...) is decorated once, when triton is first imported: the variable must be set by then."""
-    if not interpret:
-        from pallas_kernels import sparse_attention_token_kernels
-
-        return sparse_attention_token_kernels
-    with _interpreting():
-        import triton.language as tl
-        from triton.runtime.jit import JITFunction
-
-        if isinstance(tl.zeros, JITFunction):  # triton's own library was built for compiling, not interpreting
-            raise RuntimeError(
-                "interpret=True needs TRITON_INTERPRET=1 in the environment before triton is first imported "
-                "(tests/conftest.py sets it)"
-            )
-        spec = importlib.util.find_spec("pallas_kernels.sparse_attention_token_kernels")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
-
-
-@contextlib.contextmanager
-def _interpreting():
-    """TRITON_INTERPRET=1 for the block (triton reads it when decorating and again while interpreting)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-class _HostArray:
-    """A numpy array as Triton's interpreter takes a tensor (it asks for torch's storage methods)."""
-
-    def __init__(self, array):
-        self.array = array
-
-    dtype = property(lambda self: self.array.dtype)
-
-    def data_ptr(self):
-        return self.array.ctypes.data
-
-    def untyped_storage(self):
-        return self
-
-    def cpu(self):
-        return self  # already on the host: the interpreter works in place
-
-    def copy_(self, other):
-        del other
-
-    def new_empty(self, *shape, **options):
-        return _HostArray(self.array)
-
-    def set_(self, storage, offset, size, stride):
-        return self
-
-    def storage_offset(self):
-        return 0
-
-    def size(self):
-        return self.array.shape
-
-    def stride(self):
-        return tuple(step // self.array.itemsize for step in self.array.strides)
-
-
-def _interpreted_call(*args, kernel, out_shape, grid, zeroed_outputs, **constants):
-    """triton_call's contract (inputs in order, then outputs; zeroed_outputs start at 0) on the host."""
-    arrays = [a for a in args if not isinstance(a, np.floating | float | int)]
-
-    def host(*values):
-        values = iter(values)
-        inputs = [float(a) if isinstance(a, np.floating | float) else np.array(next(values)) for a in args]
-        outputs = [np.zeros(o.shape, o.dtype) for o in out_shape]  # every output zeroed: a superset of the contract
-        params = [a if isinstance(a, float) else _HostArray(a) for a in inputs] + [_HostArray(o) for o in outputs]
-        with _interpreting():
-            kernel[grid](*params, **constants)
-        return outputs
-
-    del zeroed_outputs
-    return jax.pure_callback(host, out_shape, *arrays)
-
-
-def _call(*args, kernel, out_shape, grid, zeroed_outputs=(), warps, stages, interpret, **constants):
-    if interpret:
-        return _interpreted_call(
-            *args, kernel=kernel, out_shape=out_shape, grid=grid, zeroed_outputs=zeroed_outputs, **constants
-        )
-    import jax_triton
-
-    return jax_triton.triton_call(
-        *args,
-        kernel=kernel,
-        out_shape=out_shape,
-        grid=grid,
-        zeroed_outputs=zeroed_outputs,
-        num_warps=warps,
-        num_stages=stages,
-        **constants,
-    )
+def _kernels(launch: LaunchConfig):
+    return triton_call.load_kernels("pallas_kernels.sparse_attention_token_kernels", launch.interpret)
 
 
 def _forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
     b, s, h, _ = q.shape
     tune = launch.tuning
-    o, lse2 = _call(
+    o, lse2 = triton_call.call(
         q,
         k,
         v,
@@ -222,7 +105,7 @@ def _forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
         count,
         key_valid,
         np.float32(launch.sm_scale * LOG2E),  # a Python float would be fp64 in the kernel
-        kernel=kernels(launch.interpret).token_forward,
+        kernel=_kernels(launch).token_forward,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
         grid=(launch.tiles, b * h),
         warps=tune.fwd_warps,
@@ -237,7 +120,7 @@ def _backward(q, k, v, index, count, key_valid, lse2, do, delta, launch: LaunchC
     b, s, h, _ = q.shape
     tune = launch.tuning
     grads = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    dq, dk, dv = _call(
+    dq, dk, dv = triton_call.call(
         q,
         k,
         v,
@@ -249,7 +132,7 @@ def _backward(q, k, v, index, count, key_valid, lse2, do, delta, launch: LaunchC
         key_valid,
         np.float32(launch.sm_scale * LOG2E),  # a Python float would be fp64 in the kernel
         np.float32(launch.sm_scale),
-        kernel=kernels(launch.interpret).token_backward,
+        kernel=_kernels(launch).token_backward,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), grads, grads],
         grid=(launch.tiles, b * h),
         zeroed_outputs=(1, 2),

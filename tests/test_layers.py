@@ -216,7 +216,7 @@ def test_the_cycle_finder_sees_cycles_and_lazy_imports():
 # (`<kernel>_reference`: the definition, input checks, shared helpers) and its implementations
 # (`<kernel>_<impl>`, and their parts `<kernel>_<impl>_<part>`); and helpers that every kernel may share.
 KERNELS = ("sparse_attention", "lowrank_topk", "adaln")
-SHARED = ("mgpu_common", "tuning", "sparse_index", "partitioning", "lowering", "defaults")
+SHARED = ("mgpu_common", "tuning", "sparse_index", "partitioning", "lowering", "defaults", "triton_call")
 
 
 def kernel_role(name: str) -> tuple[str, str]:

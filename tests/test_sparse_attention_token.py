@@ -21,6 +21,7 @@ else:
 
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels import sparse_attention_token as token
+from pallas_kernels import triton_call
 from pallas_kernels.sparse_attention_reference import dense_masked_reference, sparse_attention_reference
 from pallas_kernels.tuning import TokenAttentionTuning
 
@@ -154,10 +155,12 @@ class FakeDevice:
 def test_the_dispatcher_takes_the_token_kernels_at_token_level_where_jax_triton_is(monkeypatch):
     h100, a100 = FakeDevice("NVIDIA H100 80GB HBM3", "9.0"), FakeDevice("NVIDIA A100-SXM4-80GB", "8.0")
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
-    monkeypatch.setattr(token.importlib.util, "find_spec", lambda name: None if name == "jax_triton" else object())
+    monkeypatch.setattr(
+        triton_call.importlib.util, "find_spec", lambda name: None if name == "jax_triton" else object()
+    )
     path, why = sa.kernel_path(x, x, x, q_tile=32, kv_block=1, device=h100)
     assert path == "triton" and "jax_triton is not installed" in why[1] and "[token]" in why[1]
-    monkeypatch.setattr(token.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(triton_call.importlib.util, "find_spec", lambda name: object())
     path, why = sa.kernel_path(x, x, x, q_tile=32, kv_block=1, device=h100)
     assert path == "token" and "Mosaic GPU" in why[0]
     assert sa.kernel_path(x, x, x, q_tile=32, kv_block=1, device=a100)[0] == "token"
