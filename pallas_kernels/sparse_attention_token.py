@@ -29,7 +29,7 @@ import numpy as np
 from pallas_kernels import triton_call
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
 from pallas_kernels.sparse_attention_reference import name_residuals, row_term
-from pallas_kernels.tuning import TokenAttentionTuning
+from pallas_kernels.tuning import TokenAttentionTuning, token_attention_tuning
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -37,33 +37,30 @@ LN2 = math.log(2.0)
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Static geometry of one call (hashable: a nondiff argument of the custom_vjp)."""
+    """Static settings of one call (hashable: a nondiff argument of the custom_vjp). The array sizes are
+    read from the operands at launch: under sharding over heads a device holds only its own heads."""
 
     q_tile: int
-    seq_len: int
-    heads: int
     head_dim: int
-    n_sel: int
     sm_scale: float
     tuning: TokenAttentionTuning
+    masked: bool = False  # a padded layout: the kernels read key_valid
     interpret: bool = False
 
-    @property
-    def tiles(self) -> int:
-        return self.seq_len // self.q_tile
-
-    def constants(self, block_n: int) -> dict:
-        """The kernels' compile-time geometry (triton constexprs). The interpreter walks each list to its
-        capacity (sparse_attention_token_kernels._walk_length)."""
+    def constants(self, q, index, block_n: int) -> dict:
+        """The kernels' compile-time geometry (triton constexprs) for this shard's q [B, S, H, D] and index
+        [B, H, T, K]. The interpreter walks each list to its capacity (sparse_attention_token_kernels._walk_length)."""
+        _, s, h, d = q.shape
         return dict(
-            S=self.seq_len,
-            H=self.heads,
-            T=self.tiles,
-            NSEL=self.n_sel,
+            S=s,
+            H=h,
+            T=s // self.q_tile,
+            NSEL=index.shape[-1],
             QT=self.q_tile,
-            D=self.head_dim,
+            D=d,
             BN=block_n,
             FULL_WALK=self.interpret,
+            HAS_VALID=self.masked,
         )
 
 
@@ -78,7 +75,9 @@ def supported(q, k, v, *, q_tile: int, kv_block: int) -> str | None:
         return f"kv_block={kv_block} (the token kernels take kv_block=1)"
     if q_tile not in (16, 32, 64, 128):
         return f"q_tile={q_tile} must be 16, 32, 64 or 128 for the token kernels"
-    d = q.shape[-1]
+    _, s, h, d = q.shape
+    if s * h * d >= 2**31:  # the kernels' element offsets within one batch entry are int32
+        return f"S * H * D = {s * h * d} must be < 2**31 for the token kernels"
     if d < 16 or d & (d - 1) or d > 256:
         return f"head dim {d} must be a power of two in 16..256 for the token kernels"
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -107,11 +106,11 @@ def _forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
         np.float32(launch.sm_scale * LOG2E),  # a Python float would be fp64 in the kernel
         kernel=_kernels(launch).token_forward,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
-        grid=(launch.tiles, b * h),
+        grid=(s // launch.q_tile, b * h),
         warps=tune.fwd_warps,
         stages=tune.fwd_stages,
         interpret=launch.interpret,
-        **launch.constants(tune.fwd_block_n),
+        **launch.constants(q, index, tune.fwd_block_n),
     )
     return o, lse2
 
@@ -134,12 +133,12 @@ def _backward(q, k, v, index, count, key_valid, lse2, do, delta, launch: LaunchC
         np.float32(launch.sm_scale),
         kernel=_kernels(launch).token_backward,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), grads, grads],
-        grid=(launch.tiles, b * h),
+        grid=(s // launch.q_tile, b * h),
         zeroed_outputs=(1, 2),
         warps=tune.bwd_warps,
         stages=tune.bwd_stages,
         interpret=launch.interpret,
-        **launch.constants(tune.bwd_block_n),
+        **launch.constants(q, index, tune.bwd_block_n),
     )
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -200,19 +199,18 @@ def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scal
         raise ValueError(reason)
     if interpret and q.dtype == jnp.bfloat16:  # triton 3.6: its dot multiplies bf16's raw 16-bit patterns
         raise ValueError("Triton's interpreter computes bfloat16 dots wrong; interpret the token kernels in float16")
-    b, s, h, d = q.shape
+    b, s, _, d = q.shape
     launch = LaunchConfig(
         q_tile=q_tile,
-        seq_len=s,
-        heads=h,
         head_dim=d,
-        n_sel=kv_index.shape[-1],
         sm_scale=float(sm_scale),
-        tuning=tuning or TokenAttentionTuning(),
+        tuning=tuning or token_attention_tuning(q_tile, d),
+        masked=kv_valid is not None,
         interpret=bool(interpret),
     )
     count = jnp.clip(kv_count.astype(jnp.int32), 0, kv_index.shape[-1])
-    key_valid = jnp.ones((b, s), jnp.int32) if kv_valid is None else (kv_valid > 0).astype(jnp.int32)
+    # unmasked: a placeholder the kernels never read (HAS_VALID off), one int per batch entry
+    key_valid = jnp.ones((b, 1), jnp.int32) if kv_valid is None else (kv_valid > 0).astype(jnp.int32)
     return launch, kv_index.astype(jnp.int32), count, key_valid
 
 

@@ -4,7 +4,9 @@ Imported only where `triton` is installed (sparse_attention_token asks first). P
 jax-triton's order: the call's inputs (arrays and scalars), then its outputs. Layout of every call:
 q, k, v, do [B, S, H, D] (a token's row of one head is D contiguous elements, H * D apart); the token
 list of query group t of (b, h) is idx[(b * H + h) * T + t, :count], count [B * H * T]; key_valid
-[B, S] int32 (0: a padded key, never attended); lse2, delta [B, H, S] fp32.
+[B, S] int32 (0: a padded key, never attended; read only when HAS_VALID); lse2, delta [B, H, S] fp32.
+B, S, H are the shard's (the launch runs per device under partitioned_over_batch_and_heads); element
+offsets within a batch entry are int32 (sparse_attention_token.supported keeps S * H * D < 2**31).
 
 The gather is what Triton gives and Pallas does not: `tl.load` of a [BN, D] block through a vector of
 row pointers, which the compiler software-pipelines with cp.async (num_stages). Each gathered K/V row
@@ -39,13 +41,15 @@ def _gather_offsets(b, h, tok, S: tl.constexpr, H: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _step_tokens(idx_row, count, start, key_valid, b, S: tl.constexpr, BN: tl.constexpr):
-    """The tokens of entries start..start+BN of a list, and which of them are live (< count, valid key)."""
+def _step_tokens(idx_row, count, start, key_valid, b, S: tl.constexpr, BN: tl.constexpr, HAS_VALID: tl.constexpr):
+    """The tokens of entries start..start+BN of a list, and which of them are live (< count, and with
+    HAS_VALID a valid key: a second dependent gather, so it is compiled in only for padded layouts)."""
     offs = start + tl.arange(0, BN)
     live = offs < count
     tok = tl.load(idx_row + offs, mask=live, other=0)
     tok = tl.minimum(tl.maximum(tok, 0), S - 1)  # an out-of-range id reads row 0 or S-1, never past the array
-    live = live & (tl.load(key_valid + b.to(tl.int64) * S + tok, mask=live, other=0) != 0)
+    if HAS_VALID:
+        live = live & (tl.load(key_valid + b.to(tl.int64) * S + tok, mask=live, other=0) != 0)
     return tok, live
 
 
@@ -78,6 +82,7 @@ def token_forward(
     D: tl.constexpr,
     BN: tl.constexpr,
     FULL_WALK: tl.constexpr,
+    HAS_VALID: tl.constexpr,
 ):
     """Grid (T, B * H): one program per query group and head."""
     t = tl.program_id(0)
@@ -94,7 +99,7 @@ def token_forward(
     l = tl.zeros([QT], tl.float32)
     acc = tl.zeros([QT, D], tl.float32)
     for start in range(0, _walk_length(count_ptr, sel, NSEL, FULL_WALK), BN):
-        tok, live = _step_tokens(idx_row, count, start, valid_ptr, b, S, BN)
+        tok, live = _step_tokens(idx_row, count, start, valid_ptr, b, S, BN, HAS_VALID)
         kv_offs = _gather_offsets(b, h, tok, S, H, D)
         k = tl.load(k_ptr + kv_offs, mask=live[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -138,6 +143,7 @@ def token_backward(
     D: tl.constexpr,
     BN: tl.constexpr,
     FULL_WALK: tl.constexpr,
+    HAS_VALID: tl.constexpr,
 ):
     """Grid (T, B * H). dq [B, S, H, D] in q's dtype; dk, dv fp32 [B, S, H, D], zeroed before the launch."""
     t = tl.program_id(0)
@@ -156,7 +162,7 @@ def token_backward(
 
     dq = tl.zeros([QT, D], tl.float32)
     for start in range(0, _walk_length(count_ptr, sel, NSEL, FULL_WALK), BN):
-        tok, live = _step_tokens(idx_row, count, start, valid_ptr, b, S, BN)
+        tok, live = _step_tokens(idx_row, count, start, valid_ptr, b, S, BN, HAS_VALID)
         kv_offs = _gather_offsets(b, h, tok, S, H, D)
         k = tl.load(k_ptr + kv_offs, mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=live[:, None], other=0.0)

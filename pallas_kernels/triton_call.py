@@ -14,11 +14,15 @@ import contextlib
 import functools
 import importlib.util
 import os
+import threading
 
 import jax
 import numpy as np
 
 INSTALL_HINT = "pip install -e '.[token]'"
+# The interpreter patches triton.language globally while a kernel runs, so launches from several devices'
+# callbacks (a sharded call on the fake CPU devices) take turns.
+_INTERPRETER = threading.Lock()
 
 
 def missing(device=None) -> str | None:
@@ -121,7 +125,7 @@ def _interpreted(*args, kernel, out_shape, grid, **constants):
         ]
         outputs = [np.zeros(o.shape, o.dtype) for o in out_shape]
         params = [a if _is_scalar(a) else _HostArray(a) for a in inputs] + [_HostArray(o) for o in outputs]
-        with _interpreting():
+        with _INTERPRETER, _interpreting():
             kernel[grid](*params, **constants)
         return outputs
 

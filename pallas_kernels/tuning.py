@@ -68,6 +68,16 @@ class TokenAttentionTuning:
                 raise ValueError(f"TokenAttentionTuning.{name}={val} must be a power of two >= 16")
 
 
+def token_attention_tuning(q_tile: int, head_dim: int) -> TokenAttentionTuning:
+    """The token kernels' launch for a geometry: the warps that keep their registers from spilling on sm90
+    (ptxas for triton 3.6: the backward at D = 128 or 64-query groups needs 8 warps, 4 spill 64-368 bytes;
+    the forward at 128-query groups too). Not yet timed against the alternatives (4 warps with 32-key steps)."""
+    return TokenAttentionTuning(
+        fwd_warps=8 if q_tile >= 128 else 4,
+        bwd_warps=8 if head_dim >= 128 or q_tile >= 64 else 4,
+    )
+
+
 TOPK_PRECISIONS = ("tf32", "tf32x3", "bf16x3", "ieee")
 
 

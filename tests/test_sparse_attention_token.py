@@ -23,7 +23,7 @@ from pallas_kernels import sparse_attention as sa
 from pallas_kernels import sparse_attention_token as token
 from pallas_kernels import triton_call
 from pallas_kernels.sparse_attention_reference import dense_masked_reference, sparse_attention_reference
-from pallas_kernels.tuning import TokenAttentionTuning
+from pallas_kernels.tuning import TokenAttentionTuning, token_attention_tuning
 
 SMALL = TokenAttentionTuning(fwd_block_n=16, bwd_block_n=16)  # several loop steps per list at these sizes
 
@@ -142,7 +142,12 @@ def test_what_the_token_kernels_take_and_refuse():
         token.attention(q, q, q, idx, cnt, q_tile=16, kv_block=1, sm_scale=0.1, interpret=True)
     with pytest.raises(ValueError, match="must be a power of two >= 16"):
         TokenAttentionTuning(fwd_block_n=24)
-    hash(token.LaunchConfig(16, 64, 1, 32, 8, 0.1, SMALL))  # a nondiff argument of the custom VJP
+    # warps that keep the kernels' registers from spilling (ptxas, sm90): 8 for the backward at D = 128
+    assert (token_attention_tuning(32, 128).fwd_warps, token_attention_tuning(32, 128).bwd_warps) == (4, 8)
+    assert (token_attention_tuning(32, 64).bwd_warps, token_attention_tuning(128, 64).fwd_warps) == (4, 8)
+    hash(token.LaunchConfig(16, 32, 0.1, SMALL))  # a nondiff argument of the custom VJP
+    big = jax.ShapeDtypeStruct((1, 131072, 128, 128), jnp.bfloat16)  # offsets within a batch entry are int32
+    assert "2**31" in token.supported(big, big, big, q_tile=32, kv_block=1)
 
 
 @dataclasses.dataclass
@@ -169,3 +174,47 @@ def test_the_dispatcher_takes_the_token_kernels_at_token_level_where_jax_triton_
     assert "compute capability 7.0" in token.available(old)
     assert "not a GPU" in token.available(jax.devices("cpu")[0])
     assert sa.kernel_path(x, x, x, q_tile=32, kv_block=1)[0] == "xla"  # this CPU, impl="auto"
+
+
+def test_a_shard_addresses_its_rows_by_its_own_shape():
+    """Under partitioned_over_batch_and_heads the launch config is traced with the global shapes and each
+    device's call gets its own (batch, head) shard: the kernels must address rows by the operands' sizes.
+    Here the per-shard launch runs on heads 2..3 of 8 with the config made for all 8."""
+    b, s, h, d, q_tile = 2, 64, 8, 16, 16
+    q, k, v, _ = inputs(21, b, s, h, d)
+    index, count, clean = selection(jax.random.key(22), b, h, s // q_tile, s, 12)
+    kv_valid = (jax.random.uniform(jax.random.key(23), (b, s)) > 0.3).astype(jnp.int32)
+    prepare = dict(q_tile=q_tile, kv_block=1, sm_scale=d**-0.5, tuning=SMALL, interpret=True)
+    launch, index_k, count_k, key_valid = token._prepare(q, k, v, index, count, kv_valid, **prepare)
+    heads = slice(2, 4)
+    o, lse2 = token._forward(
+        q[:, :, heads], k[:, :, heads], v[:, :, heads], index_k[:, heads], count_k[:, heads], key_valid, launch
+    )
+    want = sparse_attention_reference(
+        q[:, :, heads], k[:, :, heads], v[:, :, heads], clean[:, heads], count[:, heads], q_tile=q_tile, kv_block=1,
+        kv_valid=kv_valid,
+    )  # fmt: skip
+    assert rel_err(o, want) < 2e-3
+
+
+def test_inside_shard_map_each_device_runs_its_own_heads():
+    """What context parallelism does: the kernels inside shard_map over an 8-device (batch, heads) mesh."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "heads"))
+    b, s, h, d, q_tile = 2, 64, 8, 16, 16
+    q, k, v, _ = inputs(24, b, s, h, d)
+    index, count, clean = selection(jax.random.key(25), b, h, s // q_tile, s, 12)
+    rows, lists = P("data", None, "heads"), P("data", "heads")
+    local = jax.shard_map(
+        lambda q, k, v, i, c: token.attention(
+            q, k, v, i, c, q_tile=q_tile, kv_block=1, sm_scale=d**-0.5, interpret=True, tuning=SMALL
+        ),
+        mesh=mesh,
+        in_specs=(rows,) * 3 + (lists,) * 2,
+        out_specs=rows,
+        check_vma=False,
+    )
+    want = sparse_attention_reference(q, k, v, clean, count, q_tile=q_tile, kv_block=1)
+    assert rel_err(jax.jit(local)(q, k, v, index, count), want) < 2e-3
