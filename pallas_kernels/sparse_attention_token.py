@@ -150,6 +150,17 @@ _backward_sharded = partitioned_over_batch_and_heads(
 )
 
 
+def _run_forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
+    # The interpreter's jax.pure_callback inside a custom_partitioning op crashes jax 0.10.2's CPU runtime
+    # (a segfault at execution on a sharded input), so interpreted calls skip the partitioning.
+    return (_forward if launch.interpret else _forward_sharded)(q, k, v, index, count, key_valid, launch)
+
+
+def _run_backward(q, k, v, index, count, key_valid, lse2, do, delta, launch: LaunchConfig):
+    run = _backward if launch.interpret else _backward_sharded
+    return run(q, k, v, index, count, key_valid, lse2, do, delta, launch)
+
+
 def natural_lse(lse2):
     """The kernels' base-2 lse (+inf: no valid key) as the public natural-log lse (-inf: no valid key)."""
     return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
@@ -167,17 +178,17 @@ def kernel_lse(lse):
 
 def _grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch: LaunchConfig):
     delta = row_term(o, do, dlse)
-    return _backward_sharded(q, k, v, index, count, key_valid, lse2, do.astype(q.dtype), delta, launch)
+    return _run_backward(q, k, v, index, count, key_valid, lse2, do.astype(q.dtype), delta, launch)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _attend(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
-    o, lse2 = _forward_sharded(q, k, v, index, count, key_valid, launch)
+    o, lse2 = _run_forward(q, k, v, index, count, key_valid, launch)
     return (o, natural_lse(lse2)) if with_lse else o
 
 
 def _attend_fwd(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
-    o, lse2 = name_residuals(*_forward_sharded(q, k, v, index, count, key_valid, launch))
+    o, lse2 = name_residuals(*_run_forward(q, k, v, index, count, key_valid, launch))
     out = (o, natural_lse(lse2)) if with_lse else o
     return out, (q, k, v, index, count, key_valid, o, lse2)
 
