@@ -2,7 +2,7 @@
 
 At token level each query group gathers its own keys one row at a time. Pallas' Mosaic GPU lowering has
 no cp.async row gather and its Triton lowering lacks the launch control (docs/kernels/mgpu_notes.md,
-"Token level"); a real Triton kernel has both: `tl.load` through a vector of row pointers, pipelined
+"Token level through jax-triton"); a real Triton kernel has both: `tl.load` through a vector of row pointers, pipelined
 with cp.async. The kernels are in sparse_attention_token_kernels (imported only where triton is).
 
     forward   grid (T, B * H): the group's QT queries against its tokens, BN per step, online softmax;
@@ -41,7 +41,6 @@ class LaunchConfig:
     read from the operands at launch: under sharding over heads a device holds only its own heads."""
 
     q_tile: int
-    head_dim: int
     sm_scale: float
     tuning: TokenAttentionTuning
     masked: bool = False  # a padded layout: the kernels read key_valid
@@ -213,7 +212,6 @@ def _prepare(q, k, v, kv_index, kv_count, kv_valid, *, q_tile, kv_block, sm_scal
     b, s, _, d = q.shape
     launch = LaunchConfig(
         q_tile=q_tile,
-        head_dim=d,
         sm_scale=float(sm_scale),
         tuning=tuning or token_attention_tuning(q_tile, d),
         masked=kv_valid is not None,

@@ -145,7 +145,7 @@ def test_what_the_token_kernels_take_and_refuse():
     # warps that keep the kernels' registers from spilling (ptxas, sm90): 8 for the backward at D = 128
     assert (token_attention_tuning(32, 128).fwd_warps, token_attention_tuning(32, 128).bwd_warps) == (4, 8)
     assert (token_attention_tuning(32, 64).bwd_warps, token_attention_tuning(128, 64).fwd_warps) == (4, 8)
-    hash(token.LaunchConfig(16, 32, 0.1, SMALL))  # a nondiff argument of the custom VJP
+    hash(token.LaunchConfig(16, 0.1, SMALL))  # a nondiff argument of the custom VJP
     big = jax.ShapeDtypeStruct((1, 131072, 128, 128), jnp.bfloat16)  # offsets within a batch entry are int32
     assert "2**31" in token.supported(big, big, big, q_tile=32, kv_block=1)
 
