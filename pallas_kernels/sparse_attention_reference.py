@@ -32,6 +32,8 @@ this call's own outputs, they are the VJP of sparse_attention(..., return_lse=Tr
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -148,6 +150,22 @@ def sparse_attention_reference(
     if not return_lse:
         return out
     return out, lse.transpose(1, 2, 0, 3).reshape(b, h, s)
+
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def natural_lse(lse2):
+    """A base-2 kernel lse (+inf: no valid key, so that a backward's exp2(s - lse2) is 0) as the public
+    natural-log lse (-inf: no valid key). The convention of the Triton-lowering and token kernels."""
+    return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
+
+
+def kernel_lse(lse):
+    """Inverse of natural_lse: the public lse as the kernels' base-2 lse (+inf where no key)."""
+    lse = lse.astype(jnp.float32)
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse / LN2)
 
 
 def row_term(o, do, dlse=None):

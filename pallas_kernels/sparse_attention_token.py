@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +27,8 @@ import numpy as np
 
 from pallas_kernels import triton_call
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention_reference import name_residuals, row_term
+from pallas_kernels.sparse_attention_reference import LOG2E, kernel_lse, name_residuals, natural_lse, row_term
 from pallas_kernels.tuning import TokenAttentionTuning, token_attention_tuning
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,17 +154,6 @@ def _run_forward(q, k, v, index, count, key_valid, launch: LaunchConfig):
 def _run_backward(q, k, v, index, count, key_valid, lse2, do, delta, launch: LaunchConfig):
     run = _backward if launch.interpret else _backward_sharded
     return run(q, k, v, index, count, key_valid, lse2, do, delta, launch)
-
-
-def natural_lse(lse2):
-    """The kernels' base-2 lse (+inf: no valid key) as the public natural-log lse (-inf: no valid key)."""
-    return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
-
-
-def kernel_lse(lse):
-    """Inverse of natural_lse."""
-    lse = lse.astype(jnp.float32)
-    return jnp.where(lse == -jnp.inf, jnp.inf, lse / LN2)
 
 
 # ----------------------------------------------------------------------------------------------------

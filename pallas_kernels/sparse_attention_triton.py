@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention_reference import name_residuals, row_term
+from pallas_kernels.sparse_attention_reference import LOG2E, kernel_lse, name_residuals, natural_lse, row_term
 from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning, for_device
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 MASK_VALUE = -1e30  # finite: exp2(MASK_VALUE - m) is 0 without inf - inf
 M_FLOOR = -1e29  # start of the running max: exp2(MASK_VALUE - M_FLOOR) == 0, and below any real logit
 
@@ -378,17 +375,6 @@ def _run_backward(q, k, v, index, count, key_valid, lse, do, delta, launch: Laun
 # ----------------------------------------------------------------------------------------------------
 # custom_vjp over padded, sanitized inputs. with_lse (static): the result is (o, lse natural log) and the
 # backward takes the lse cotangent; else o alone, exactly the computation of a call without lse.
-
-
-def natural_lse(lse2):
-    """The kernels' base-2 lse (+inf: no valid key) as the public natural-log lse (-inf: no valid key)."""
-    return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
-
-
-def kernel_lse(lse):
-    """Inverse of natural_lse: the public lse as the kernels' base-2 lse (+inf, so that p = 0, where no key)."""
-    lse = lse.astype(jnp.float32)
-    return jnp.where(lse == -jnp.inf, jnp.inf, lse / LN2)
 
 
 def _grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch: LaunchConfig):
