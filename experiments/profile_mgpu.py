@@ -2,12 +2,14 @@
 profiler wrapped around this process reads their hardware counters:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:dsv_sparse --set full \\
-        python -m experiments.profile_mgpu [--seq 32768] [--sparsity 0.9] [--q-tile 128] [--options '{"fwd_stages": 2}']
+        python -m experiments.profile_mgpu [--seq 32768] [--sparsity 0.9] [--q-tile 128] [--kv-block 16] \
+            [--options '{"fwd_stages": 2}']
 
 (Without the preallocation switched off, ncu saves and restores jax's whole memory pool around every replay
-of a kernel: minutes per kernel. The kernels are named dsv_sparse_fwd, dsv_sparse_dq, dsv_sparse_dkdv, so
+of a kernel: minutes per kernel. The kernels are named dsv_sparse_fwd, dsv_sparse_dq, dsv_sparse_dkdv (at
+--kv-block 16 or 32: dsv_sparse_dkdv_fine), so
 `-k regex:dsv_sparse` skips the XLA kernels around them.) Inputs and pieces are experiments/bench_sparse_mgpu.py's
-(B=1, H=16, D=128, bf16, kv_block 64, uniformly random blocks, full counts); everything is compiled before the
+(B=1, H=16, D=128, bf16, uniformly random blocks, full counts); everything is compiled before the
 timed runs, so the profiled launches come in a fixed order. Prints each piece's faster of two wall times (under a
 profiler: its replay time).
 """
@@ -28,14 +30,15 @@ def main():
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--q-tile", type=int, default=bench.Q_TILE, help="query rows per selection tile (64 or 128)")
+    parser.add_argument("--kv-block", type=int, default=bench.KV_BLOCK, help="keys per selected block (16, 32, 64)")
     parser.add_argument("--options", default="{}", help="JSON tuning of the Mosaic GPU path")
     parser.add_argument("--interpret", action="store_true", help="jax's GPU interpreter (a CPU smoke run)")
     args = parser.parse_args()
 
     options = json.loads(args.options)
     if set(bench.GEOMETRY_KEYS) & set(options):
-        parser.error("--options is the kernels' tuning; the geometry is --q-tile (kv_block is 64)")
-    bench.set_geometry({"q_tile": args.q_tile})
+        parser.error("--options is the kernels' tuning; the geometry is --q-tile and --kv-block")
+    bench.set_geometry({"q_tile": args.q_tile, "kv_block": args.kv_block})
     q, k, v, w, index, count = bench.inputs(args.seq, args.sparsity)
     calls = bench.pieces(q, k, v, w, index, count, options, interpret=args.interpret)
     # pieces() has run the forward once; compiling the two backward kernels now makes the first three
