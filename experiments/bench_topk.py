@@ -34,9 +34,10 @@ Why the time is what it is: every counting pass recomputes each score (a rank-16
 kernel's bracketing on the sampled tiles' scores (seeded or not, as the variant is); `score_passes_per_ns`
 is S/q_tile * H * S/kv_block scores times (passes + 1 compaction pass) per nanosecond of the kernel.
 
-With --attention-seqs, the token-level sparse attention (Triton path, random 16-token groups) fwd+bwd is
-timed too at those S, so that each selection's share of it (issue 16's goal: <= 0.15 at 128k) comes from
-one run. Writes experiments/results/bench_topk.json (and $OUT/ when set).
+With --attention-seqs, the token-level sparse attention (random 16-token groups) fwd+bwd is timed too at
+those S, on the path `sparse_attention(impl="auto")` picks (recorded as `path`: with the `token` extra on a
+GPU, the jax-triton token kernels), so that each selection's share of it (issue 38's goal: <= 0.3 at 128k)
+comes from one run. Writes experiments/results/bench_topk.json (and $OUT/ when set).
 
 Each job runs in a child process (this one never starts jax's backend), so that a crash costs its row, not the
 run: per S the first variant's rows (the default `{}`, put first: the key result), then the attention, then
@@ -73,7 +74,6 @@ from experiments.bench_sparse_attention import (
     exact_topk,
     lowrank_inputs,
     random_selection,
-    sparse_fns,
     to_tokens,
 )
 from pallas_kernels.lowrank_topk_triton import SEED_MIN_RATIO, first_thresholds, lowrank_topk_pallas, sortable_key
@@ -362,17 +362,22 @@ def measure_select(job, progress: Progress) -> dict:
 
 
 def measure_attention(job, progress: Progress) -> dict:
-    """An attention job's rows: the token-level sparse attention (Triton path, random 16-token groups)
-    fwd+bwd at one S, per sparsity."""
+    """An attention job's rows: the token-level sparse attention (random 16-token groups) fwd+bwd at one S,
+    per sparsity, on the path sparse_attention picks (recorded: the rows' `path`)."""
+    from pallas_kernels.sparse_attention import kernel_path, sparse_attention
+
     cfg, seq = job["cfg"], job["seq"]
     h, q_tile, group = cfg["heads"], cfg["q_tile"], cfg["token_group"]
     progress.stage("inputs", {"seq": seq})
     q, k, v, do = harness.random_qkv(jax.random.key(seq + 1), seq, h, cfg["head_dim"])
-    _, fwd_bwd = sparse_fns(q_tile, 1, for_device()[0], not harness.on_gpu())
+    path = kernel_path(q, k, v, q_tile=q_tile, kv_block=1)[0]
+    fwd_bwd = harness.fwd_bwd(
+        lambda q, k, v, index, count: sparse_attention(q, k, v, index, count, q_tile=q_tile, kv_block=1), 3
+    )
     for key in job["rows"]:
         if time.time() + 60 > job["deadline"]:
             return {"stopped": "time budget"}
-        row = {**key, "kv_block": 1}
+        row = {**key, "kv_block": 1, "path": path}
         progress.stage("compile", key, row)
         try:
             selection = random_selection(
@@ -602,7 +607,7 @@ def main():
     budget = harness.Budget(args.budget_s, reserve=10.0, start=time.time())
     rows, attention, children = run(cfg, variants, budget, args.job_timeout_s)  # this process never starts jax
     harness.write_results(
-        args.name,
+        args.name + ("_quick" if args.quick else ""),  # a CPU smoke run never replaces a GPU run's file
         {
             "config": cfg,
             "variants": variants,
@@ -615,7 +620,7 @@ def main():
     tables = [
         ([r for r in rows if "select_ms" in r], TIME_COLUMNS),
         ([r for r in rows if "recall" in r], MASS_COLUMNS),  # a row that died while timed has its mass
-        ([r for r in attention if "fwd_bwd_ms" in r], ["seq", "sparsity", "fwd_bwd_ms", "min_ms", "max_ms"]),
+        ([r for r in attention if "fwd_bwd_ms" in r], ["seq", "sparsity", "path", "fwd_bwd_ms", "min_ms", "max_ms"]),
     ]
     lost = [r for r in rows + attention if {"status", "skipped", "error"} & set(r)]
     if lost:  # what the run could not measure, and why (the whole text in the JSON's "error")

@@ -227,3 +227,18 @@ def test_a_stage_past_its_time_limit_ends_the_child_and_leaves_its_record(monkey
     records = [json.loads(line) for line in progress.read_text().splitlines()]
     assert [r.get("running") for r in records] == ["inputs", None, "compile"]
     assert records[-1]["row"]["tuning"] == "T" and records[1] == {"row": {"seq": 256, "kv_block": 64}}
+
+
+def test_quick_run_writes_its_own_file(monkeypatch):
+    """A --quick CPU run writes bench_topk_quick.json, never the committed GPU run's bench_topk.json (a quick
+    run once overwrote it)."""
+    from experiments import bench_topk
+
+    written = []
+    monkeypatch.setattr(bench_topk, "run", lambda cfg, variants, budget, timeout: ([], [], []))
+    monkeypatch.setattr(bench_topk.harness, "write_results", lambda name, payload: written.append(name))
+    monkeypatch.setattr("sys.argv", ["bench_topk", "--quick"])
+    bench_topk.main()
+    monkeypatch.setattr("sys.argv", ["bench_topk", "--name", "probe"])
+    bench_topk.main()
+    assert written == ["bench_topk_quick", "probe"]
