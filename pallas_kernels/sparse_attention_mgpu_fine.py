@@ -9,13 +9,16 @@ with products whose small side is g:
 
     S = Q K_b^T, dP = dO V_b^T                  [64 queries, g]   (wgmma N = g; one wait)
     P = exp2(S * sm_scale * log2 e - lse2), dS = P * (dP - delta)       (one value per query row, as in dQ)
-    P, dS -> SMEM as bf16 [64, g]
+    P^T, dS^T -> SMEM as bf16 [g, 64]         (the transposed register layout: one shuffle)
     dV^T[h] += dO[:, h]^T P, dK^T[h] += Q[:, h]^T dS                     (M = 64 columns h of D, N = g, K = 64)
 
 CTA (head, pair of blocks, batch): consumer w owns the block at place 2 c + w of `blocks` (longest list
 first by default, as for 64-row blocks); the producer streams the 64-row halves of the query tiles of both
 lists (Q with lse2, dO with delta) through one ring per list. A transposed A operand (dO^T, Q^T) must have
-the swizzle of its B operand (P, dS: g x 2 bytes a row), so the Q / dO ring is swizzled at 2g bytes.
+the swizzle of its B operand; P and dS are therefore stored transposed, 64 queries (128 bytes) a row, so that
+every operand is swizzled at 128 bytes. (Storing P as [64, g] forced a 2g-byte swizzle on the Q / dO ring, and
+its TMA copies then fetch 32-byte rows: at g = 16 the L2 ran request-bound, 98% busy at 52% of its bandwidth;
+docs/kernels/mgpu_notes.md.)
 Outputs dK^T, dV^T [B, H, D, S] in tiles [64, g]; `dkdv` returns them transposed to [B, S, H, D] (XLA).
 """
 
@@ -77,16 +80,22 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
     stages, lists = cfg.dkdv_stages, CONSUMERS
     per_tile = cfg.q_tile // ROWS  # 64-row steps per query tile of a list
     halves = d // ROWS  # 64-column halves of the head dim (M of the transposed products)
-    swizzle = 2 * g  # bytes of a row of P: the swizzle every operand of the transposed products shares
     qk_scale = cfg.sm_scale * LOG2E
     masked = cfg.masked
 
     work = cfg.work("dkdv", h, s // (CONSUMERS * g), b)
 
+    def store_transposed(ref, x):
+        """x [64, g] (wgmma layout) into ref [g, 64] as x^T: a register shuffle, then a 128-byte swizzled store."""
+        if ops.interpret:
+            ref[...] = x.T
+        else:
+            plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(x, plgpu.Layout.WGMMA_TRANSPOSED)
+
     def body(refs, scratch):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, blocks_ref, valid_ref, *outs = refs
         dkt_ref, dvt_ref = outs
-        (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, out_smem), barriers = scratch
+        (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, pt_smem, dst_smem, out_smem), barriers = scratch
         kv_ready, a_ready, a_free, b_ready, b_free = barriers
         wg = lax.axis_index("wg")
 
@@ -98,7 +107,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
             base = wg * stages
-            my_k, my_v, my_p, my_ds = k_smem.at[wg], v_smem.at[wg], p_smem.at[wg], ds_smem.at[wg]
+            my_k, my_v, my_pt, my_dst = k_smem.at[wg], v_smem.at[wg], pt_smem.at[wg], dst_smem.at[wg]
 
             def gradients(i, item, done):
                 """One work item; done: steps this consumer's ring carried before it."""
@@ -130,14 +139,14 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
                         p = jnp.where(ops.iota(p.shape, 1) < n_valid, p, 0.0)
                     delta = ops.load(delta_ring.at[slot], ops.row_layout())
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                    my_p[...] = p.astype(dtype)
-                    my_ds[...] = ds.astype(dtype)
+                    store_transposed(my_pt, p.astype(dtype))
+                    store_transposed(my_dst, ds.astype(dtype))
                     plgpu.commit_smem()  # the stores are visible to the wgmma (async proxy)
                     cols = [pl.ds(j * ROWS, ROWS) for j in range(halves)]
                     accs = mma(
                         ops,
-                        [(accs[j], do_ring.at[slot, :, cols[j]], my_p, True, False) for j in range(halves)]
-                        + [(accs[halves + j], q_ring.at[slot, :, cols[j]], my_ds, True, False) for j in range(halves)],
+                        [(accs[j], do_ring.at[slot, :, cols[j]], my_pt, True, True) for j in range(halves)]
+                        + [(accs[halves + j], q_ring.at[slot, :, cols[j]], my_dst, True, True) for j in range(halves)],
                     )
                     plgpu.barrier_arrive(b_free.at[slot])
                     plgpu.barrier_arrive(a_free.at[slot])
@@ -180,19 +189,19 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
         if not masked:
             refs = refs[:9] + (None,) + refs[9:]
         ring = lists * stages
-        at = lambda shape: swizzled_at(plgpu, shape, dtype, swizzle)
+        wide = lambda shape: swizzled_at(plgpu, shape, dtype, 128)
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
             (
-                at((CONSUMERS, g, d)),
-                at((CONSUMERS, g, d)),
-                at((ring, ROWS, d)),
-                at((ring, ROWS, d)),
+                wide((CONSUMERS, g, d)),
+                wide((CONSUMERS, g, d)),
+                wide((ring, ROWS, d)),
+                wide((ring, ROWS, d)),
                 plgpu.SMEM((ring, ROWS), jnp.float32),
                 plgpu.SMEM((ring, ROWS), jnp.float32),
-                at((CONSUMERS, ROWS, g)),
-                at((CONSUMERS, ROWS, g)),
-                at((CONSUMERS, 2, halves, ROWS, g)),
+                wide((CONSUMERS, g, ROWS)),  # P^T, dS^T: 64 queries a row
+                wide((CONSUMERS, g, ROWS)),
+                swizzled_at(plgpu, (CONSUMERS, 2, halves, ROWS, g), dtype, 2 * g),
             ),
             (
                 plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),

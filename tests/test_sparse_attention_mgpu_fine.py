@@ -145,9 +145,9 @@ FINE_LOWERINGS = [  # (q_tile, kv_block, D, masked, tuning)
 
 @pytest.mark.parametrize("q_tile,kv_block,d,masked,tuning", FINE_LOWERINGS)
 def test_fine_block_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
-    """The compiled forms (wgmma with N = 16 or 32 and transposed SMEM A operands, 16- or 32-row TMA copies
-    into 128-byte swizzled stages, 32- or 64-byte swizzled rings, transposed output tiles) lower to Mosaic GPU
-    on the CPU: forward, dQ and the fine dK/dV, all named for profiles."""
+    """The compiled forms (wgmma with N = 16 or 32 and transposed SMEM A and B operands, 16- or 32-row TMA
+    copies into 128-byte swizzled stages and rings, P^T and dS^T stored from the transposed register layout,
+    transposed output tiles) lower to Mosaic GPU on the CPU: forward, dQ and the fine dK/dV, named for profiles."""
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 5), jnp.int32)
