@@ -19,7 +19,8 @@ the swizzle of its B operand; P and dS are therefore stored transposed, 64 queri
 every operand is swizzled at 128 bytes. (Storing P as [64, g] forced a 2g-byte swizzle on the Q / dO ring, and
 its TMA copies then fetch 32-byte rows: at g = 16 the L2 ran request-bound, 98% busy at 52% of its bandwidth;
 docs/kernels/mgpu_notes.md.)
-Outputs dK^T, dV^T [B, H, D, S] in tiles [64, g]; `dkdv` returns them transposed to [B, S, H, D] (XLA).
+The accumulators dK^T, dV^T [64 columns of D, g] are stored transposed the same way, as [g, 64] tiles of
+dK, dV [B, S, H, D].
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
 
     def body(refs, scratch):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tiles_ref, starts_ref, blocks_ref, valid_ref, *outs = refs
-        dkt_ref, dvt_ref = outs
+        dk_ref, dv_ref = outs
         (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, pt_smem, dst_smem, out_smem), barriers = scratch
         kv_ready, a_ready, a_free, b_ready, b_free = barriers
         wg = lax.axis_index("wg")
@@ -154,14 +155,14 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
 
                 zeros = ops.full((ROWS, g), 0.0, ops.wgmma_layout)
                 accs = lax.fori_loop(0, n, step_fn, (zeros,) * (2 * halves))  # dV^T halves, then dK^T halves
-                for j in range(halves):
-                    out_smem.at[wg, 0, j][...] = (accs[halves + j] * cfg.sm_scale).astype(dtype)
-                    out_smem.at[wg, 1, j][...] = accs[j].astype(dtype)
+                for j in range(halves):  # back to [g, 64] tiles of dK, dV: no transpose left for XLA
+                    store_transposed(out_smem.at[wg, 0, j], (accs[halves + j] * cfg.sm_scale).astype(dtype))
+                    store_transposed(out_smem.at[wg, 1, j], accs[j].astype(dtype))
                 plgpu.commit_smem()
                 for j in range(halves):
                     cols = pl.ds(j * ROWS, ROWS)
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, 0, j], dkt_ref.at[bi, hi, cols, rows])
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, 1, j], dvt_ref.at[bi, hi, cols, rows])
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, 0, j], dk_ref.at[bi, rows, hi, cols])
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, 1, j], dv_ref.at[bi, rows, hi, cols])
                 return done + n
 
             work.loop(gradients, 0)
@@ -201,7 +202,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
                 plgpu.SMEM((ring, ROWS), jnp.float32),
                 wide((CONSUMERS, g, ROWS)),  # P^T, dS^T: 64 queries a row
                 wide((CONSUMERS, g, ROWS)),
-                swizzled_at(plgpu, (CONSUMERS, 2, halves, ROWS, g), dtype, 2 * g),
+                wide((CONSUMERS, 2, halves, g, ROWS)),
             ),
             (
                 plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
@@ -213,11 +214,10 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
             collective_axes="wg",
         )
 
-    transposed = (b, h, d, s)
     call = kernel_call(
         plgpu,
         dsv_sparse_dkdv_fine,
-        [result_type(transposed, dtype, q), result_type(transposed, dtype, q)],
+        [result_type(q.shape, dtype, q), result_type(q.shape, dtype, q)],
         **work.launch(),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
@@ -225,5 +225,4 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
         interpret=cfg.interpret_params(),
     )
     args = (q, k, v, do, lse2, delta, tiles, starts, blocks) + ((valid,) if masked else ())
-    dkt, dvt = call(*args)
-    return dkt.transpose(0, 3, 1, 2), dvt.transpose(0, 3, 1, 2)
+    return tuple(call(*args))
