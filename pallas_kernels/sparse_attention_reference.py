@@ -32,6 +32,7 @@ this call's own outputs, they are the VJP of sparse_attention(..., return_lse=Tr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -154,6 +155,33 @@ def sparse_attention_reference(
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+def lse2_attention_vjp(run_forward, grads):
+    """The custom VJP of a kernel family with a base-2 lse (+inf: no key), as the Triton-lowering and token
+    kernels have: attend(q, k, v, index, count, key_valid, launch, with_lse) -> o, or (o, natural lse).
+
+    run_forward(q, k, v, index, count, key_valid, launch) -> (o, lse2); grads(q, k, v, index, count,
+    key_valid, o, lse2, do, dlse, launch) -> (dq, dk, dv), dlse None without with_lse. launch (hashable) and
+    with_lse are static; the index, counts and key flags get no cotangent."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+    def attend(q, k, v, index, count, key_valid, launch, with_lse: bool):
+        o, lse2 = run_forward(q, k, v, index, count, key_valid, launch)
+        return (o, natural_lse(lse2)) if with_lse else o
+
+    def forward(q, k, v, index, count, key_valid, launch, with_lse: bool):
+        o, lse2 = name_residuals(*run_forward(q, k, v, index, count, key_valid, launch))
+        out = (o, natural_lse(lse2)) if with_lse else o
+        return out, (q, k, v, index, count, key_valid, o, lse2)
+
+    def backward(launch, with_lse: bool, res, cotangent):
+        q, k, v, index, count, key_valid, o, lse2 = res
+        do, dlse = cotangent if with_lse else (cotangent, None)
+        return *grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch), None, None, None
+
+    attend.defvjp(forward, backward)
+    return attend
 
 
 def natural_lse(lse2):

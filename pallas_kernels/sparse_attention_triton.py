@@ -31,14 +31,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention_reference import LOG2E, kernel_lse, name_residuals, natural_lse, row_term
+from pallas_kernels.sparse_attention_reference import LOG2E, kernel_lse, lse2_attention_vjp, row_term
 from pallas_kernels.sparse_index import MASK_BITS, dkdv_worklist, result_type, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning, for_device
 
@@ -383,25 +382,7 @@ def _grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch: LaunchCo
     return _run_backward(q, k, v, index, count, key_valid, lse2, do, row_term(o, do, dlse), launch)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attend(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
-    o, lse2 = _run_forward(q, k, v, index, count, key_valid, launch)
-    return (o, natural_lse(lse2)) if with_lse else o
-
-
-def _attend_fwd(q, k, v, index, count, key_valid, launch: LaunchConfig, with_lse: bool):
-    o, lse2 = name_residuals(*_run_forward(q, k, v, index, count, key_valid, launch))
-    out = (o, natural_lse(lse2)) if with_lse else o
-    return out, (q, k, v, index, count, key_valid, o, lse2)
-
-
-def _attend_bwd(launch: LaunchConfig, with_lse: bool, res, cotangent):
-    q, k, v, index, count, key_valid, o, lse2 = res
-    do, dlse = cotangent if with_lse else (cotangent, None)
-    return *_grads(q, k, v, index, count, key_valid, o, lse2, do, dlse, launch), None, None, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = lse2_attention_vjp(_run_forward, _grads)
 
 
 def prepare_index(kv_index, kv_count, launch: LaunchConfig, seq_len: int):
