@@ -548,7 +548,7 @@ class AttentionConfig:
             step = self.dq_step_rows * self.head_dim * itemsize
             return CONSUMERS * (2 * tile + 2 * rows_f32) + 2 * self.fwd_lists * self.dq_stages * step
         if kernel == "dkdv" and self.kv_block < ROWS:  # sparse_attention_mgpu_fine: per consumer its block's K, V,
-            # P and dS, the dK^T, dV^T out tiles; per ring stage Q, dO, lse, delta (two lists)
+            # P^T and dS^T, the dK, dV out tiles; per ring stage Q, dO, lse, delta (two lists)
             g = self.kv_block
             per_consumer = 2 * g * self.head_dim * itemsize + 2 * ROWS * g * itemsize + 2 * self.head_dim * g * itemsize
             return CONSUMERS * per_consumer + 2 * self.dkdv_stages * (2 * tile + 2 * rows_f32)

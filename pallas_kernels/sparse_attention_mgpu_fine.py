@@ -116,7 +116,7 @@ def dkdv(q, k, v, do, lse2, delta, tiles, starts, blocks, valid, cfg: AttentionC
                 block = block_of(item, wg)
                 n = (starts_ref[bi, hi, block + 1] - starts_ref[bi, hi, block]) * per_tile
                 rows = pl.ds(block * g, g)
-                if work.programs:  # the previous item's dK^T, dV^T must have left out_smem
+                if work.programs:  # the previous item's dK, dV tiles must have left out_smem
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], my_k, kv_ready.at[wg])
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], my_v, kv_ready.at[wg])

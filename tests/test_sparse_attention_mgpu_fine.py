@@ -147,7 +147,7 @@ FINE_LOWERINGS = [  # (q_tile, kv_block, D, masked, tuning)
 def test_fine_block_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     """The compiled forms (wgmma with N = 16 or 32 and transposed SMEM A and B operands, 16- or 32-row TMA
     copies into 128-byte swizzled stages and rings, P^T and dS^T stored from the transposed register layout,
-    transposed output tiles) lower to Mosaic GPU on the CPU: forward, dQ and the fine dK/dV, named for profiles."""
+    [g, 64] tiles of dK, dV) lower to Mosaic GPU on the CPU: forward, dQ and the fine dK/dV, named for profiles."""
     s, h = 768, 2
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((1, h, s // q_tile, 5), jnp.int32)
