@@ -169,6 +169,35 @@ def test_fine_block_kernels_lower_for_cuda(q_tile, kv_block, d, masked, tuning):
     assert all(name in text for name in ("dsv_sparse_fwd", "dsv_sparse_dq", "dsv_sparse_dkdv_fine"))
 
 
+def test_fine_dkdv_keeps_every_streamed_operand_at_a_128_byte_swizzle(monkeypatch):
+    """The fine dK/dV's speed rests on its SMEM swizzles: a Q / dO ring swizzled at 2g bytes (as P stored [64, g]
+    would force) makes its TMA copies fetch 32-byte rows, and at g = 16 the L2 ran request-bound at twice the
+    time (docs/kernels/mgpu_notes.md, "The 16-row dK/dV profiled and fixed"). Every bf16 SMEM ref it declares
+    must be swizzled at 128 bytes, with P^T and dS^T as [g, 64]."""
+    from pallas_kernels import sparse_attention_mgpu_fine as fine
+
+    declared = []
+
+    def recording(plgpu, shape, dtype, swizzle):
+        declared.append((tuple(shape), swizzle))
+        return original(plgpu, shape, dtype, swizzle)
+
+    original = fine.swizzled_at
+    monkeypatch.setattr(fine, "swizzled_at", recording)
+    s, h, d, g = 768, 2, 128, 16
+    x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1, h, s // 128, 5), jnp.int32)
+    cnt = jax.ShapeDtypeStruct((1, h, s // 128), jnp.int32)
+
+    def loss(q, k, v, i, c):
+        return jnp.sum(sparse_attention_mgpu(q, k, v, i, c, q_tile=128, kv_block=g).astype(jnp.float32))
+
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt).lower(lowering_platforms=("cuda",))
+    assert declared, "the fine dK/dV declared no swizzled SMEM"
+    assert {swizzle for _, swizzle in declared} == {128}
+    assert (2, g, 64) in [shape for shape, _ in declared]  # P^T, dS^T: a [g, 64] tile per consumer
+
+
 @dataclasses.dataclass
 class FakeDevice:
     device_kind: str
