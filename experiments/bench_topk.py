@@ -4,10 +4,12 @@ and measure the attention mass its selection captures against an exact top-k's.
     python -m experiments.bench_topk                                   # one GPU, <= ~4 min (--budget-s 240)
     python -m experiments.bench_topk --variants '[{}, {"sample": 0}, {"warps": 8}]'
     python -m experiments.bench_topk --quick                           # CPU, interpret mode, tiny sizes
+    python -m experiments.bench_topk --seqs 65536 131072 --kv-blocks 1 --q-tile 32 \
+        --attention-seqs 65536 131072 --name bench_topk_token   # issue 38: the share of token attention
 
-Per sequence length S (B=1, H=16, rank 16, q_tile 64) and kv_block (1 = token level, 16 / 32 / 64 = 3D blocks),
-the selection at each sparsity (top_k = (1 - sparsity) * S / kv_block) with every tuning variant (overrides of
-the device's TopkTuning, `{}` = the default; the default run compares the score dot's precision, tf32 /
+Per sequence length S (B=1, H=16, rank 16, q_tile 64 or --q-tile) and kv_block (1 = token level, 16 / 32 / 64 =
+3D blocks), the selection at each sparsity (top_k = (1 - sparsity) * S / kv_block) with every tuning variant
+(overrides of the device's TopkTuning, `{}` = the default; the default run compares the score dot's precision, tf32 /
 tf32x3 / ieee), checked on 8 sampled query tiles against an exact top-k of the same proxies and block scores
 (fp32 at 'highest' precision, then lax.top_k: bench_sparse_attention.exact_topk), then the median of timed runs:
   id_agreement  share of positions where the ascending id lists agree (one swapped id shifts all after it)
@@ -76,7 +78,7 @@ from experiments.bench_sparse_attention import (
     random_selection,
     to_tokens,
 )
-from pallas_kernels.lowrank_topk_triton import SEED_MIN_RATIO, first_thresholds, lowrank_topk_pallas, sortable_key
+from pallas_kernels.lowrank_topk_triton import SEED_MIN_RATIO, first_bracket, lowrank_topk_pallas, sortable_key
 from pallas_kernels.tuning import TopkTuning, for_device
 
 FULL = dict(
@@ -174,36 +176,44 @@ def sampled_scores(q_lr, k_lr, *, q_tile, kv_block, tiles) -> dict:
     return {"proxy": proxy, "keys": k, "scores": scores, "ordered": ordered}
 
 
+def bracket_passes(row, top_k: int, bits: int, seed=None) -> int:
+    """Counting passes the kernel's select spends on one tile: a numpy replay of its bracketing over the tile's
+    sort keys `row` (int64, ascending). Each pass counts at base + i * 2**m, the least m that spans [base, top)
+    in 2**bits steps; a seeded first pass spans the sample's bracket `seed` (low, high) instead of [lo, hi)."""
+    n = 1 << bits
+    lo, hi, passes = -(2**31), 2**31 - 1, 0
+    while True:
+        base, top = (
+            (int(seed[0]), max(int(seed[1]), int(seed[0]) + 1)) if passes == 0 and seed is not None else (lo, hi)
+        )
+        span, m = top - base - 1, 0
+        while span >> m >= n:
+            m += 1
+        t = base + (np.arange((span >> m) + 1, dtype=np.int64) << m)
+        c = len(row) - np.searchsorted(row, t, side="left")  # keys >= t
+        passes += 1
+        enough = c >= top_k
+        lo = max(lo, int(t[enough].max())) if enough.any() else lo
+        hi = min(hi, int(t[~enough].min())) if (~enough).any() else hi
+        if (enough & (c == top_k)).any() or hi - lo == 1 or passes > 40:
+            return passes
+
+
 def passes_model(sampled: dict, top_k, *, tuning) -> float:
-    """Mean counting passes per sampled tile of the kernel's select (a numpy replay of its bracketing; a
-    program of 16 tiles runs as many as its slowest)."""
+    """Mean counting passes per sampled tile of the kernel's select (`bracket_passes`; a program of 16 tiles runs
+    as many as its slowest)."""
     proxy, k = sampled["proxy"], sampled["keys"]
     ordered = sampled["ordered"]
-    num_keys, bits = k.shape[1], tuning.radix_bits
-    n = 1 << bits
+    num_keys = k.shape[1]
     seeded = tuning.sample > 0 and num_keys >= SEED_MIN_RATIO * tuning.sample
     seeds = None
     if seeded:
         p = np.transpose(proxy, (0, 2, 1, 3))
-        seeds = np.asarray(first_thresholds(p, np.transpose(k, (0, 2, 1, 3)), top_k, tuning.sample, n))
-    counts = []
-    for idx in np.ndindex(ordered.shape[:3]):
-        row = ordered[idx]
-        lo, hi, passes = -(2**31), 2**31 - 1, 0
-        while True:
-            if passes == 0 and seeded:
-                t = seeds[idx].astype(np.int64)
-            else:
-                w = max((hi >> bits) - (lo >> bits), 1)
-                t = lo + w * np.arange(n)
-            c = len(row) - np.searchsorted(row, t, side="left")  # keys >= t
-            passes += 1
-            enough = c >= top_k
-            lo = max(lo, int(t[enough].max())) if enough.any() else lo
-            hi = min(hi, int(t[~enough].min())) if (~enough).any() else hi
-            if (enough & (c == top_k)).any() or hi - lo == 1 or passes > 40:
-                break
-        counts.append(passes)
+        seeds = np.asarray(first_bracket(p, np.transpose(k, (0, 2, 1, 3)), top_k, tuning.sample))
+    counts = [
+        bracket_passes(ordered[idx], top_k, tuning.radix_bits, None if seeds is None else seeds[idx])
+        for idx in np.ndindex(ordered.shape[:3])
+    ]
     return float(np.mean(counts))
 
 
@@ -577,6 +587,7 @@ def main():
     parser.add_argument("--attention-seqs", type=int, nargs="*", help="token-level attention at these S ([] none)")
     parser.add_argument("--variants", help="JSON list of TopkTuning overrides ({} = the device default)")
     parser.add_argument("--inputs", choices=["projected", "walk"], help="q_lr, k_lr (see the module docstring)")
+    parser.add_argument("--q-tile", type=int, help="queries per selection tile and attention group (default 64)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no row after this (see the docstring)")
     parser.add_argument(
         "--job-timeout-s", type=float, default=60.0, help="a child's stage (setup, compile, check, time) past this"
@@ -590,7 +601,7 @@ def main():
         return
 
     cfg = dict(QUICK if args.quick else FULL)
-    for key in ("seqs", "sparsities", "kv_blocks", "attention_seqs", "inputs"):
+    for key in ("seqs", "sparsities", "kv_blocks", "attention_seqs", "inputs", "q_tile"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     variants = json.loads(args.variants) if args.variants else cfg["variants"]

@@ -14,18 +14,20 @@ not fit registers for k in the thousands (token level). Counting does fit:
      how many keys are >= t. One pass over the keys counts them at 2**radix_bits thresholds inside the
      bracket at once and keeps the two neighbouring thresholds around top_k. A tile stops once a
      threshold has exactly top_k keys at or above it, or once hi = lo + 1 (lo is then the k-th largest
-     key tau itself). Thresholds split the bracket evenly in key space (from the whole int32 range: the
-     first passes of a radix select, spent on the sign and exponent), except the first pass of a seeded
-     call: its thresholds are order statistics, around the expected rank of tau, of a strided sample of
-     the tile's scores that XLA sorts (`TopkTuning.sample` keys per tile). Token level at 128k keys
-     then takes ~3.4 counting passes per tile instead of ~6.8 (a program runs its slowest tile's: ~4.5
-     instead of ~7.9; experiments/bench_topk.py replays the bracketing in numpy); a sample that misses
-     (an unrepresentative stride) costs passes, never exactness. On the GPU the scores are dot products
-     at TopkTuning.precision (TF32 by default): the ids are the exact top-k of those; experiments/bench_topk.py
-     measures what near-ties swapped against an fp32 top-k cost in attention mass.
+     key tau itself). The thresholds are lo + i * 2**m, the least power-of-two step that spans the bracket,
+     so that a key's bucket (the thresholds it reaches) is one subtract and shift, not a comparison with each
+     threshold; the buckets are counted in registers, in 8-bit fields four to an int32 word per key lane, and
+     summed across lanes once per FLUSH_STEPS steps. From the whole int32 range these are a radix select's
+     passes (the first spent on the sign and exponent); a seeded call's first pass instead spans a bracket of
+     order statistics, around the expected rank of tau, of a strided sample of the tile's scores that XLA
+     sorts (`TopkTuning.sample` keys per tile), which saves about half the passes at token level;
+     experiments/bench_topk.py replays the bracketing in numpy. A sample that misses (an unrepresentative
+     stride) costs passes, never exactness. On the GPU the scores are dot products at TopkTuning.precision
+     (TF32 by default): the ids are the exact top-k of those; experiments/bench_topk.py measures what near-ties
+     swapped against an fp32 top-k cost in attention mass.
   2. compaction: one more pass writes, in id order, every id with key > tau and the first
      (top_k - #{key > tau}) ids with key == tau, so the output is ascending and ties go to the lower
-     id, as lax.top_k does. Positions come from a running count plus an in-chunk cumulative sum.
+     id, as lax.top_k does. Positions come from running counts plus one in-chunk cumulative sum.
 
 A program handles `tiles_per_program` query tiles, which share every load of the key table.
 
@@ -54,6 +56,7 @@ INT_MIN = -(2**31)
 INT_MAX = 2**31 - 1
 SEED_MIN_RATIO = 4  # seed the first pass only when a tile has this many times `sample` keys
 NEG_INF_KEY = -2139095041  # sortable_key(-inf): the bits 0xFF800000 with the magnitude bits flipped
+FLUSH_STEPS = 255  # steps between reductions of the 8-bit bucket counters (one key per lane per step)
 
 
 def sortable_key(score):
@@ -127,25 +130,66 @@ def _select_kernel(
     bits = tuning.radix_bits
     n_thresholds = 1 << bits
     j = lax.broadcasted_iota(jnp.int32, (tp, n_thresholds), 1)
+    extra = lax.broadcasted_iota(jnp.int32, (tp, 32), 1)  # 32 columns, not 32 - bits: Triton wants powers of two
 
-    def split(lo, hi):
-        """Thresholds lo, lo + w, ..., lo + (n - 1) w with w ~ (hi - lo) / n, at least 1. In the widest
-        brackets j * w passes 2**31, but lo + j * w <= hi does not, so int32's wrapping sum is exact."""
-        w = jnp.maximum(lax.shift_right_arithmetic(hi, bits) - lax.shift_right_arithmetic(lo, bits), 1)
-        return lo[:, None] + j * w[:, None]
+    def grid(base, top):
+        """The pass's thresholds base + i * 2**m, i = 0 .. last: the least m with n_thresholds * 2**m >= top - base,
+        and last, the final i with base + i * 2**m < top. Differences are unsigned: top - base - 1 wraps into
+        int32 but its logical shifts are exact (top - base may pass 2**31)."""
+        span = top - base - 1
+        wide = lax.shift_right_logical(span[:, None], jnp.minimum(bits + extra, 31)) != 0
+        m = jnp.sum((wide & (bits + extra < 32)).astype(jnp.int32), axis=1)
+        return m, lax.shift_right_logical(span, m)
+
+    # A key's bucket is i when base + i * 2**m <= key < base + (i + 1) * 2**m (keys >= top: `last`; below base:
+    # -1, counted nowhere). One subtract and shift per key replaces a comparison with every threshold, and the
+    # histogram lives in registers: each int32 word of `acc` holds four 8-bit bucket counters per (tile, key
+    # lane), bumped by a one-hot field and reduced across lanes only once per FLUSH_STEPS steps.
+    words = -(-n_thresholds // 4)
+
+    def bucket_counts(base, top, m):
+        def bump(chunk, acc):
+            key, _ = keys_of(chunk)
+            offset = jnp.minimum(key, top[:, None] - 1) - base[:, None]
+            bucket = jnp.where(key >= base[:, None], lax.shift_right_logical(offset, m[:, None]), -1)
+            word = lax.shift_right_arithmetic(bucket, 2)
+            one = lax.shift_left(jnp.ones_like(bucket), lax.shift_left(bucket & 3, 3))
+            return tuple(a + jnp.where(word == w, one, 0) for w, a in enumerate(acc))
+
+        def flush(acc, hist):
+            for w, a in enumerate(acc):
+                for f in range(min(4, n_thresholds - 4 * w)):
+                    lanes = lax.shift_right_logical(a, 8 * f) & 0xFF
+                    hist = hist + jnp.where(j == 4 * w + f, jnp.sum(lanes, axis=1, keepdims=True), 0)
+            return hist
+
+        def steps(first, count, hist):
+            fresh = tuple(jnp.zeros((tp, step), jnp.int32) for _ in range(words))
+            acc = lax.fori_loop(0, count, lambda i, acc: bump(first + i, acc), fresh)
+            return flush(acc, hist)
+
+        hist = jnp.zeros((tp, n_thresholds), jnp.int32)
+        full = n_steps // FLUSH_STEPS
+        if full:
+            hist = lax.fori_loop(0, full, lambda i, h: steps(i * FLUSH_STEPS, FLUSH_STEPS, h), hist)
+        if n_steps % FLUSH_STEPS:
+            hist = steps(full * FLUSH_STEPS, n_steps % FLUSH_STEPS, hist)
+        return hist
 
     def count_pass(p, state):
         lo, c_lo, hi, c_hi, done = state
-        thresholds = split(lo, hi)
-        if seeded:
-            thresholds = jnp.where(p == 0, seeds_ref[...], thresholds)
-
-        def body(chunk, counts):
-            key, _ = keys_of(chunk)
-            above = key[:, :, None] >= thresholds[:, None, :]  # [tp, step, n_thresholds]
-            return counts + jnp.sum(above.astype(jnp.int32), axis=1)
-
-        counts = lax.fori_loop(0, n_steps, body, jnp.zeros((tp, n_thresholds), jnp.int32))
+        base, top = lo, hi
+        if seeded:  # the first pass spans the sample's bracket instead of the whole key range
+            first = p == 0
+            base = jnp.where(first, seeds_ref[:, 0], lo)
+            top = jnp.where(first, jnp.maximum(seeds_ref[:, 1], base + 1), hi)
+        m, last = grid(base, top)
+        hist = bucket_counts(base, top, m)
+        # count(t_i) = keys in buckets >= i: the total less the buckets below i (keys >= top sit in `last`).
+        counts = jnp.sum(hist, axis=1, keepdims=True) - (jnp.cumsum(hist, axis=1) - hist)
+        inside = j <= last[:, None]  # thresholds past `last` would reach top: stand in the old bracket's hi
+        thresholds = jnp.where(inside, base[:, None] + lax.shift_left(j, m[:, None]), hi[:, None])
+        counts = jnp.where(inside, counts, c_hi[:, None])
         enough = counts >= top_k  # count(t) falls as t rises: the bracket is the last True, first False
         new = (
             jnp.max(jnp.where(enough, thresholds, lo[:, None]), axis=1),
@@ -177,45 +221,50 @@ def _select_kernel(
     # Exactly top_k keys >= prefix (lo): take them all. Otherwise hi = lo + 1, so prefix is the k-th key
     # tau itself: take keys > tau and the first top_k - #{> tau} keys equal to tau.
     exact = c_lo == top_k
-    sure = jnp.where(exact, prefix, prefix + 1)
-    ties_wanted = jnp.where(exact, 0, top_k - c_hi)
+    sure = jnp.where(exact, prefix, prefix + 1)[:, None]
+    ties_wanted = jnp.where(exact, 0, top_k - c_hi)[:, None]
 
     # --- 2. compaction in id order ---------------------------------------------------------------
+    # A taken key's position: the sure keys before it plus the ties taken before it (at most ties_wanted). Both
+    # running counts come from one scan: sure keys in the low 16 bits of a lane, ties in the high 16.
     tile_row = lax.broadcasted_iota(jnp.int32, (tp, step), 0)
     dump = top_k  # column past the output that absorbs the writes of unselected lanes
 
     def compact(chunk, carry):
-        written, ties_seen = carry
+        sure_seen, ties_seen = carry
         key, col = keys_of(chunk)
-        tie = (key == prefix[:, None]).astype(jnp.int32)
-        tie_rank = ties_seen[:, None] + jnp.cumsum(tie, axis=1) - tie
-        take = ((key >= sure[:, None]) | ((tie == 1) & (tie_rank < ties_wanted[:, None]))) & (col < num_keys)
-        take_i = take.astype(jnp.int32)
-        pos = written[:, None] + jnp.cumsum(take_i, axis=1) - take_i
+        real = col < num_keys
+        is_sure = ((key >= sure) & real).astype(jnp.int32)
+        is_tie = ((key == prefix[:, None]) & real).astype(jnp.int32)  # also sure when exact (ties_wanted 0)
+        both = is_sure + lax.shift_left(is_tie, 16)
+        before = jnp.cumsum(both, axis=1) - both
+        ties_before = ties_seen[:, None] + lax.shift_right_logical(before, 16)
+        take = (is_sure == 1) | ((is_tie == 1) & (ties_before < ties_wanted))
+        pos = sure_seen[:, None] + (before & 0xFFFF) + jnp.minimum(ties_before, ties_wanted)
         # pos < top_k holds by construction (the passes see bitwise the same scores); the guard keeps a
         # broken invariant from writing past the row.
         out_ref[tile_row, jnp.where(take & (pos < top_k), pos, dump)] = col
-        return written + jnp.sum(take_i, axis=1), ties_seen + jnp.sum(tie, axis=1)
+        total = jnp.sum(both, axis=1)
+        return sure_seen + (total & 0xFFFF), ties_seen + lax.shift_right_logical(total, 16)
 
     zeros = jnp.zeros((tp,), jnp.int32)
     lax.fori_loop(0, n_steps, compact, (zeros, zeros))
 
 
-def first_thresholds(proxy, keys, top_k: int, sample: int, n: int):
-    """int32 sort keys [B, H, T, n], ascending: a seeded call's first thresholds per query tile. They are order
-    statistics of `sample` scores per tile (every (num_keys // sample)-th key), around the sample rank where
-    the top_k-th largest of all num_keys scores is expected, spaced so that the n of them span about +-2.5
-    standard deviations of that rank (binomial). proxy [B, H, T, r], keys [B, H, num_keys, r]."""
+def first_bracket(proxy, keys, top_k: int, sample: int):
+    """int32 sort keys [B, H, T, 2], low then high: the span a seeded call's first pass splits, per query tile. They
+    are order statistics of `sample` scores per tile (every (num_keys // sample)-th key), 2.5 standard deviations
+    (binomial) either side of the sample rank where the top_k-th largest of all num_keys scores is expected.
+    proxy [B, H, T, r], keys [B, H, num_keys, r]."""
     num_keys = keys.shape[2]
     stride = num_keys // sample
     scores = jnp.einsum("bhtr,bhmr->bhtm", proxy, keys[:, :, : stride * sample : stride].astype(jnp.float32))
     ordered = jnp.sort(sortable_key(scores), axis=-1)
     share = top_k / num_keys
-    spacing = max(1, round(5.0 * math.sqrt(sample * share * (1.0 - share)) / n))
+    half = max(1.0, 2.5 * math.sqrt(sample * share * (1.0 - share)))
     below = sample - share * sample  # ascending position of the expected tau in the sample
-    first = round(below - spacing * (n - 1) / 2)
-    at = jnp.clip(first + spacing * lax.iota(jnp.int32, n), 0, sample - 1)  # traced: no captured constant
-    return jnp.take(ordered, at, axis=-1)
+    low, high = (min(max(round(at), 0), sample - 1) for at in (below - half, below + half))
+    return jnp.stack([ordered[..., low], ordered[..., high]], axis=-1)
 
 
 def lowrank_topk_pallas(
@@ -265,9 +314,8 @@ def _select(q_lr, k_lr, static, kv_valid=None):
     args = [proxy, table]
     seeded = rows == 1 and tuning.sample > 0 and num_keys >= SEED_MIN_RATIO * tuning.sample
     if seeded:
-        n_thresholds = 1 << tuning.radix_bits
-        in_specs.append(pl.BlockSpec((None, None, tp, n_thresholds), lambda i, bi, hi: (bi, hi, i, 0)))
-        args.append(first_thresholds(proxy, table[:, :, 0, :num_keys], top_k, tuning.sample, n_thresholds))
+        in_specs.append(pl.BlockSpec((None, None, tp, 2), lambda i, bi, hi: (bi, hi, i, 0)))
+        args.append(first_bracket(proxy, table[:, :, 0, :num_keys], top_k, tuning.sample))
     if masked:
         in_specs.append(pl.BlockSpec((None, keys_p), lambda i, bi, hi: (bi, 0)))
         args.append(jnp.pad(kv_valid, ((0, 0), (0, keys_p - num_keys))))

@@ -305,9 +305,11 @@ def exact_scores(values, r=16):
     "bits,tau,sample", [(4, -1.7014147e38, 0), (8, -1.7014634e38, 0), (2, -1.7014122e38, 0), (4, 4.0977204e15, 16)]
 )
 def test_lowrank_topk_slowest_brackets_finish(bits, tau, sample):
-    """k-th scores whose keys need the most counting passes (9 at 4 bits, 5 at 8, 17 at 2; 10 when every seed
-    misses below): a pass cap of 32 // radix_bits would stop before the bracket closes and pick wrong ids.
-    Ten keys above tau, 100 tied at tau, the rest -inf (or the sampled value, below tau, at every 32nd key)."""
+    """Brackets that take the most counting passes: ten keys above tau, 100 tied at tau (no threshold ever has
+    exactly top_k keys above it, so the bracket narrows to hi = lo + 1: 32 // radix_bits passes, 8 at 4 bits, 4 at
+    8, 16 at 2), the rest -inf; or, seeded, the sampled value below tau at every 32nd key, so that the first pass
+    misses and 9 passes are needed (experiments.bench_topk.bracket_passes replays them): a pass cap of
+    32 // radix_bits would stop that one before its bracket closes and pick wrong ids."""
     s, q_tile, top_k = 512, 32, 60
     rng = np.random.default_rng(5)
     values = np.full((2, s), -np.inf, np.float32)
@@ -326,16 +328,31 @@ def test_lowrank_topk_slowest_brackets_finish(bits, tau, sample):
     np.testing.assert_array_equal(got, lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1))
 
 
-def test_first_thresholds_bracket_the_kth_score():
-    """The seeds of the first pass are ascending and, on random scores, bracket the true top_k-th largest key
+def test_lowrank_topk_bucket_counters_flush_before_they_overflow():
+    """Every key in one bucket, pass after pass (all tied but ten): each 8-bit counter of a key lane then counts
+    one key per step, and 256 steps (4096 keys, 16 a step) would carry it into its neighbour's field if the
+    counters were not summed out every FLUSH_STEPS = 255 steps; the last step is the remainder's flush."""
+    s, q_tile, top_k = 4096, 256, 60
+    values = np.ones((1, s), np.float32)
+    values[0, np.random.default_rng(6).permutation(s)[:10]] = 2.0
+    q_lr, k_lr = exact_scores(values)
+    tuning = TopkTuning(tiles_per_program=16, keys_per_step=16, sample=0)
+    got = lowrank_topk_pallas(
+        q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1, block_reduce="mean", interpret=True, tuning=tuning
+    )
+    np.testing.assert_array_equal(got, lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1))
+
+
+def test_first_bracket_holds_the_kth_score():
+    """The first pass's span (low, high) is ordered and, on random scores, brackets the true top_k-th largest key
     for nearly every tile (a wrong rank, e.g. counted from the wrong end, brackets none)."""
     b, s, h, r, q_tile, top_k = 1, 4096, 2, 16, 64, 410
     ks = jax.random.split(jax.random.key(3), 2)
     q_lr = jax.random.normal(ks[0], (b, s, h, r), jnp.float32)
     k_lr = jax.random.normal(ks[1], (b, s, h, r), jnp.float32)
     proxy = q_lr.reshape(b, s // q_tile, q_tile, h, r).mean(2).transpose(0, 2, 1, 3)
-    seeds = np.asarray(lowrank_topk_triton.first_thresholds(proxy, k_lr.transpose(0, 2, 1, 3), top_k, 256, 16))
-    assert seeds.shape == (b, h, s // q_tile, 16) and np.all(np.diff(seeds, axis=-1) >= 0)
+    seeds = np.asarray(lowrank_topk_triton.first_bracket(proxy, k_lr.transpose(0, 2, 1, 3), top_k, 256))
+    assert seeds.shape == (b, h, s // q_tile, 2) and np.all(np.diff(seeds, axis=-1) >= 0)
     scores = jnp.einsum("bhtr,bhsr->bhts", proxy, k_lr.transpose(0, 2, 1, 3))
     kth = np.asarray(lowrank_topk_triton.sortable_key(-jnp.sort(-scores, axis=-1)[..., top_k - 1]))
     inside = (seeds[..., 0] <= kth) & (kth < seeds[..., -1])
