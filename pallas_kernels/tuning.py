@@ -121,9 +121,9 @@ class TopkTuning:
 
 # Hopper (H100/H200): 64-row query tiles leave registers for 64-row KV steps at D=128 with 4 warps;
 # deeper pipelining pays in the forward, where each step's loads are independent of the previous step.
-# Selection: 4 warps, though the [tiles, keys, 2**radix_bits] comparison block of a counting pass is then 128
-# elements per thread: 8 warps measured 1.5-1.8x slower at token level and with 64-token blocks, 32k-128k keys
-# (experiments/results/bench_topk.json).
+# Selection: 4 warps; with the bucket counting, 8 warps, 32 tiles a program or 32 keys a step measured 8-26% slower
+# at token level, 128 keys a step 2-3% faster at 128k and the same at 64k
+# (experiments/results/archive/2026-12-06/topk_bucket_ab_h200.json, bench_topk_token.json).
 _HOPPER = (
     SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
     TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=4),
