@@ -86,7 +86,7 @@ class TopkTuning:
     """lowrank_topk (Pallas Triton lowering).
 
     tiles_per_program: query tiles whose selections one program computes (they share the key stream).
-    keys_per_step: scores per tile per inner-loop step.
+    keys_per_step: scores per tile per inner-loop step (at most 4096).
     radix_bits: a counting pass narrows the bracket of the k-th largest score 2 ** radix_bits ways (as
       many thresholds).
     sample: scores per query tile, sorted in XLA, whose order statistics are the first pass's thresholds
@@ -111,6 +111,8 @@ class TopkTuning:
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"TopkTuning.{name}={val} must be a power of two >= 16")
+        if self.keys_per_step > 4096:  # the compaction counts a step's keys in 16-bit halves of an int32
+            raise ValueError(f"TopkTuning.keys_per_step={self.keys_per_step} must be at most 4096")
         if self.radix_bits not in (1, 2, 4, 8):
             raise ValueError(f"TopkTuning.radix_bits={self.radix_bits} must divide 32 (1, 2, 4 or 8)")
         if self.sample < 0:

@@ -451,6 +451,8 @@ def test_clear_errors_on_bad_inputs():
         lowrank_topk(q[..., :16], k[..., :16], 1, q_tile=32, kv_block=64, block_reduce="sum", impl="pallas")
     with pytest.raises(ValueError, match="rows_per_step=48 must be a power of two"):
         SparseAttentionTuning(rows_per_step=48)
+    with pytest.raises(ValueError, match="keys_per_step=8192 must be at most 4096"):
+        TopkTuning(keys_per_step=8192)
 
 
 def test_kernels_lower_to_triton_for_gpu():
