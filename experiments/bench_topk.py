@@ -31,8 +31,8 @@ q k^T / sqrt(128)): a predictor that correlates with the true logits as a learnt
 of the keys its tile selection holds ~40% of the true mass at 32k). "walk": bench_sparse_attention's smooth
 low-rank q_lr, k_lr alone (the earlier runs' inputs; no full q, k, so no _full mass).
 
-Why the time is what it is: every counting pass recomputes each score (a rank-16 dot) and compares it with
-2**radix_bits thresholds. `passes` is how many counting passes the select needs, from a numpy model of the
+Why the time is what it is: every counting pass recomputes each score (a rank-16 dot) and counts it into one of
+2**radix_bits buckets. `passes` is how many counting passes the select needs, from a numpy model of the
 kernel's bracketing on the sampled tiles' scores (seeded or not, as the variant is); `score_passes_per_ns`
 is S/q_tile * H * S/kv_block scores times (passes + 1 compaction pass) per nanosecond of the kernel.
 

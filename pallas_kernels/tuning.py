@@ -88,9 +88,10 @@ class TopkTuning:
     tiles_per_program: query tiles whose selections one program computes (they share the key stream).
     keys_per_step: scores per tile per inner-loop step (at most 4096).
     radix_bits: a counting pass narrows the bracket of the k-th largest score 2 ** radix_bits ways (as
-      many thresholds).
-    sample: scores per query tile, sorted in XLA, whose order statistics are the first pass's thresholds
-      (0: none, every pass splits evenly); used where a block's score is one dot product (token level, or
+      many thresholds, and 2 ** radix_bits / 4 int32 counter words per key lane: 4 is the tuned value, 8
+      spills on the GPU).
+    sample: scores per query tile, sorted in XLA, whose order statistics bound the span the first pass splits
+      (0: none, every pass splits the bracket); used where a block's score is one dot product (token level, or
       block_reduce "mean") and a tile has at least 4x as many keys.
     precision: how the kernel's score dots (fp32 proxy . fp32 key rows) run on the GPU: "tf32" (one TF32
       tensor-core product, ~10 mantissa bits: near-ties at the k-th score may swap against an fp32
@@ -123,9 +124,10 @@ class TopkTuning:
 
 # Hopper (H100/H200): 64-row query tiles leave registers for 64-row KV steps at D=128 with 4 warps;
 # deeper pipelining pays in the forward, where each step's loads are independent of the previous step.
-# Selection: 4 warps; with the bucket counting, 8 warps, 32 tiles a program or 32 keys a step measured 8-26% slower
-# at token level, 128 keys a step 2-3% faster at 128k and the same at 64k
-# (experiments/results/archive/2026-12-06/topk_bucket_ab_h200.json, bench_topk_token.json).
+# Selection: 4 warps, 16 tiles a program, 64 keys a step. With the bucket counting at token level (64k-128k, one
+# H200), 8 warps measured 21-27% slower, 32 tiles a program 9-10%, 32 keys a step 7%; 128 keys a step 2-3% faster
+# in one run, 0-3% in another: not adopted (experiments/results/archive/2026-12-06/topk_bucket_ab_h200.json,
+# bench_topk_token.json).
 _HOPPER = (
     SparseAttentionTuning(rows_per_step=64, dkdv_rows=64, fwd_warps=4, fwd_stages=3),
     TopkTuning(tiles_per_program=16, keys_per_step=64, radix_bits=4, warps=4),

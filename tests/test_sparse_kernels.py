@@ -343,6 +343,21 @@ def test_lowrank_topk_bucket_counters_flush_before_they_overflow():
     np.testing.assert_array_equal(got, lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1))
 
 
+@pytest.mark.parametrize("bits", [1, 4])
+def test_lowrank_topk_counts_every_flush_window(bits):
+    """Two full windows of FLUSH_STEPS steps and a remainder of three (8208 keys, 16 a step), random scores: a
+    window that started at the wrong step would count some keys twice and miss others."""
+    s, q_tile = 16 * (2 * 255 + 3), 432
+    values = np.random.default_rng(bits).standard_normal((1, s)).astype(np.float32)
+    q_lr, k_lr = exact_scores(values)
+    tuning = TopkTuning(tiles_per_program=16, keys_per_step=16, radix_bits=bits, sample=0)
+    for top_k in (5, 2000):
+        got = lowrank_topk_pallas(
+            q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1, block_reduce="mean", interpret=True, tuning=tuning
+        )
+        np.testing.assert_array_equal(got, lowrank_topk_reference(q_lr, k_lr, top_k, q_tile=q_tile, kv_block=1))
+
+
 def test_first_bracket_holds_the_kth_score():
     """The first pass's span (low, high) is ordered and, on random scores, brackets the true top_k-th largest key
     for nearly every tile (a wrong rank, e.g. counted from the wrong end, brackets none)."""

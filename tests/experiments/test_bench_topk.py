@@ -230,8 +230,8 @@ def test_a_stage_past_its_time_limit_ends_the_child_and_leaves_its_record(monkey
 
 
 def test_quick_run_writes_its_own_file(monkeypatch):
-    """A --quick CPU run writes bench_topk_quick.json, never the committed GPU run's bench_topk.json (a quick
-    run once overwrote it)."""
+    """A --quick CPU run writes bench_topk_quick.json, never a GPU run's bench_topk.json (a quick run once
+    overwrote the committed one)."""
     from experiments import bench_topk
 
     written = []

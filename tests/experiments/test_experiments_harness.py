@@ -349,6 +349,22 @@ def test_bench_sparse_mgpu_parts_give_executed_rates_and_their_fraction_of_the_c
     assert out["worklist_kernel_ms"] == 2.0 and "worklist_executed_tflops" not in out
 
 
+def test_bench_topk_bracket_passes_replay_the_worst_brackets():
+    """With 100 keys tied at the k-th score no threshold has exactly top_k keys above it, so the bracket closes
+    only at hi = lo + 1: 32 // radix_bits passes from the whole int32 range, one more when a seeded first pass
+    spans a bracket below tau; a tile whose first pass lands a threshold on exactly top_k keys stops there."""
+    from experiments.bench_topk import bracket_passes
+    from pallas_kernels.lowrank_topk_triton import sortable_key
+
+    values = np.full(512, -np.inf, np.float32)
+    values[:10], values[10:110] = 5.0, -1.7e38
+    row = np.sort(np.asarray(sortable_key(jnp.asarray(values))).astype(np.int64))
+    assert [bracket_passes(row, 60, bits) for bits in (1, 2, 4, 8)] == [32, 16, 8, 4]
+    below = int(np.asarray(sortable_key(jnp.float32(-1.8e38))))
+    assert bracket_passes(row, 60, 4, seed=(below, below)) == 9
+    assert bracket_passes(row, 10, 4, seed=(int(row[-11]), int(row[-1]))) == 1
+
+
 def test_bench_topk_recall_and_pass_model():
     """bench_topk's checks: the reference's ids have recall 1 and a shifted id list less; the pass replay counts
     fewer passes for a seeded first pass than for even splits."""
