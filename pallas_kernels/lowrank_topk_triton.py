@@ -258,7 +258,10 @@ def first_bracket(proxy, keys, top_k: int, sample: int):
     proxy [B, H, T, r], keys [B, H, num_keys, r]."""
     num_keys = keys.shape[2]
     stride = num_keys // sample
-    scores = jnp.einsum("bhtr,bhmr->bhtm", proxy, keys[:, :, : stride * sample : stride].astype(jnp.float32))
+    # The barrier keeps XLA from fusing the strided slice (of block means, for kv_block > 1) into its Triton GEMM:
+    # at 128k tokens in 16-token blocks that fusion aborted XLA's compile (triton_tiling_propagation.cc).
+    picked = lax.optimization_barrier(keys[:, :, : stride * sample : stride].astype(jnp.float32))
+    scores = jnp.einsum("bhtr,bhmr->bhtm", proxy, picked)
     ordered = jnp.sort(sortable_key(scores), axis=-1)
     share = top_k / num_keys
     half = max(1.0, 2.5 * math.sqrt(sample * share * (1.0 - share)))
