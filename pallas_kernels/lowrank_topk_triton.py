@@ -258,8 +258,9 @@ def first_bracket(proxy, keys, top_k: int, sample: int):
     proxy [B, H, T, r], keys [B, H, num_keys, r]."""
     num_keys = keys.shape[2]
     stride = num_keys // sample
-    # The barrier keeps XLA from fusing the strided slice (of block means, for kv_block > 1) into its Triton GEMM:
-    # at 128k tokens in 16-token blocks that fusion aborted XLA's compile (triton_tiling_propagation.cc).
+    # XLA's compile aborted (triton_tiling_propagation.cc) at 128k tokens in 16-token blocks, the one seeded case
+    # whose sample is a strided slice of block means; the barrier keeps that slice out of XLA's Triton GEMM fusion
+    # (not yet confirmed on a GPU).
     picked = lax.optimization_barrier(keys[:, :, : stride * sample : stride].astype(jnp.float32))
     scores = jnp.einsum("bhtr,bhmr->bhtm", proxy, picked)
     ordered = jnp.sort(sortable_key(scores), axis=-1)

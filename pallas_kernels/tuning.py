@@ -88,8 +88,8 @@ class TopkTuning:
     tiles_per_program: query tiles whose selections one program computes (they share the key stream).
     keys_per_step: scores per tile per inner-loop step (at most 4096).
     radix_bits: a counting pass narrows the bracket of the k-th largest score 2 ** radix_bits ways (as
-      many thresholds, and 2 ** radix_bits / 4 int32 counter words per key lane: 4 is the tuned value, 8
-      spills on the GPU).
+      many thresholds, and 2 ** radix_bits / 4 int32 counter words per key lane: 4 is the tuned value; 8 needs
+      64 words, 512 registers a thread at 4 warps, and would spill).
     sample: scores per query tile, sorted in XLA, whose order statistics bound the span the first pass splits
       (0: none, every pass splits the bracket); used where a block's score is one dot product (token level, or
       block_reduce "mean") and a tile has at least 4x as many keys.
