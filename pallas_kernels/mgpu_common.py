@@ -489,6 +489,9 @@ class AttentionConfig:
     fwd_programs, dq_programs, dkdv_programs: 0 for one CTA per work item; N > 0 for a persistent kernel of
     N CTAs (WorkItems).
     heads_fastest: start the work items heads fastest instead of tiles fastest (WorkItems; slower).
+    fused_backward: with 16- or 32-row KV blocks and 128-row query tiles, one backward kernel by query tile
+    (sparse_attention_mgpu_fused: dK/dV partials added by TMA reductions) instead of dQ and the fine dK/dV; it
+    walks 64 KV rows a step in dq_stages stages and runs dq_programs CTAs.
     producer_registers: registers per thread the producer warpgroup keeps (setmaxnreg, a multiple of 8 in
     24..168: at launch each of the 384 threads holds 168, and setmaxnreg may only lower the producer's and
     raise the consumers'); the two consumers share the rest of the SM's 64K (consumer_registers).
@@ -511,6 +514,7 @@ class AttentionConfig:
     dq_programs: int
     dkdv_programs: int
     heads_fastest: bool
+    fused_backward: bool = False
     masked: bool = False
     interpret: bool = False
 
@@ -538,7 +542,7 @@ class AttentionConfig:
         return per_thread // 8 * 8
 
     def smem_bytes(self, kernel: str, itemsize: int = 2) -> int:
-        """SMEM that `kernel` ("fwd", "dq" or "dkdv") allocates: resident tiles, rings, row statistics."""
+        """SMEM that `kernel` ("fwd", "dq", "dkdv" or "fused") allocates: resident tiles, rings, row statistics."""
         tile = ROWS * self.head_dim * itemsize
         rows_f32 = ROWS * 4
         if kernel == "fwd":  # Q per consumer; K, V per ring stage; lse out
@@ -554,12 +558,25 @@ class AttentionConfig:
             return CONSUMERS * per_consumer + 2 * self.dkdv_stages * (2 * tile + 2 * rows_f32)
         if kernel == "dkdv":  # K, V per consumer; Q, dO, lse, delta per ring stage
             return 2 * CONSUMERS * tile + self.dkdv_lists * self.dkdv_stages * (2 * tile + 2 * rows_f32)
+        if kernel == "fused":  # Q, dO, lse, delta per consumer; K, V per 64-row ring stage; shared P, dS; fp32
+            # dK or dV staging per consumer
+            return (
+                CONSUMERS * (2 * tile + 2 * rows_f32)
+                + 2 * self.dq_stages * tile
+                + 2 * CONSUMERS * ROWS * ROWS * itemsize
+                + CONSUMERS * ROWS * self.head_dim * 4
+            )
         raise ValueError(f"unknown kernel {kernel!r}")
 
     def work(self, kernel: str, heads: int, pairs: int, batch: int) -> WorkItems:
         """The work items of `kernel` ("fwd", "dq" or "dkdv"), tiles fastest unless heads_fastest (WorkItems
         says why)."""
         return WorkItems(heads, pairs, batch, getattr(self, f"{kernel}_programs"), self.heads_fastest)
+
+    @property
+    def fuses_backward(self) -> bool:
+        """Whether the backward runs as one kernel (fused_backward, where its geometry allows)."""
+        return self.fused_backward and self.kv_block < ROWS and self.q_tile == 2 * ROWS
 
     @property
     def fwd_lists(self) -> int:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels import mgpu_common
 from pallas_kernels import sparse_attention_mgpu_bwd as bwd_kernels
 from pallas_kernels import sparse_attention_mgpu_fine as fine_kernels
+from pallas_kernels import sparse_attention_mgpu_fused as fused_kernels
 from pallas_kernels import sparse_attention_mgpu_fwd as fwd_kernels
 from pallas_kernels.mgpu_common import FINE_BLOCKS, LN2, ROWS, AttentionConfig
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
@@ -35,7 +36,7 @@ from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_i
 from pallas_kernels.tuning import MGPU_TUNABLE, mgpu_defaults
 
 SMEM_LIMIT = 227 * 1024  # bytes of SMEM a CTA may use on sm90
-KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
+KERNELS = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV", "fused": "fused backward"}
 
 
 def available(device=None) -> str | None:
@@ -100,7 +101,9 @@ def default_config(
 
 def check_smem(cfg: AttentionConfig, itemsize: int = 2):
     """A ValueError naming the kernel and its rings if a tuning asks for more SMEM than a CTA may have."""
-    for kernel, name in KERNELS.items():
+    backward = ("fused",) if cfg.fuses_backward else ("dq", "dkdv")
+    for kernel in ("fwd", *backward):
+        name = KERNELS[kernel]
         need = cfg.smem_bytes(kernel, itemsize) + 1024
         if need > SMEM_LIMIT:
             raise ValueError(
@@ -146,6 +149,8 @@ def _backward(*arrays):
     s = q.shape[1]
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # rows without valid keys: P = 0
+    if cfg.fuses_backward:
+        return fused_kernels.backward(q, k, v, do, lse2, delta, index, count, valid, cfg)
     dq = bwd_kernels.dq(q, k, v, do, lse2, delta, index, count, valid, cfg)
     tiles, starts, blocks = dkdv_schedule(index, count, cfg, s)
     dkdv = fine_kernels.dkdv if cfg.kv_block < ROWS else bwd_kernels.dkdv  # one block per consumer below 64 rows

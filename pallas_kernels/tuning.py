@@ -168,6 +168,7 @@ MGPU_DEFAULTS = {
     "dq_programs": 0,
     "dkdv_programs": 0,
     "heads_fastest": False,
+    "fused_backward": False,
 }
 MGPU_TUNABLE = frozenset(MGPU_DEFAULTS)
 H100_SMS = 132  # SXM H100 and H200

@@ -229,3 +229,113 @@ def test_fine_dkdv_smem_fits_two_stages_not_three_at_d128():
     mgpu.check_smem(cfg)
     with pytest.raises(ValueError, match="dK/dV kernel would need"):
         mgpu.check_smem(mgpu.default_config(128, 16, 128, 0.1, tuning={"dkdv_stages": 3}))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused backward (sparse_attention_mgpu_fused): dQ, dK and dV by query tile, dK/dV added by TMA reductions
+
+FUSED = {"fused_backward": True}
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fused backward's launches, so that a test fails if the call fell back to dQ and dK/dV."""
+    from pallas_kernels import sparse_attention_mgpu_fused as fused
+
+    calls = []
+    original = fused.backward
+
+    def counting(*args, **kwargs):
+        calls.append(args[-1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "backward", counting)
+    return calls
+
+
+def test_fused_backward_16_row_blocks_masked_keys_and_empty_tile_in_gpu_interpreter(fused_calls):
+    """kv_block 16, 128-row query tiles, D = 64: lists of 0 blocks (zero dQ) and 7 (a partial last step whose
+    repeated, masked block adds zeros); kv_valid masks keys per block (those keys get no dK, dV); the reduced
+    dK and dV match the reference."""
+    kv_valid = jnp.array([[16, 5, 0, 16, 9, 16, 16, 1, 16, 16, 0, 12, 16, 16, 16, 3]], jnp.int32)
+    tuning = {**FUSED, "fwd_stages": 1}
+    o, lse, dq, dk, dv = check_against_reference(128, 16, 64, 256, [0, 7], kv_valid, 0, tuning)
+    assert len(fused_calls) == 1 and fused_calls[0].masked
+    assert np.all(np.asarray(dq[:, :128]) == 0)
+    for blk in np.flatnonzero(np.asarray(kv_valid[0]) < 16):
+        masked = slice(blk * 16 + int(kv_valid[0, blk]), (blk + 1) * 16)
+        assert np.all(np.asarray(dk[:, masked]) == 0) and np.all(np.asarray(dv[:, masked]) == 0)
+
+
+def test_fused_backward_32_row_blocks_persistent_two_heads_in_gpu_interpreter(fused_calls):
+    """kv_block 32 at D = 128 (two blocks a step), persistent on three CTAs over two heads x two query tiles,
+    the ring and the shared P / dS barriers carried from item to item; odd counts end in a partial step."""
+    check_against_reference(128, 32, 128, 256, [1, 5], None, 1, {**FUSED, "fwd_stages": 2, "dq_programs": 3}, h=2)
+    assert len(fused_calls) == 1 and fused_calls[0].dq_programs == 3
+
+
+def test_fused_backward_under_merged_statistics_in_gpu_interpreter(fused_calls):
+    """sparse_attention_mgpu_backward (the context-parallel ring's call) on the fused kernel: two disjoint halves
+    of a selection, under the whole's (o, lse) and a nonzero lse cotangent, sum to the whole's gradients (a tile
+    that one half leaves empty, a tile with no key)."""
+    b, h, s, d, q_tile, kv_block = 1, 1, 512, 64, 128, 16
+    ks = jax.random.split(jax.random.key(9), 6)
+    q, k, v = (jax.random.normal(k_, (b, s, h, d), jnp.bfloat16) for k_ in ks[:3])
+    index, count = selection(ks[3], b, h, 4, 32, [0, 3, 6, 9])
+    cot_o, cot_lse = jax.random.normal(ks[4], (b, s, h, d)), jax.random.normal(ks[5], (b, h, s))
+    kw = dict(q_tile=q_tile, kv_block=kv_block)
+    whole = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, return_lse=True, **kw)
+    (o, lse), pullback = jax.vjp(whole, *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = pullback((cot_o, cot_lse))
+    live = jnp.arange(index.shape[-1]) < count[..., None]
+    in_a = (live & (jnp.arange(index.shape[-1]) % 2 == 0)).at[:, :, 1].set(False)
+    total = [0.0, 0.0, 0.0]
+    for part in (in_a, live & ~in_a):
+        order = jnp.argsort(~part, axis=-1, stable=True)
+        idx = jnp.take_along_axis(index, order, axis=-1)
+        grads = sparse_attention_mgpu_backward(
+            q, k, v, idx, part.sum(-1), o, lse, cot_o, cot_lse, interpret=True, tuning=FUSED, **kw
+        )
+        total = [t + np.asarray(g_, np.float64) for t, g_ in zip(total, grads, strict=True)]
+    assert len(fused_calls) == 2
+    for name, got, w in zip(["dq", "dk", "dv"], total, want, strict=True):
+        w = np.asarray(w, np.float64)
+        err = np.linalg.norm(got - w) / np.linalg.norm(w)
+        assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kv_block,masked", [(16, False), (32, True)])
+def test_fused_backward_lowers_for_cuda_as_one_kernel(kv_block, masked):
+    """The compiled form (TMA reductions of fp32 tiles from a 128-byte swizzled stage, transposed SMEM A
+    operands, dk / dv as in-place Refs) lowers to Mosaic GPU on the CPU: the forward and one backward kernel
+    whose operands include the two fp32 accumulators."""
+    s, h, d = 1024, 2, 128
+    x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1, h, s // 128, 6), jnp.int32)
+    cnt = jax.ShapeDtypeStruct((1, h, s // 128), jnp.int32)
+    valid = jax.ShapeDtypeStruct((1, s // kv_block), jnp.int32)
+
+    def loss(q, k, v, i, c, kv):
+        kw = dict(q_tile=128, kv_block=kv_block, kv_valid=kv if masked else None, tuning=FUSED)
+        return jnp.sum(sparse_attention_mgpu(q, k, v, i, c, **kw).astype(jnp.float32))
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt, valid)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2 and "dsv_sparse_dq" not in text and "dsv_sparse_dkdv" not in text
+    operands = calls[1].split("(", 1)[1].split(")", 1)[0].count("%")
+    assert operands == 8 + masked + 2  # q, k, v, do, lse2, delta, index, count, [valid], dk, dv
+
+
+def test_fused_backward_smem_and_geometry():
+    """The fused backward fits two 64-row K / V stages at D = 128 (225 KiB) and refuses three with the kernel
+    named; it runs only at 16- and 32-row blocks with 128-row query tiles (elsewhere the split kernels do)."""
+    cfg = mgpu.default_config(128, 16, 128, 0.1, tuning=FUSED)
+    assert cfg.fuses_backward and cfg.smem_bytes("fused") == 225 * 1024
+    mgpu.check_smem(cfg)
+    with pytest.raises(ValueError, match="fused backward kernel would need"):
+        mgpu.check_smem(mgpu.default_config(128, 16, 128, 0.1, tuning={**FUSED, "dq_stages": 3}))
+    assert not mgpu.default_config(64, 16, 128, 0.1, tuning=FUSED).fuses_backward
+    assert not mgpu.default_config(128, 64, 128, 0.1, tuning=FUSED).fuses_backward
+    with pytest.raises(ValueError, match="dQ kernel would need"):  # not fused: the split kernels are checked
+        mgpu.check_smem(mgpu.default_config(64, 16, 128, 0.1, tuning={**FUSED, "dq_stages": 3}))

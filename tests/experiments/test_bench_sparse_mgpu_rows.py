@@ -101,3 +101,23 @@ def test_pieces_of_16_row_blocks_compute_the_gradients_in_the_gpu_interpreter(mo
     err = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
     assert err(outs["fwd"][0], o) < 1e-2 and err(outs["dq"], dq) < 2e-2
     assert err(outs["dkdv"][0], dk) < 2e-2 and err(outs["dkdv"][1], dv) < 2e-2
+
+
+def test_pieces_of_the_fused_backward_compute_the_gradients_in_the_gpu_interpreter(monkeypatch):
+    """With fused_backward at kv_block 16 and 128-row query tiles, `pieces` are the forward and the one fused
+    kernel (five products a pair), and its dq, dk, dv are the reference's."""
+    from pallas_kernels.sparse_attention import sparse_attention_reference
+
+    monkeypatch.setattr(bench, "Q_TILE", 128)
+    monkeypatch.setattr(bench, "KV_BLOCK", 16)
+    monkeypatch.setattr(bench, "HEAD_DIM", 64)
+    q, k, v, w, index, count = bench.inputs(256, 0.75, heads=1, head_dim=64)
+    options = {"fwd_stages": 1, "fwd_programs": 0, "fused_backward": True}
+    calls = bench.pieces(q, k, v, w, index, count, options, interpret=True)
+    assert [(name, products) for name, _, _, products in calls] == [("fwd", 2), ("fused", 5)]
+    outs = {name: fn(*args) for name, fn, args, _ in calls}
+    ref = lambda q, k, v: sparse_attention_reference(q, k, v, index, count, q_tile=128, kv_block=16)
+    _, pullback = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+    err = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+    for got, want in zip(outs["fused"], pullback(w.astype(jnp.float32)), strict=True):
+        assert err(got, want) < 2e-2
