@@ -182,9 +182,7 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
                         def _():
                             plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
 
-                    blocks = [
-                        index_ref[bi, hi, tile, jnp.minimum(step * sub + j, n_slices - 1)] for j in range(sub)
-                    ]
+                    blocks = [index_ref[bi, hi, tile, jnp.minimum(step * sub + j, n_slices - 1)] for j in range(sub)]
 
                     def reduce_into(target_ref, lhs, rhs, scale):
                         pairs = [(lhs.at[c], rhs.at[c]) for c in range(CONSUMERS)]
@@ -232,12 +230,11 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
         square = lambda: swizzled(plgpu, (CONSUMERS, ROWS, ROWS), dtype)
         if ops.interpret:
             stage = plgpu.SMEM((CONSUMERS, ROWS, d), jnp.float32)
-            extra, extra_barriers = (plgpu.SMEM((CONSUMERS, g, d), jnp.float32),), (plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),)
+            extra = (plgpu.SMEM((CONSUMERS, g, d), jnp.float32),)  # the block read, added to and written back
+            extra_barriers = (plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),)
         else:  # fp32 rows of 128 bytes, swizzled: the stores from wgmma registers spread over the banks
             tiling = plgpu.TilingTransform((8, 32))
-            stage = plgpu.SMEM(
-                (CONSUMERS, ROWS, d), jnp.float32, transforms=(tiling, plgpu.SwizzleTransform(128))
-            )
+            stage = plgpu.SMEM((CONSUMERS, ROWS, d), jnp.float32, transforms=(tiling, plgpu.SwizzleTransform(128)))
             extra, extra_barriers = (), ()
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
@@ -267,9 +264,7 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
         )
 
     launch = work.launch()
-    mesh = plgpu.Mesh(
-        grid=launch["grid"], grid_names=launch["grid_names"], num_threads=CONSUMERS + 1, thread_name="wg"
-    )
+    mesh = plgpu.Mesh(grid=launch["grid"], grid_names=launch["grid_names"], num_threads=CONSUMERS + 1, thread_name="wg")
     # pl.kernel, not plgpu.kernel: jax 0.10's plgpu.kernel rejects the Ref operands that dk and dv accumulate in
     call = pl.kernel(
         dsv_sparse_bwd_fused,
