@@ -11,7 +11,9 @@ Each CTA (one warpgroup) takes `per_cta` tiles of [rows, heads of 1, 128] at ran
            adds small integers),
   store    overwrites them with it (fp32),
   load     reads them into SMEM (bf16 [rows, 128], as the dK/dV kernels stream Q and dO),
-keeping at most `depth` copies in flight. Reports GB/s of tile bytes per mode and tile shape.
+keeping at most `depth` copies in flight. Places spread over all heads (512 MB of fp32 at S = 64k, H = 16: most
+miss L2) or over one head (32 MB, as the attention kernels' resident CTAs share a head). Reports GB/s of tile bytes
+per mode, spread and tile shape.
 Results: experiments/results/bench_tma_reduce.json.
 """
 
@@ -42,8 +44,9 @@ SIZES = {
         "ctas": 132 * 4,
         "per_cta": 2048,
         "rows": (16, 64),
-        "depth": (4, 8),
+        "depth": (8,),
         "modes": ("reduce", "store", "load"),
+        "spreads": ("all_heads", "one_head"),
     },
     # the GPU interpreter has no TMA reduction
     "quick": {
@@ -104,18 +107,23 @@ def interpret_params():
     return InterpretGPUParams()
 
 
-def places_of(key, seq, heads, rows, ctas, per_cta):
+def places_of(key, seq, heads, rows, ctas, per_cta, spread="all_heads"):
+    """[ctas, per_cta, 2] (row block, head) places, uniformly random; spread "one_head": all in head 0 (the
+    resident CTAs of the attention kernels share one head: a 64k x 128 fp32 array per head is 32 MB, against the
+    H200's 50 MB of L2)."""
     blocks = jax.random.randint(key, (ctas, per_cta), 0, seq // rows, jnp.int32)
     head = jax.random.randint(jax.random.fold_in(key, 1), (ctas, per_cta), 0, heads, jnp.int32)
+    if spread == "one_head":
+        head = jnp.zeros_like(head)
     return jnp.stack([blocks, head], axis=-1)
 
 
-def run_mode(mode, rows, depth, z, interpret):
+def run_mode(mode, rows, depth, z, interpret, spread="all_heads"):
     seq, heads, ctas, per_cta = z["seq"], z["heads"], z["ctas"], z["per_cta"]
     plgpu = import_plgpu()
     kernel = tile_kernel(mode, rows, depth, seq, heads, ctas, per_cta, interpret)
     key = jax.random.key(rows * 131 + depth)
-    places = places_of(key, seq, heads, rows, ctas, per_cta)
+    places = places_of(key, seq, heads, rows, ctas, per_cta, spread)
     dtype = jnp.bfloat16 if mode == "load" else jnp.float32
     # small integers: every sum of them is exact in fp32, whatever the order of the adds
     tile = jax.random.randint(jax.random.fold_in(key, 2), (rows, HEAD_DIM), -4, 5).astype(dtype)
@@ -150,6 +158,7 @@ def run_mode(mode, rows, depth, z, interpret):
     total = tile_bytes * ctas * per_cta
     return {
         "mode": mode,
+        "spread": spread,
         "rows": rows,
         "depth": depth,
         "dtype": jnp.dtype(dtype).name,
@@ -171,19 +180,20 @@ def main():
     t0 = time.perf_counter()
     z = SIZES["quick" if args.quick else "gpu"]
     rows = []
-    for r in z["rows"]:
-        for depth in z["depth"]:
-            for mode in z["modes"]:
-                try:
-                    rows.append(run_mode(mode, r, depth, z, args.quick))
-                except Exception as e:  # one mode's failure must not cost the others
-                    rows.append({"mode": mode, "rows": r, "depth": depth, "error": harness.error_text(e)})
+    for spread in z["spreads"]:
+        for r in z["rows"]:
+            for depth in z["depth"]:
+                for mode in z["modes"]:
+                    try:
+                        rows.append(run_mode(mode, r, depth, z, args.quick, spread))
+                    except Exception as e:  # one mode's failure must not cost the others
+                        rows.append({"mode": mode, "spread": spread, "rows": r, "error": harness.error_text(e)})
     for r in rows:
         if "error" in r:
             print(f"{r['mode']} rows={r['rows']}: {r['error']}")
     harness.print_table(
         [r for r in rows if "error" not in r],
-        ["mode", "rows", "depth", "dtype", "tile_bytes", "exact", "median_ms", "spread_pct", "gb_per_s"],
+        ["mode", "spread", "rows", "depth", "dtype", "tile_bytes", "exact", "median_ms", "spread_pct", "gb_per_s"],
     )
     harness.write_results(
         "bench_tma_reduce" + ("_quick" if args.quick else ""),
