@@ -65,7 +65,7 @@ HEAD_DIM = 128
 @functools.cache
 def tile_kernel(mode: str, rows: int, depth: int, seq: int, heads: int, ctas: int, per_cta: int, interpret: bool):
     """fn(tile, places, target) running `mode` over the tiles places[c, i] = (row block, head) of CTA c.
-    target [S, H, D] is a jax Ref (reduce, store: written in place) or an array (load)."""
+    target [S, H, D] is a jax Ref (load: each CTA writes its last tile back to rows 0.. of head 0)."""
     plgpu = import_plgpu()
     dtype = jnp.bfloat16 if mode == "load" else jnp.float32
 
@@ -86,6 +86,8 @@ def tile_kernel(mode: str, rows: int, depth: int, seq: int, heads: int, ctas: in
             return ()
 
         lax.fori_loop(0, per_cta, step, ())
+        if mode == "load":  # one write, so that the kernel has an effect and XLA keeps it
+            plgpu.copy_smem_to_gmem(smem, target_ref.at[pl.ds(0, rows), 0])
         plgpu.wait_smem_to_gmem(0)
 
     def kernel(tile_ref, places_ref, target_ref):
@@ -130,7 +132,13 @@ def run_mode(mode, rows, depth, z, interpret, spread="all_heads"):
 
     if mode == "load":
         source = jax.random.normal(jax.random.fold_in(key, 3), (seq, heads, HEAD_DIM), dtype)
-        fn = jax.jit(lambda tile, places, source: (kernel(tile, places, source), source[0, 0, 0])[1])
+
+        def fn(tile, places, source):
+            ref = jax.new_ref(source, memory_space=plgpu.GMEM)
+            kernel(tile, places, ref)
+            return ref[0, 0, 0]
+
+        fn = jax.jit(fn)
         args = (tile, places, source)
         check = None
     else:

@@ -15,7 +15,7 @@ the producer streams the tile's selected K and V blocks, 64 // kv_block of them 
     dQ_w += dS K
     P_w, dS_w -> SMEM, shared by the two consumers ([2, 64, 64] bf16 each); both consumers meet
     consumer 0: dV_step = P_0^T dO_0 + P_1^T dO_1,  consumer 1: dK_step = (dS_0^T Q_0 + dS_1^T Q_1) * sm_scale
-    -> fp32 SMEM [64 keys, D], one TMA add per kv_block rows into dk / dv [B, S, H, D] float32 (zeroed before)
+    -> fp32 SMEM [64 keys, D], one TMA add per kv_block rows into dV / dK: one float32 Ref [2, B, S, H, D], zeroed
 
 The shared P / dS tiles are single-buffered (SMEM holds 225 KiB at D = 128): a consumer writes its half after
 both consumers' products of the previous step are done (barrier `shared_free`), and reads both halves after both
@@ -111,15 +111,15 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
             plgpu.wait_smem_to_gmem(0)
 
     def body(refs, scratch):
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, index_ref, count_ref, valid_ref, dk_ref, dv_ref, dq_ref = refs
-        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, stage_smem, *rmw), barriers = scratch
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, index_ref, count_ref, valid_ref, dvk_ref, dq_ref = refs
+        (rows_smem, lse_smem, delta_smem, k_smem, v_smem, shared_smem, stage_smem, *rmw), barriers = scratch
         rows_ready, k_ready, k_free, v_ready, v_free, shared_ready, shared_free, *rmw_loaded = barriers
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
-            my_q, my_do, my_stage = q_smem.at[wg], do_smem.at[wg], stage_smem.at[wg]
+            my_do, my_q, my_stage = rows_smem.at[0, wg], rows_smem.at[1, wg], stage_smem.at[wg]
             ready = rows_ready.at[wg]
             rmw_scratch = (rmw[0].at[wg], rmw_loaded[0].at[wg]) if ops.interpret else None
             plgpu.barrier_arrive(shared_free)  # the shared tiles start free
@@ -169,8 +169,8 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
                     # dQ's product runs while this consumer waits for the other's products of the last step
                     (acc,) = ops.mma([(acc, ds, k_smem.at[slot], False)], after=lambda: plgpu.barrier_wait(shared_free))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p_smem.at[wg][...] = p
-                    ds_smem.at[wg][...] = ds
+                    shared_smem.at[0, wg][...] = p
+                    shared_smem.at[1, wg][...] = ds
                     plgpu.commit_smem()  # the stores are visible to the other consumer's wgmma (async proxy)
                     plgpu.barrier_arrive(shared_ready)
                     plgpu.barrier_wait(shared_ready)
@@ -184,17 +184,15 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
 
                     blocks = [index_ref[bi, hi, tile, jnp.minimum(step * sub + j, n_slices - 1)] for j in range(sub)]
 
-                    def reduce_into(target_ref, lhs, rhs, scale):
-                        pairs = [(lhs.at[c], rhs.at[c]) for c in range(CONSUMERS)]
-                        part = transposed_sum(ops, (ROWS, d), pairs, after=wait_next_k)
-                        plgpu.barrier_arrive(shared_free)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's adds have read my_stage
-                        my_stage[...] = part * scale if scale != 1.0 else part
-                        plgpu.commit_smem()
-                        add_rows(my_stage, target_ref, bi, hi, blocks, rmw_scratch)
-
-                    pl.when(wg == 0)(lambda: reduce_into(dv_ref, p_smem, do_smem, 1.0))
-                    pl.when(wg == 1)(lambda: reduce_into(dk_ref, ds_smem, q_smem, cfg.sm_scale))
+                    # consumer 0: dV = sum_c P_c^T dO_c, consumer 1: dK = sum_c dS_c^T Q_c (indexed by wg, not
+                    # branched on it: Mosaic GPU lowers no wgmma accumulator out of a conditional)
+                    pairs = [(shared_smem.at[wg, c], rows_smem.at[wg, c]) for c in range(CONSUMERS)]
+                    part = transposed_sum(ops, (ROWS, d), pairs, after=wait_next_k)
+                    plgpu.barrier_arrive(shared_free)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's adds have read my_stage
+                    my_stage[...] = part * jnp.where(wg == 1, jnp.float32(cfg.sm_scale), jnp.float32(1.0))
+                    plgpu.commit_smem()
+                    add_rows(my_stage, dvk_ref.at[wg], bi, hi, blocks, rmw_scratch)
                     return acc, n_valid
 
                 (acc,) = walk.loop(n_slices, masked, step_fn, (ops.full((ROWS, d), 0.0, ops.wgmma_layout),), valid_keys)
@@ -227,7 +225,6 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
         if not masked:
             refs = refs[:8] + (None,) + refs[8:]
         wide = lambda n, rows=ROWS: swizzled(plgpu, (n, rows, d), dtype)
-        square = lambda: swizzled(plgpu, (CONSUMERS, ROWS, ROWS), dtype)
         if ops.interpret:
             stage = plgpu.SMEM((CONSUMERS, ROWS, d), jnp.float32)
             extra = (plgpu.SMEM((CONSUMERS, g, d), jnp.float32),)  # the block read, added to and written back
@@ -239,14 +236,12 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
             (
-                wide(CONSUMERS),
-                wide(CONSUMERS),
+                swizzled(plgpu, (2, CONSUMERS, ROWS, d), dtype),  # [0]: dO, [1]: Q of each consumer's rows
                 plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
                 plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
                 wide(stages),
                 wide(stages),
-                square(),
-                square(),
+                swizzled(plgpu, (2, CONSUMERS, ROWS, ROWS), dtype),  # [0]: P, [1]: dS of each consumer's rows
                 stage,
                 *extra,
             ),
@@ -265,7 +260,7 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
 
     launch = work.launch()
     mesh = plgpu.Mesh(grid=launch["grid"], grid_names=launch["grid_names"], num_threads=CONSUMERS + 1, thread_name="wg")
-    # pl.kernel, not plgpu.kernel: jax 0.10's plgpu.kernel rejects the Ref operands that dk and dv accumulate in
+    # pl.kernel, not plgpu.kernel: jax 0.10's plgpu.kernel rejects the Ref operand that dV and dK accumulate in
     call = pl.kernel(
         dsv_sparse_bwd_fused,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
@@ -277,9 +272,9 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
 
     @jax.jit  # Refs with a memory space exist only under jit (this one also serves eager calls)
     def run(*args):
-        dk = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
-        dv = jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
-        dq = call(*args, dk, dv)
-        return dq, dk[...].astype(dtype), dv[...].astype(dtype)
+        dvk = jax.new_ref(jnp.zeros((2, *q.shape), jnp.float32), memory_space=plgpu.GMEM)  # [0]: dV, [1]: dK
+        dq = call(*args, dvk)
+        dv, dk = dvk[...].astype(dtype)
+        return dq, dk, dv
 
     return run(*(q, k, v, do, lse2, delta, index, count), *(() if valid is None else (valid,)))
