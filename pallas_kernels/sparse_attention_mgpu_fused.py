@@ -27,6 +27,8 @@ different arrays).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -55,6 +57,16 @@ def supports(cfg: AttentionConfig) -> str | None:
     if cfg.q_tile != _PAIR:
         return f"q_tile={cfg.q_tile} (the fused backward takes {_PAIR}: both consumers walk one list)"
     return None
+
+
+def _no_vma_check():
+    """Traces a kernel body as plgpu.kernel does: without jax's checks of values varying over mesh axes, which
+    otherwise mark constants mixed with the thread index (wg) as varying, in a form that jax 0.11's Mosaic GPU
+    lowering rejects ("Shaped arrays must be represented by ir.Values")."""
+    from jax._src import config
+
+    check = getattr(config, "_check_vma", None)
+    return check(False) if check is not None else contextlib.nullcontext()
 
 
 def transposed_sum(ops: Ops, shape, pairs, after=None):
@@ -273,7 +285,8 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
     @jax.jit  # Refs with a memory space exist only under jit (this one also serves eager calls)
     def run(*args):
         dvk = jax.new_ref(jnp.zeros((2, *q.shape), jnp.float32), memory_space=plgpu.GMEM)  # [0]: dV, [1]: dK
-        dq = call(*args, dvk)
+        with _no_vma_check():
+            dq = call(*args, dvk)
         dv, dk = dvk[...].astype(dtype)
         return dq, dk, dv
 
