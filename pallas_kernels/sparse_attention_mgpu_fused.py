@@ -27,8 +27,6 @@ different arrays).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -57,16 +55,6 @@ def supports(cfg: AttentionConfig) -> str | None:
     if cfg.q_tile != _PAIR:
         return f"q_tile={cfg.q_tile} (the fused backward takes {_PAIR}: both consumers walk one list)"
     return None
-
-
-def _no_vma_check():
-    """Traces a kernel body as plgpu.kernel does: without jax's checks of values varying over mesh axes, which
-    otherwise mark constants mixed with the thread index (wg) as varying, in a form that jax 0.11's Mosaic GPU
-    lowering rejects ("Shaped arrays must be represented by ir.Values")."""
-    from jax._src import config
-
-    check = getattr(config, "_check_vma", None)
-    return check(False) if check is not None else contextlib.nullcontext()
 
 
 def transposed_sum(ops: Ops, shape, pairs, after=None):
@@ -131,7 +119,9 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
         @pl.when(wg < CONSUMERS)
         def _consume():
             ops.set_registers(cfg.consumer_registers, "increase")
-            my_do, my_q, my_stage = rows_smem.at[0, wg], rows_smem.at[1, wg], stage_smem.at[wg]
+            # rows_smem, shared_smem: [kind * 2 + consumer, ...], one dynamic index (an index mixing a constant with
+            # wg, as .at[1, wg], becomes state of the wgmma's run_state that jax 0.11's lowering cannot return)
+            my_do, my_q, my_stage = rows_smem.at[wg], rows_smem.at[CONSUMERS + wg], stage_smem.at[wg]
             ready = rows_ready.at[wg]
             rmw_scratch = (rmw[0].at[wg], rmw_loaded[0].at[wg]) if ops.interpret else None
             plgpu.barrier_arrive(shared_free)  # the shared tiles start free
@@ -181,8 +171,8 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
                     # dQ's product runs while this consumer waits for the other's products of the last step
                     (acc,) = ops.mma([(acc, ds, k_smem.at[slot], False)], after=lambda: plgpu.barrier_wait(shared_free))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    shared_smem.at[0, wg][...] = p
-                    shared_smem.at[1, wg][...] = ds
+                    shared_smem.at[wg][...] = p
+                    shared_smem.at[CONSUMERS + wg][...] = ds
                     plgpu.commit_smem()  # the stores are visible to the other consumer's wgmma (async proxy)
                     plgpu.barrier_arrive(shared_ready)
                     plgpu.barrier_wait(shared_ready)
@@ -198,7 +188,9 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
 
                     # consumer 0: dV = sum_c P_c^T dO_c, consumer 1: dK = sum_c dS_c^T Q_c (indexed by wg, not
                     # branched on it: Mosaic GPU lowers no wgmma accumulator out of a conditional)
-                    pairs = [(shared_smem.at[wg, c], rows_smem.at[wg, c]) for c in range(CONSUMERS)]
+                    pairs = [
+                        (shared_smem.at[wg * CONSUMERS + c], rows_smem.at[wg * CONSUMERS + c]) for c in range(CONSUMERS)
+                    ]
                     part = transposed_sum(ops, (ROWS, d), pairs, after=wait_next_k)
                     plgpu.barrier_arrive(shared_free)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's adds have read my_stage
@@ -248,12 +240,12 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
         pl.run_scoped(
             lambda *scratch: body(refs, scratch),
             (
-                swizzled(plgpu, (2, CONSUMERS, ROWS, d), dtype),  # [0]: dO, [1]: Q of each consumer's rows
+                swizzled(plgpu, (2 * CONSUMERS, ROWS, d), dtype),  # dO, then Q of each consumer's rows
                 plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
                 plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
                 wide(stages),
                 wide(stages),
-                swizzled(plgpu, (2, CONSUMERS, ROWS, ROWS), dtype),  # [0]: P, [1]: dS of each consumer's rows
+                swizzled(plgpu, (2 * CONSUMERS, ROWS, ROWS), dtype),  # P, then dS of each consumer's rows
                 stage,
                 *extra,
             ),
@@ -285,8 +277,7 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
     @jax.jit  # Refs with a memory space exist only under jit (this one also serves eager calls)
     def run(*args):
         dvk = jax.new_ref(jnp.zeros((2, *q.shape), jnp.float32), memory_space=plgpu.GMEM)  # [0]: dV, [1]: dK
-        with _no_vma_check():
-            dq = call(*args, dvk)
+        dq = call(*args, dvk)
         dv, dk = dvk[...].astype(dtype)
         return dq, dk, dv
 

@@ -339,3 +339,50 @@ def test_fused_backward_smem_and_geometry():
     assert not mgpu.default_config(128, 64, 128, 0.1, tuning=FUSED).fuses_backward
     with pytest.raises(ValueError, match="dQ kernel would need"):  # not fused: the split kernels are checked
         mgpu.check_smem(mgpu.default_config(64, 16, 128, 0.1, tuning={**FUSED, "dq_stages": 3}))
+
+
+def _run_state_constants(jaxpr, found):
+    """Constant operands of every run_state (a wgmma's accumulator scope) in jaxpr and the jaxprs inside it."""
+    from jax._src import core as jax_core
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "run_state":
+            found += [v for v in eqn.invars if isinstance(v, jax_core.Literal)]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    _run_state_constants(sub.jaxpr, found)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    _run_state_constants(sub, found)
+    return found
+
+
+def test_no_wgmma_scope_takes_a_constant_as_state():
+    """A ref index that mixes a constant with the consumer index (rows.at[1, wg]) enters a wgmma's run_state as a
+    constant state operand, which jax 0.11's Mosaic GPU lowering rejects ("Shaped arrays must be represented by
+    ir.Values, got: TypedInt(1)"; the fused backward's first GPU runs) while jax 0.10 lowers it. Checked on the
+    compiled (non-interpreted) forward, dQ, fine dK/dV and fused kernels' traced bodies."""
+    from pallas_kernels import sparse_attention_mgpu_bwd as bwd
+    from pallas_kernels import sparse_attention_mgpu_fine as fine
+    from pallas_kernels import sparse_attention_mgpu_fused as fused
+    from pallas_kernels import sparse_attention_mgpu_fwd as fwd
+
+    s, h, d = 1024, 2, 128
+    x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, h, s), jnp.float32)
+    idx = jax.ShapeDtypeStruct((1, h, s // 128, 6), jnp.int32)
+    cnt = jax.ShapeDtypeStruct((1, h, s // 128), jnp.int32)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    cfg = mgpu.default_config(128, 16, d, d**-0.5, tuning=FUSED)
+    kernels = {
+        "forward": (lambda q, k, v, i, c: fwd.forward(q, k, v, i, c, None, cfg), (x, x, x, idx, cnt)),
+        "dq": (lambda *a: bwd.dq(*a, None, cfg), (x, x, x, x, rows, rows, idx, cnt)),
+        "fine dkdv": (
+            lambda *a: fine.dkdv(*a, None, cfg),
+            (x, x, x, x, rows, rows, ints(1, h, 400), ints(1, h, s // 16 + 1), ints(1, h, s // 16)),
+        ),
+        "fused": (lambda *a: fused.backward(*a, None, cfg), (x, x, x, x, rows, rows, idx, cnt)),
+    }
+    for name, (fn, args) in kernels.items():
+        found = _run_state_constants(jax.make_jaxpr(fn)(*args).jaxpr, [])
+        assert not found, f"{name}: constants {found} enter a wgmma's run_state"
