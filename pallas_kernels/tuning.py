@@ -168,8 +168,8 @@ MGPU_DEFAULTS = {
     "dq_programs": 0,
     "dkdv_programs": 0,
     "heads_fastest": False,
-    # one backward kernel at 16/32-row blocks (sparse_attention_mgpu_fused); off until timed on a GPU: it did not
-    # lower on jax 0.11.2 in its first two forms (docs/kernels/mgpu_notes.md, "The fused backward")
+    # one backward kernel at 16/32-row blocks (sparse_attention_mgpu_fused); off until timed on a GPU
+    # (docs/kernels/mgpu_notes.md, "The fused backward")
     "fused_backward": False,
 }
 MGPU_TUNABLE = frozenset(MGPU_DEFAULTS)
