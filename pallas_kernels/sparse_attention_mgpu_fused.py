@@ -186,8 +186,8 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
 
                     blocks = [index_ref[bi, hi, tile, jnp.minimum(step * sub + j, n_slices - 1)] for j in range(sub)]
 
-                    # consumer 0: dV = sum_c P_c^T dO_c, consumer 1: dK = sum_c dS_c^T Q_c (indexed by wg, not
-                    # branched on it: Mosaic GPU lowers no wgmma accumulator out of a conditional)
+                    # consumer 0: dV = sum_c P_c^T dO_c, consumer 1: dK = sum_c dS_c^T Q_c, chosen by index, so that
+                    # both run one code path (operands indexed by a constant alone, as .at[1], fail jax 0.11 as well)
                     pairs = [
                         (shared_smem.at[wg * CONSUMERS + c], rows_smem.at[wg * CONSUMERS + c]) for c in range(CONSUMERS)
                     ]
