@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from experiments import harness
-from pallas_kernels.mgpu_common import import_plgpu
+from pallas_kernels.mgpu_common import gpu_interpreter, import_plgpu
 
 SIZES = {
     "gpu": {
@@ -99,14 +99,8 @@ def tile_kernel(mode: str, rows: int, depth: int, seq: int, heads: int, ctas: in
 
     mesh = plgpu.Mesh(grid=(ctas,), grid_names=("c",))
     # pl.kernel, not plgpu.kernel: jax 0.10's plgpu.kernel rejects a Ref operand (its vmap wrapper)
-    call = pl.kernel(kernel, out_type=(), mesh=mesh, interpret=interpret_params() if interpret else False)
+    call = pl.kernel(kernel, out_type=(), mesh=mesh, interpret=gpu_interpreter() if interpret else False)
     return call
-
-
-def interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def places_of(key, seq, heads, rows, ctas, per_cta, spread="all_heads"):

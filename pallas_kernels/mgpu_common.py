@@ -459,6 +459,24 @@ def slice_limit(ops, shape, valid: Sequence):
     return col < limit
 
 
+def load_query_rows(plgpu, ops, copies, ready):
+    """A backward consumer's resident rows: copies [(GMEM view, SMEM ref)] of Q, dO (rows) and lse2, delta (one
+    value per row) on one barrier, then lse2 and delta into registers, one value per row of a wgmma tile.
+    Returns (lse2, delta)."""
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, ready)
+    plgpu.barrier_wait(ready)
+    lse_smem, delta_smem = copies[2][1], copies[3][1]
+    return ops.load(lse_smem, ops.row_layout()), ops.load(delta_smem, ops.row_layout())
+
+
+def gpu_interpreter():
+    """The `interpret` argument that runs a Mosaic GPU kernel in jax's GPU interpreter (on a CPU)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
 def schedule_round(plgpu, barrier):
     """One round of the schedule barrier: both consumers arrive, each waits for the other."""
     plgpu.barrier_arrive(barrier)
@@ -594,11 +612,7 @@ class AttentionConfig:
         return 2 * ROWS if self.dkdv_lists == 1 else ROWS
 
     def interpret_params(self):
-        if not self.interpret:
-            return None
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        return InterpretGPUParams()
+        return gpu_interpreter() if self.interpret else None
 
 
 @dataclasses.dataclass(frozen=True)

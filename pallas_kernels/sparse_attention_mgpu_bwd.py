@@ -32,6 +32,7 @@ from pallas_kernels.mgpu_common import (
     compiler_params,
     import_plgpu,
     kernel_call,
+    load_query_rows,
     producer,
     swizzled,
     transposed_producer,
@@ -85,13 +86,13 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                 rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
                 if work.programs:  # the previous item's dq must have left my_q
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, ready)
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], my_do, ready)
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[wg], ready)
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[wg], ready)
-                plgpu.barrier_wait(ready)
-                lse = ops.load(lse_smem.at[wg], ops.row_layout())
-                delta = ops.load(delta_smem.at[wg], ops.row_layout())
+                copies = [
+                    (q_ref.at[bi, rows, hi], my_q),
+                    (do_ref.at[bi, rows, hi], my_do),
+                    (lse_ref.at[bi, hi, rows], lse_smem.at[wg]),
+                    (delta_ref.at[bi, hi, rows], delta_smem.at[wg]),
+                ]
+                lse, delta = load_query_rows(plgpu, ops, copies, ready)
 
                 def slot_of(step):
                     return base + lax.rem(done + step, stages)

@@ -41,20 +41,12 @@ from pallas_kernels.mgpu_common import (
     Ops,
     compiler_params,
     import_plgpu,
+    load_query_rows,
     producer,
     swizzled,
 )
 
 _PAIR = CONSUMERS * ROWS
-
-
-def supports(cfg: AttentionConfig) -> str | None:
-    """None if the fused backward takes this geometry, else why not."""
-    if cfg.kv_block >= ROWS or ROWS % cfg.kv_block:
-        return f"kv_block={cfg.kv_block} (the fused backward takes 16 or 32)"
-    if cfg.q_tile != _PAIR:
-        return f"q_tile={cfg.q_tile} (the fused backward takes {_PAIR}: both consumers walk one list)"
-    return None
 
 
 def transposed_sum(ops: Ops, shape, pairs, after=None):
@@ -81,9 +73,11 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
     index, count: the sanitized selection [B, H, S // 128, K], [B, H, S // 128]; valid: valid keys of each
     selected block [B, H, S // 128, K] (cfg.masked) or None."""
     plgpu = import_plgpu()
-    reason = supports(cfg)
-    if reason:
-        raise ValueError(f"sparse_attention_mgpu_fused: unsupported {reason}")
+    if not cfg.fuses_backward:
+        raise ValueError(
+            f"sparse_attention_mgpu_fused: config without a fused backward (fused_backward={cfg.fused_backward}, "
+            f"q_tile={cfg.q_tile}, kv_block={cfg.kv_block}; it takes 16- or 32-row blocks and 128-row query tiles)"
+        )
     ops = Ops(plgpu, cfg.interpret)
     b, s, h, d = q.shape
     dtype = q.dtype
@@ -133,13 +127,13 @@ def backward(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig
                 rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
                 if work.programs:  # the previous item's dq must have left my_q
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], my_q, ready)
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi], my_do, ready)
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, hi, rows], lse_smem.at[wg], ready)
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, hi, rows], delta_smem.at[wg], ready)
-                plgpu.barrier_wait(ready)
-                lse = ops.load(lse_smem.at[wg], ops.row_layout())
-                delta = ops.load(delta_smem.at[wg], ops.row_layout())
+                copies = [
+                    (q_ref.at[bi, rows, hi], my_q),
+                    (do_ref.at[bi, rows, hi], my_do),
+                    (lse_ref.at[bi, hi, rows], lse_smem.at[wg]),
+                    (delta_ref.at[bi, hi, rows], delta_smem.at[wg]),
+                ]
+                lse, delta = load_query_rows(plgpu, ops, copies, ready)
 
                 def slot_of(step):
                     return lax.rem(done + step, stages)

@@ -307,7 +307,7 @@ def test_fused_backward_under_merged_statistics_in_gpu_interpreter(fused_calls):
 @pytest.mark.parametrize("kv_block,masked", [(16, False), (32, True)])
 def test_fused_backward_lowers_for_cuda_as_one_kernel(kv_block, masked):
     """The compiled form (TMA reductions of fp32 tiles from a 128-byte swizzled stage, transposed SMEM A
-    operands, dk / dv as in-place Refs) lowers to Mosaic GPU on the CPU: the forward and one backward kernel
+    operands, dV / dK in one in-place Ref) lowers to Mosaic GPU on the CPU: the forward and one backward kernel
     whose operands include the fp32 accumulator."""
     s, h, d = 1024, 2, 128
     x = jax.ShapeDtypeStruct((1, s, h, d), jnp.bfloat16)
