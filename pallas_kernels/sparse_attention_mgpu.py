@@ -92,7 +92,7 @@ def default_config(
         sm_scale=float(sm_scale),
         masked=masked,
         interpret=interpret,
-        **{**mgpu_defaults(q_tile), **tuning},
+        **{**mgpu_defaults(q_tile, kv_block), **tuning},
     )
     while "fwd_stages" not in tuning and cfg.fwd_stages > 2 and cfg.smem_bytes("fwd") + 1024 > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, fwd_stages=cfg.fwd_stages - 1)

@@ -168,8 +168,8 @@ MGPU_DEFAULTS = {
     "dq_programs": 0,
     "dkdv_programs": 0,
     "heads_fastest": False,
-    # one backward kernel at 16/32-row blocks (sparse_attention_mgpu_fused); off until timed on a GPU
-    # (docs/kernels/mgpu_notes.md, "The fused backward")
+    # one backward kernel at 16/32-row blocks (sparse_attention_mgpu_fused): mgpu_defaults turns it on
+    # where it measured faster (docs/kernels/mgpu_notes.md, "The fused backward")
     "fused_backward": False,
 }
 MGPU_TUNABLE = frozenset(MGPU_DEFAULTS)
@@ -183,7 +183,7 @@ def multiprocessors(device=None) -> int:
     return count if isinstance(count, int) and count > 0 else H100_SMS
 
 
-def mgpu_defaults(q_tile: int, device=None) -> dict:
+def mgpu_defaults(q_tile: int, kv_block: int, device=None) -> dict:
     """The launch fields of one call on `device` (default: the first) before a tuning's overrides.
 
     With 128-row query tiles (one list per CTA) the forward and dQ step over 128 KV rows: the forward
@@ -194,6 +194,10 @@ def mgpu_defaults(q_tile: int, device=None) -> dict:
     defaults = {**MGPU_DEFAULTS, "fwd_programs": multiprocessors(device)}
     if q_tile == 128:
         defaults.update(fwd_step_rows=128, dq_step_rows=128)
+    # With the fused backward, fwd + bwd measured 1.46x (90%) and 1.05x (95%) as fast as with dQ + fine dK/dV
+    # at 16-row blocks, and 0.93x / 0.78x at 32-row blocks (one H100, S = 64k,
+    # experiments/results/archive/2026-12-07/bench_fused_ab_kv{16,32}_h100.json).
+    defaults["fused_backward"] = q_tile == 128 and kv_block == 16
     return defaults
 
 

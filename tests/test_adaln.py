@@ -1,7 +1,5 @@
 """Fused AdaLN kernels (interpret mode on the CPU) against the plain-JAX reference."""
 
-import importlib.metadata
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,7 @@ from pallas_kernels.adaln import (
     gated_residual_adaln_pallas,
     gated_residual_adaln_reference,
 )
+from tests.conftest import triton_lowering_on_cpu
 
 # Relative (norm) error allowed against the reference. bf16: the reference rounds intermediate
 # cotangents to bf16 where the kernel keeps fp32, so the two differ by a few bf16 ulps.
@@ -183,14 +182,7 @@ def test_bad_inputs_are_named():
         BlockSizes(rows=3, warps=4, bwd_rows=1, bwd_warps=4)
 
 
-def jaxlib_version():
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-
-
-@pytest.mark.skipif(
-    jaxlib_version() > (0, 10, 2),  # later jaxlibs compile PTX while lowering: GPU only
-    reason="Triton lowering on the CPU is checked with jaxlib <= 0.10.2",
-)
+@triton_lowering_on_cpu
 @pytest.mark.parametrize("c", [1152, 2048, 3072, 5120, 6144])
 def test_triton_lowering_at_model_widths(c):
     """Lowers forward and backward of both kernels for a CUDA target (no GPU needed): catches

@@ -134,9 +134,10 @@ def test_fine_walk_masks_each_block_and_the_partial_last_step():
     assert [int(x) for x in unmasked] == [16, 16, 16, 0, 0, 0, 0, 0]
 
 
+SPLIT = {"fused_backward": False}  # 128-row tiles at 16-row blocks default to the fused backward
 FINE_LOWERINGS = [  # (q_tile, kv_block, D, masked, tuning)
-    (128, 16, 128, False, None),
-    (128, 16, 128, True, None),
+    (128, 16, 128, False, SPLIT),
+    (128, 16, 128, True, SPLIT),
     (64, 16, 128, True, {"fwd_programs": 0}),
     (128, 32, 128, False, {"dkdv_programs": 132, "dq_programs": 132}),
     (64, 32, 64, False, None),
@@ -190,7 +191,8 @@ def test_fine_dkdv_keeps_every_streamed_operand_at_a_128_byte_swizzle(monkeypatc
     cnt = jax.ShapeDtypeStruct((1, h, s // 128), jnp.int32)
 
     def loss(q, k, v, i, c):
-        return jnp.sum(sparse_attention_mgpu(q, k, v, i, c, q_tile=128, kv_block=g).astype(jnp.float32))
+        o = sparse_attention_mgpu(q, k, v, i, c, q_tile=128, kv_block=g, tuning=SPLIT)
+        return jnp.sum(o.astype(jnp.float32))
 
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x, idx, cnt).lower(lowering_platforms=("cuda",))
     assert declared, "the fine dK/dV declared no swizzled SMEM"
@@ -222,13 +224,13 @@ def test_hopper_dispatch_takes_the_mosaic_gpu_kernels_for_16_and_32_row_blocks()
 def test_fine_dkdv_smem_fits_two_stages_not_three_at_d128():
     """The fine dK/dV's SMEM (two 64-row Q / dO rings, per consumer a block's K, V, P, dS and out tiles) fits
     two ring stages at D = 128 and refuses three with the kernel named."""
-    cfg = mgpu.default_config(128, 16, 128, 0.1)
+    cfg = mgpu.default_config(128, 16, 128, 0.1, tuning=SPLIT)
     assert cfg.smem_bytes("dkdv") == 2 * (2 * 16 * 128 * 2 + 2 * 64 * 16 * 2 + 2 * 128 * 16 * 2) + 2 * 2 * (
         2 * 64 * 128 * 2 + 2 * 64 * 4
     )
     mgpu.check_smem(cfg)
     with pytest.raises(ValueError, match="dK/dV kernel would need"):
-        mgpu.check_smem(mgpu.default_config(128, 16, 128, 0.1, tuning={"dkdv_stages": 3}))
+        mgpu.check_smem(mgpu.default_config(128, 16, 128, 0.1, tuning={**SPLIT, "dkdv_stages": 3}))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -339,6 +341,16 @@ def test_fused_backward_smem_and_geometry():
     assert not mgpu.default_config(128, 64, 128, 0.1, tuning=FUSED).fuses_backward
     with pytest.raises(ValueError, match="dQ kernel would need"):  # not fused: the split kernels are checked
         mgpu.check_smem(mgpu.default_config(64, 16, 128, 0.1, tuning={**FUSED, "dq_stages": 3}))
+
+
+def test_fused_backward_is_the_default_only_where_it_measured_faster():
+    """Fused by default at 16-row blocks with 128-row tiles (fwd + bwd 1.46x at 90%, S = 64k on an H100), split at
+    32-row blocks (0.93x there); a tuning overrides either way."""
+    assert mgpu.default_config(128, 16, 128, 0.1).fuses_backward
+    assert not mgpu.default_config(128, 32, 128, 0.1).fuses_backward
+    assert not mgpu.default_config(64, 16, 128, 0.1).fuses_backward
+    assert not mgpu.default_config(128, 16, 128, 0.1, tuning=SPLIT).fuses_backward
+    assert mgpu.default_config(128, 32, 128, 0.1, tuning=FUSED).fuses_backward
 
 
 def _run_state_constants(jaxpr, found):

@@ -16,6 +16,7 @@ from pallas_kernels.lowrank_topk_triton import lowrank_topk_pallas
 from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
 from pallas_kernels.sparse_index import dkdv_worklist, sanitize_index
 from pallas_kernels.tuning import SparseAttentionTuning, TopkTuning
+from tests.conftest import triton_lowering_on_cpu
 
 
 def dkdv_worklist_numpy(kv_index, kv_count, *, kv_block: int, rows: int, seq_len: int):
@@ -470,6 +471,7 @@ def test_clear_errors_on_bad_inputs():
         TopkTuning(keys_per_step=8192)
 
 
+@triton_lowering_on_cpu
 def test_kernels_lower_to_triton_for_gpu():
     """The Pallas -> Triton lowering (what runs on the GPU) accepts every kernel, checked by lowering for CUDA
     (the per-shard bodies: under custom_partitioning the kernels are lowered when XLA partitions); also the

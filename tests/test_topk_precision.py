@@ -9,8 +9,10 @@ import pytest
 from pallas_kernels import lowrank_topk_triton
 from pallas_kernels.lowrank_topk import lowrank_topk_reference
 from pallas_kernels.tuning import TOPK_PRECISIONS, TopkTuning
+from tests.conftest import triton_lowering_on_cpu
 
 
+@triton_lowering_on_cpu
 def test_each_precision_lowers_to_its_own_kernel():
     lr = jax.ShapeDtypeStruct((1, 512, 2, 16), jnp.bfloat16)
     texts = set()
