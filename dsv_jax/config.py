@@ -341,8 +341,8 @@ class DSVConfig:
     recall_target: float = 0.0
     # tokens per KV block of the selection; 0: the token layout's 3D tile (64 tokens), the default because at equal
     # recall it is the fastest: finer blocks hold little more of the mass per kept key on trained models while
-    # their kernels run 2.7x (16) and 1.3x (32) slower per kept key, each against cuDNN in its own run (H100 for
-    # 16/32, H200 for 64; RESULTS.md, "Recall by granularity")
+    # their kernels run 1.25x (16) and 1.3x (32) slower per kept key (one H100 run, all against its cuDNN;
+    # RESULTS.md, "Recall by granularity")
     kv_block: int = 0
     block_reduce: str = "mean"  # how a KV block's score reduces over its keys (mean | max)
     dense_backend: str = "auto"  # the dense attention used by dense blocks and text tokens
