@@ -7,7 +7,8 @@ profiler wrapped around this process reads their hardware counters:
 
 (Without the preallocation switched off, ncu saves and restores jax's whole memory pool around every replay
 of a kernel: minutes per kernel. The kernels are named dsv_sparse_fwd, dsv_sparse_dq, dsv_sparse_dkdv (at
---kv-block 16 or 32: dsv_sparse_dkdv_fine), so
+--kv-block 16 or 32: dsv_sparse_dkdv_fine; where the backward is fused, as by default at 16 with --q-tile 128, one
+dsv_sparse_bwd_fused instead of dQ and dK/dV), so
 `-k regex:dsv_sparse` skips the XLA kernels around them.) Inputs and pieces are experiments/bench_sparse_mgpu.py's
 (B=1, H=16, D=128, bf16, uniformly random blocks, full counts); everything is compiled before the
 timed runs, so the profiled launches come in a fixed order. Prints each piece's faster of two wall times (under a
@@ -41,9 +42,9 @@ def main():
     bench.set_geometry({"q_tile": args.q_tile, "kv_block": args.kv_block})
     q, k, v, w, index, count = bench.inputs(args.seq, args.sparsity)
     calls = bench.pieces(q, k, v, w, index, count, options, interpret=args.interpret)
-    # pieces() has run the forward once; compiling the two backward kernels now makes the first three
-    # dsv_sparse launches forward, dQ, dK/dV (ncu -c 3 profiles one of each)
-    jax.block_until_ready([fn(*fn_args) for name, fn, fn_args, _ in calls if name in ("dq", "dkdv")])
+    # pieces() has run the forward once; compiling the backward kernels now makes the first dsv_sparse launches
+    # forward, dQ, dK/dV (or forward, fused backward): ncu -c 3 (-c 2) profiles one of each
+    jax.block_until_ready([fn(*fn_args) for name, fn, fn_args, _ in calls if name in ("dq", "dkdv", "fused")])
     for name, fn, fn_args, _ in calls:
         times = []
         for _ in range(2):
