@@ -130,7 +130,7 @@ def test_run_job_records_a_crash_in_the_rows_it_takes_down_and_goes_on():
             ("ok", 1),
         ]
     )
-    rows, children = run_job(job, harness.Budget(600), 60, runner)
+    rows, children = run_job(job, harness.Budget(600, start=time.time()), 60, runner)
     assert calls == [KEYS, KEYS[2:], KEYS[3:]]  # each new child gets the rows still to run
     by_key = {(r["kv_block"], r["variant"]): r for r in rows}
     assert len(rows) == 4 and "select_ms" in by_key[16, "{}"] and "select_ms" in by_key[64, '{"sample": 0}']
@@ -151,10 +151,10 @@ def test_run_job_gives_up_on_a_child_that_dies_before_any_stage_and_skips_past_t
         runner_calls.append(job)
         return {"error": "child exited 1: ImportError: x"}, []
 
-    rows, children = run_job(job, harness.Budget(600), 60, no_stage)
+    rows, children = run_job(job, harness.Budget(600, start=time.time()), 60, no_stage)
     assert len(runner_calls) == 1 and [r["status"] for r in rows] == ["crashed"] * 4
     assert {r["stage"] for r in rows} == {"start"} and len(children) == 1
-    rows, children = run_job(job, harness.Budget(20), 60, no_stage)  # 20 s: no room for a row
+    rows, children = run_job(job, harness.Budget(20, start=time.time()), 60, no_stage)  # 20 s: no room for a row
     assert len(runner_calls) == 1 and children == [] and [r["skipped"] for r in rows] == ["time budget"] * 4
     assert rows[0]["top_k"] == top_k_of(256, 16, 0.5) == 8
 
