@@ -31,7 +31,7 @@ from pallas_kernels import sparse_attention_mgpu_fused as fused_kernels
 from pallas_kernels import sparse_attention_mgpu_fwd as fwd_kernels
 from pallas_kernels.mgpu_common import FINE_BLOCKS, LN2, ROWS, AttentionConfig
 from pallas_kernels.partitioning import partitioned_over_batch_and_heads
-from pallas_kernels.sparse_attention_reference import check_sparse_inputs, name_residuals
+from pallas_kernels.sparse_attention_reference import check_sparse_inputs, lse2_attention_vjp
 from pallas_kernels.sparse_index import dkdv_worklist, longest_first, sanitize_index
 from pallas_kernels.tuning import MGPU_TUNABLE, mgpu_defaults
 
@@ -178,32 +178,23 @@ def _masks(valid):
     return () if valid is None else valid
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attend(q, k, v, index, count, valid, cfg: AttentionConfig):
-    return _attend_fwd(q, k, v, index, count, valid, cfg)[0]
-
-
-def _attend_fwd(q, k, v, index, count, valid, cfg):
+def _run_forward(q, k, v, index, count, valid, cfg: AttentionConfig):
     fwd, _ = _sharded(cfg.masked, cfg.interpret)
-    o, lse2 = name_residuals(*fwd(q, k, v, index, count, *_masks(valid)[:1], cfg))
-    return (o, lse2 * LN2), (q, k, v, index, count, valid, o, lse2)
+    return fwd(q, k, v, index, count, *_masks(valid)[:1], cfg)
 
 
 def _grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg):
     """dq, dk, dv of this call's keys' share of an attention with softmax statistics (o, lse2 base 2, -inf:
-    no key): o's own forward (the VJP) or a larger merged one (sparse_attention_mgpu_backward). The
-    backward kernels take delta = rowsum(o * do) - dlse from these, so either works unchanged."""
+    no key; dlse None: 0): o's own forward (the VJP) or a larger merged one (sparse_attention_mgpu_backward).
+    The backward kernels take delta = rowsum(o * do) - dlse from these, so either works unchanged."""
     _, bwd = _sharded(cfg.masked, cfg.interpret)
-    return bwd(q, k, v, index, count, *_masks(valid), o, lse2, do.astype(q.dtype), dlse.astype(jnp.float32), cfg)
+    dlse = jnp.zeros(lse2.shape, jnp.float32) if dlse is None else dlse.astype(jnp.float32)
+    return bwd(q, k, v, index, count, *_masks(valid), o, lse2, do.astype(q.dtype), dlse, cfg)
 
 
-def _attend_bwd(cfg, res, cotangents):
-    q, k, v, index, count, valid, o, lse2 = res
-    do, dlse = cotangents
-    return *_grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg), None, None, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+# The custom VJP the other kernel families share (their lse2 marks "no key" +inf, these kernels' -inf: both
+# read as a natural lse of -inf); `valid` (the key masks, or None) gets no cotangent.
+_attend = lse2_attention_vjp(_run_forward, _grads)
 
 
 def prepare_masks(index, kv_valid, kv_block: int, seq_len: int):
@@ -267,8 +258,7 @@ def sparse_attention_mgpu(
         tuning=tuning,
         interpret=interpret,
     )
-    o, lse = _attend(q, k, v, index, count, valid, cfg)
-    return (o, lse) if return_lse else o
+    return _attend(q, k, v, index, count, valid, cfg, return_lse)
 
 
 def sparse_attention_mgpu_backward(
@@ -305,7 +295,6 @@ def sparse_attention_mgpu_backward(
         tuning=tuning,
         interpret=interpret,
     )
-    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     lse2 = lse.astype(jnp.float32) / LN2  # -inf stays -inf: the backward's own "no key" value
     return _grads(q, k, v, index, count, valid, o, lse2, do, dlse, cfg)
 

@@ -158,8 +158,9 @@ LN2 = math.log(2.0)
 
 
 def lse2_attention_vjp(run_forward, grads):
-    """The custom VJP of a kernel family with a base-2 lse (+inf: no key), as the Triton-lowering and token
-    kernels have: attend(q, k, v, index, count, key_valid, launch, with_lse) -> o, or (o, natural lse).
+    """The custom VJP of a kernel family with a base-2 lse (+inf: no key in the Triton-lowering and token
+    kernels, -inf in the Mosaic GPU ones; natural_lse reads both): attend(q, k, v, index, count, key_valid,
+    launch, with_lse) -> o, or (o, natural lse).
 
     run_forward(q, k, v, index, count, key_valid, launch) -> (o, lse2); grads(q, k, v, index, count,
     key_valid, o, lse2, do, dlse, launch) -> (dq, dk, dv), dlse None without with_lse. launch (hashable) and
@@ -185,8 +186,9 @@ def lse2_attention_vjp(run_forward, grads):
 
 
 def natural_lse(lse2):
-    """A base-2 kernel lse (+inf: no valid key, so that a backward's exp2(s - lse2) is 0) as the public
-    natural-log lse (-inf: no valid key). The convention of the Triton-lowering and token kernels."""
+    """A base-2 kernel lse (+inf: no valid key, so that a backward's exp2(s - lse2) is 0, the convention of the
+    Triton-lowering and token kernels; -inf, the Mosaic GPU kernels', stays -inf) as the public natural-log lse
+    (-inf: no valid key)."""
     return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN2)
 
 
