@@ -459,15 +459,20 @@ def slice_limit(ops, shape, valid: Sequence):
     return col < limit
 
 
-def load_query_rows(plgpu, ops, copies, ready):
-    """A backward consumer's resident rows: copies [(GMEM view, SMEM ref)] of Q, dO (rows) and lse2, delta (one
-    value per row) on one barrier, then lse2 and delta into registers, one value per row of a wgmma tile.
-    Returns (lse2, delta)."""
-    for src, dst in copies:
+def load_query_rows(plgpu, ops, gmem, smem, at, ready, persistent: bool):
+    """A backward consumer's resident rows of one work item: Q, dO (rows) and lse2, delta (one value per row) from
+    gmem = (q, do, lse2, delta) refs at (batch, row slice, head) into smem = (q, do, lse2, delta) on one barrier,
+    then lse2 and delta into registers, one value per row of a wgmma tile. persistent: a CTA walks several items,
+    so the previous item's dQ store must first have read the Q buffer. Returns (lse2, delta)."""
+    q_ref, do_ref, lse_ref, delta_ref = gmem
+    bi, rows, hi = at
+    if persistent:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sources = (q_ref.at[bi, rows, hi], do_ref.at[bi, rows, hi], lse_ref.at[bi, hi, rows], delta_ref.at[bi, hi, rows])
+    for src, dst in zip(sources, smem, strict=True):
         plgpu.copy_gmem_to_smem(src, dst, ready)
     plgpu.barrier_wait(ready)
-    lse_smem, delta_smem = copies[2][1], copies[3][1]
-    return ops.load(lse_smem, ops.row_layout()), ops.load(delta_smem, ops.row_layout())
+    return ops.load(smem[2], ops.row_layout()), ops.load(smem[3], ops.row_layout())
 
 
 def gpu_interpreter():

@@ -84,15 +84,15 @@ def dq(q, k, v, do, lse2, delta, index, count, valid, cfg: AttentionConfig):
                 hi, ci, bi = item
                 tile, n_slices, n = walk.list_of(count_ref, item, list_id, lists)
                 rows = pl.ds(ci * _PAIR + wg * ROWS, ROWS)
-                if work.programs:  # the previous item's dq must have left my_q
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                copies = [
-                    (q_ref.at[bi, rows, hi], my_q),
-                    (do_ref.at[bi, rows, hi], my_do),
-                    (lse_ref.at[bi, hi, rows], lse_smem.at[wg]),
-                    (delta_ref.at[bi, hi, rows], delta_smem.at[wg]),
-                ]
-                lse, delta = load_query_rows(plgpu, ops, copies, ready)
+                lse, delta = load_query_rows(
+                    plgpu,
+                    ops,
+                    (q_ref, do_ref, lse_ref, delta_ref),
+                    (my_q, my_do, lse_smem.at[wg], delta_smem.at[wg]),
+                    (bi, rows, hi),
+                    ready,
+                    persistent=bool(work.programs),
+                )
 
                 def slot_of(step):
                     return base + lax.rem(done + step, stages)
