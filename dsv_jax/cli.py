@@ -6,11 +6,12 @@
         Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
         saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
     dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
-        [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
+        [--text-encoder umt5:DIR|pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
     dsv-jax presets [--show NAME]
     dsv-jax eval --workdir DIR [--clips N] [--steps N] [--shift S] [--json FILE] [--gif FILE] [--weights auto|ema|raw]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
+        (--codec wan2.1-vae:DIR --text-encoder umt5:DIR: Wan 2.1's VAE and umT5, dsv_jax/data/wan.py)
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
 
 Options and key=value overrides mix in any order. A failure prints one or two lines; --debug adds
@@ -420,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--text-encoder",
-        help="pkg.module:fn, as prepare-data's: encodes the prompts of a model trained on precomputed text embeddings",
+        help="umt5:DIR or pkg.module:fn, as prepare-data's: encodes the prompts of a model trained on precomputed "
+        "text embeddings (default: a umt5:DIR its dataset was prepared with)",
     )
     p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_sample)
@@ -469,10 +471,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--codec",
         default="pixel:1x2x2",
-        help="latent codec: pixel, pixel:FTxFHxFW (space-to-depth), or pkg.module:fn (your VAE)",
+        help="latent codec: pixel, pixel:FTxFHxFW (space-to-depth), wan2.1-vae:DIR[?dtype=bf16&tiling=1] (Wan 2.1's "
+        "VAE), or pkg.module:fn (your VAE)",
     )
     p.add_argument("--captions", help="caption manifest (.jsonl or .csv with file, caption); else NAME.txt")
-    p.add_argument("--text-encoder", help="pkg.module:fn; fn() returns f(captions) -> (emb [N,L,D], mask [N,L])")
+    p.add_argument(
+        "--text-encoder",
+        help="umt5:DIR[?max_len=512&dtype=bf16] (Wan's umT5), or pkg.module:fn; fn() returns "
+        "f(captions) -> (emb [N,L,D], mask [N,L])",
+    )
     p.add_argument("--workers", type=int, help="reader processes (default: CPUs - 1)")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     p.add_argument("--frame-stride", type=int, default=1, help="take every N-th frame of a video")

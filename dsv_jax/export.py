@@ -164,11 +164,17 @@ class LoadedModel:
 
     def encode_text(self, batch) -> tuple[Any, Any]:
         """(embeddings [B, L, D], mask [B, L]) of captions (a list of strings, tokenized with the run's text
-        config: text.max_len, text.hash_buckets) or of a batch: {"text_ids", "text_mask"} for the built-in
-        encoder (dsv_jax.data.text.tokenize_batch), {"text_emb", "text_mask"} for precomputed ones."""
+        config: text.max_len, text.hash_buckets; or, for a model of precomputed embeddings whose data was
+        prepared with umt5:DIR, encoded by that umT5) or of a batch: {"text_ids", "text_mask"} for the
+        built-in encoder (dsv_jax.data.text.tokenize_batch), {"text_emb", "text_mask"} for precomputed ones."""
         if isinstance(batch, (str, list, tuple)):
+            from dsv_jax.data.codec import get_text_encoder, is_builtin_text_encoder
             from dsv_jax.data.text import tokenize_batch
 
+            hint = (self.info or {}).get("text_encoder")
+            if self.config.text.encoder != "builtin" and is_builtin_text_encoder(hint):
+                emb, mask = get_text_encoder(hint)([batch] if isinstance(batch, str) else list(batch))
+                return self.model.encode_text({"text_emb": emb, "text_mask": mask})
             if self.config.text.encoder != "builtin":
                 raise ValueError(
                     "this model takes precomputed text embeddings (text.encoder=precomputed): encode the "

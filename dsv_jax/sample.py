@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dsv_jax.config import Config
-from dsv_jax.data.codec import decode_latents, load_callable
+from dsv_jax.data.codec import decode_latents, get_text_encoder, is_builtin_text_encoder
 from dsv_jax.data.synthetic import PROMPTS
 from dsv_jax.data.text import tokenize_batch
 from dsv_jax.train.loss import resolution_shift, shift_timesteps
@@ -46,18 +46,21 @@ def default_shape(cfg: Config) -> tuple[int, int, int]:
 
 
 def load_text_encoder(cfg: Config, spec: str | None, hint: str | None = None) -> Callable | None:
-    """The text encoder that sampling needs: None for the built-in one, else the `pkg.module:make` hook
-    (as prepare-data's --text-encoder) made once. `hint`: the hook the run's dataset was prepared with."""
+    """The text encoder that sampling needs: None for the built-in one, else that of `spec` (as prepare-data's
+    --text-encoder: umt5:DIR, or a `pkg.module:make` hook, made once). `hint`: the spec the run's dataset was
+    prepared with, used when `spec` is not given and the hint is a built-in spec (umt5:DIR)."""
     if cfg.text.encoder == "builtin":
         if spec:
             log.warning("--text-encoder %s is not used: this model has the built-in text encoder", spec)
         return None
+    if not spec and is_builtin_text_encoder(hint):
+        spec = hint
     if not spec:
         raise ValueError(
             "this model was trained on precomputed text embeddings (text.encoder=precomputed): pass "
             f"--text-encoder pkg.module:make{f' (its dataset was prepared with {hint})' if hint else ''}"
         )
-    return load_callable(spec, "text encoder")()
+    return get_text_encoder(spec)
 
 
 def prompt_batch(cfg: Config, prompts: Sequence[str], text_encoder: Callable | None = None) -> dict[str, np.ndarray]:
@@ -209,8 +212,10 @@ def generate(
     `model`: a `LoadedModel` (`dsv_jax.load_model(DIR)`: an export or a training workdir) or such a
     directory. The prompts are tokenized with the model's text config (text.encoder=builtin); a model
     trained on precomputed embeddings needs `text_encoder`, the hook its data was prepared with
-    (`f(captions) -> (embeddings, mask)`, or its "pkg.module:make" spec). `frames`, `height`, `width`:
-    the video's size in pixels (default: the config's longest bucket, decoded); `guidance` (default: the
+    (`f(captions) -> (embeddings, mask)`, or its "pkg.module:make" or "umt5:DIR" spec; a umt5:DIR spec
+    is used by default). The latents are decoded with the run's codec (data.codec, e.g. wan2.1-vae:DIR).
+    `frames`, `height`, `width`: the video's size in pixels (default: the config's longest bucket,
+    decoded); `guidance` (default: the
     run's train.guidance) and `shift` (default: the run's, see `sampler_shift`) as `dsv-jax sample`'s.
     The same arguments give the same videos; `dsv-jax sample` writes these frames."""
     if isinstance(model, (str, os.PathLike)):
@@ -360,8 +365,8 @@ def sample_from_workdir(
 ) -> list[str]:
     """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
-    written. `text_encoder` (pkg.module:make) encodes the prompts for a model trained on precomputed
-    text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
+    written. `text_encoder` (umt5:DIR or pkg.module:make) encodes the prompts for a model trained on
+    precomputed text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
     where the run kept one. `shift`: of the sampler's time grid (default: the run's, see `sampler_shift`)."""
     from dsv_jax.data.codec import get_codec
     from dsv_jax.export import load_model

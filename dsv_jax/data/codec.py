@@ -6,6 +6,8 @@ prepare-data, training and the sampler agree:
     "pixel"            RGB pixels as latents: [T, H, W, 3] in [-1, 1] (the embedded dataset's space)
     "pixel:FTxFHxFW"   pixel patches: space-to-depth of FT x FH x FW pixels into 3*FT*FH*FW channels,
                        e.g. "pixel:1x2x2" maps [T, 2H, 2W, 3] frames to [T, H, W, 12] latents
+    "wan2.1-vae:DIR"   Wan 2.1's VAE (diffusers' AutoencoderKLWan in DIR; data/wan.py): 16 channels,
+                       4x in time (causally: 1 + 4k frames -> 1 + k), 8x in space
     "pkg.module:fn"    your own codec (a VAE): fn() returns an object with the Codec interface below
 
 The Codec interface (what a real VAE wrapper provides):
@@ -20,6 +22,9 @@ The Codec interface (what a real VAE wrapper provides):
 
 prepare-data calls `encode` in its main process (where a GPU VAE would live), never in the file
 readers; training only reads stored arrays and never loads the codec.
+
+Text encoders are named the same way (`get_text_encoder`): "umt5:DIR" is Wan's umT5 (data/wan.py),
+"pkg.module:make" your own, make() returning f(captions) -> (embeddings [N, L, D], mask [N, L]).
 """
 
 from __future__ import annotations
@@ -109,7 +114,27 @@ def get_codec(spec: str = "pixel"):
         if any(f < 1 for f in factors):
             raise ValueError(f"codec {spec!r}: patch factors must be >= 1")
         return PixelPatchCodec(factors)
+    if spec.startswith("wan2.1-vae:"):
+        from dsv_jax.data.wan import vae_codec
+
+        return vae_codec(spec)
     return load_callable(spec, "codec")()
+
+
+def is_builtin_text_encoder(spec: str | None) -> bool:
+    """A text encoder spec of this package (umt5:DIR), as opposed to a pkg.module:make hook."""
+    return bool(spec) and spec.strip().startswith("umt5:")
+
+
+def get_text_encoder(spec: str):
+    """The text encoder named by `spec`: f(captions) -> (embeddings [N, L, D], mask [N, L]). "umt5:DIR"
+    is built in (data/wan.py; its `spec` attribute is the canonical spec); else a "pkg.module:make" hook,
+    made once here."""
+    if is_builtin_text_encoder(spec):
+        from dsv_jax.data.wan import umt5_encoder
+
+        return umt5_encoder(spec)
+    return load_callable(spec, "text encoder")()
 
 
 def load_callable(spec: str, what: str):

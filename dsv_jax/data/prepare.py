@@ -11,9 +11,10 @@
    near ties go to the most frames, then to the largest size that needs no upscaling.
 3. Resize keeping the aspect ratio until the frame covers the bucket, crop the centre; for videos
    take the centred window of frames. Reader processes (--workers) do this in parallel.
-4. Encode in the main process with the codec (default: pixel patches, see data/codec.py; or your VAE,
-   --codec pkg.module:fn) and, optionally, a text encoder (--text-encoder pkg.module:fn, returning
-   fn(captions) -> (embeddings [N, L, D], mask [N, L])); write one ArrayRecord shard series per bucket.
+4. Encode in the main process with the codec (default: pixel patches, see data/codec.py; Wan 2.1's VAE,
+   --codec wan2.1-vae:DIR, see data/wan.py; or your VAE, --codec pkg.module:fn) and, optionally, a text
+   encoder (--text-encoder umt5:DIR, Wan's; or pkg.module:fn, returning fn(captions) -> (embeddings
+   [N, L, D], mask [N, L])); write one ArrayRecord shard series per bucket.
 5. With --eval-fraction F, hold out whole files: the round(F x files) files whose path hashes lowest
    (sha256, so the split depends on the names only: the same on every run and machine) go to a
    separate held-out shard series (`eval_shards` in the manifest), never to training.
@@ -40,7 +41,7 @@ from typing import Iterable
 
 import numpy as np
 
-from dsv_jax.data.codec import get_codec, load_callable
+from dsv_jax.data.codec import get_codec, get_text_encoder, is_builtin_text_encoder
 from dsv_jax.data.manifest import MANIFEST, Manifest
 from dsv_jax.data.records import pack
 
@@ -397,7 +398,9 @@ def prepare(
     shapes = parse_buckets(buckets)
     the_codec = get_codec(codec)
     pixel_shapes = [tuple(the_codec.pixel_shape(s)) for s in shapes]
-    encode_text = load_callable(text_encoder, "text encoder")() if text_encoder else None
+    encode_text = get_text_encoder(text_encoder) if text_encoder else None
+    if is_builtin_text_encoder(text_encoder):  # stored canonically: its folder made absolute
+        text_encoder = encode_text.spec
     table = load_captions(captions) if captions else {}
     if shard_size < 1 or frame_stride < 1:
         raise ValueError(f"--shard-size ({shard_size}) and --frame-stride ({frame_stride}) must be >= 1")
