@@ -58,14 +58,6 @@ class TorchOutOfMemory(RuntimeError):
     """The GPU ran out of memory inside a PyTorch model of these specs."""
 
 
-def is_vae_spec(spec: str) -> bool:
-    return spec.strip().startswith(VAE_PREFIX)
-
-
-def is_umt5_spec(spec: str) -> bool:
-    return spec.strip().startswith(UMT5_PREFIX)
-
-
 # ---------------------------------------------------------------------------------------------
 # Spec strings
 
