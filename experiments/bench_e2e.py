@@ -97,6 +97,8 @@ SETUPS = {
             "64k": (64, 64, 64),
             "128k": (128, 64, 64),
             "480p": (21, 60, 104),
+            # Wan 2.1's 81-frame 720p clip: 21 x 90 x 160 latents, 21 x 45 x 80 = 75,600 tokens
+            "720p": (21, 90, 160),
         },
     },
     "quick": {
@@ -174,6 +176,11 @@ PRIORITY = {
             ("128k", "full", "main"),
             ("480p", "full", "main"),
             ("480p", "dsv0.9", "main"),
+            # Wan 2.1's shapes (--preset wan2.1-t2v-1.3b --only 480p,720p)
+            ("480p", "dsv0.95", "main"),
+            ("720p", "full", "main"),
+            ("720p", "dsv0.9", "main"),
+            ("720p", "dsv0.95", "main"),
         ],
         11,
     ),
@@ -800,7 +807,7 @@ class Bench:
             "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30,
         }
         log(f"train state: {n_params / 1e9:.2f}B params, {self.model_info['state_gib']:.1f} GiB")
-        if not self.args.only:
+        if not self.args.only or self.args.check:
             self.run_check()
         i = 0
         while i < len(self.entries):  # consecutive entries of one length form a group
@@ -1055,7 +1062,10 @@ def main():
         default=None,
         help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)",
     )
-    p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")
+    p.add_argument(
+        "--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check unless --check)"
+    )
+    p.add_argument("--check", action="store_true", help="run the correctness check with --only too")
     p.add_argument("--preset", default="", help="model preset (default 2.7b on the GPU), e.g. 2.7b-mmdit")
     p.add_argument("--name", default="bench_e2e", help="results file experiments/results/NAME.json")
     p.add_argument(
