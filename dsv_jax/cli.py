@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clips", type=int, default=8, help="videos generated from held-out captions for the semantic score (0: none)"
     )
-    p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
+    p.add_argument("--steps", type=int, default=30, help="sampling steps per generated video")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
