@@ -178,8 +178,13 @@ class VideoDiT(nnx.Module):
             raise ValueError(f"timesteps must be one value or [B={b}] values, got shape {timesteps.shape}")
         timesteps = jnp.broadcast_to(timesteps.reshape(-1), (b,))
         cp = context_backend(attention[0] if isinstance(attention, (list, tuple)) else attention)
+        # Tiles serve sparse attention (query tiles, KV blocks); where every block attends densely, tokens stay
+        # in raster order (1 x 1 x 1 tiles), so a grid that does not divide into tiles is not padded: dense
+        # attention would spend time on the padding (Wan at 480p: 15% more tokens, 32% more attention).
+        plans = attention if isinstance(attention, (list, tuple)) else [attention]
+        tile = (1, 1, 1) if all(isinstance(as_plan(p), str) for p in plans) else cfg.tile
         # context parallelism: every device holds whole tiles, and the tokens stay sharded over the sequence
-        tokens, layout = patchify(latents.astype(dtype), cfg.patch, cfg.tile, cp.token_multiple if cp else 1)
+        tokens, layout = patchify(latents.astype(dtype), cfg.patch, tile, cp.token_multiple if cp else 1)
         x = self.patch_embed(tokens)
         if cfg.absolute_position:
             x = x + position_features(layout.coords, cfg.hidden).astype(x.dtype)
