@@ -5,8 +5,8 @@
         [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
         Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
         saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
-    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
-        [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
+    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--negative-prompt TEXT] [--steps N] [--shift S]
+        [--solver euler|unipc] [--checkpoint STEP] [--text-encoder pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
         [--format dsv|diffusers]
     dsv-jax import-weights --from DIR --out DIR [--dtype bf16|fp32]   (a Wan 2.1 transformer: diffusers or original)
@@ -149,6 +149,8 @@ def _sample(args) -> int:
         text_encoder=args.text_encoder,
         weights=args.weights,
         shift=args.shift,
+        negative_prompt=args.negative_prompt,
+        solver=args.solver,
     )
     print("wrote " + ", ".join(paths))
     return 0
@@ -434,9 +436,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="output .gif or .mp4 (repeat for both: the same videos in each file)",
     )
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
-    p.add_argument("--steps", type=int, default=30, help="Euler steps")
+    p.add_argument(
+        "--negative-prompt",
+        metavar="TEXT",
+        help="the caption guidance steers away from, for every prompt, encoded as the prompts are (default: the "
+        'empty caption of training; "" encodes the empty string, as Wan\'s pipeline does without one)',
+    )
+    p.add_argument("--steps", type=int, help="sampling steps (default: the config's train.sample_steps)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
+    p.add_argument(
+        "--solver",
+        choices=("euler", "unipc"),
+        help="flow ODE solver: euler, or unipc (Wan's second-order multistep) (default: train.sample_solver)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
     p.add_argument(
@@ -457,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clips", type=int, default=8, help="videos generated from held-out captions for the semantic score (0: none)"
     )
-    p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
+    p.add_argument("--steps", type=int, default=30, help="sampling steps per generated video")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")

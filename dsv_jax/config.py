@@ -243,6 +243,9 @@ class TrainConfig:
     # dsv_jax/train/loss.py: shift_timesteps. 1: a uniform grid. The same shift of the training t is
     # t_logit_mean += log(s). Every sampler (end-of-run GIF, `sample`, `eval`) reads it from the run's config.
     sample_shift: float = 1.0
+    # The sampler's solver of the flow ODE (dsv_jax/solvers.py): "euler" (first order, on the shifted uniform
+    # grid) or "unipc" (Wan's: second-order UniPC multistep on Wan's grid, one model call per step as Euler).
+    sample_solver: str = "euler"
     # Resolution-dependent shift (SD3, section 5.3.2): a clip of n latent positions (T x H x W) has n / ref
     # times the reference's positions and keeps its layout at more noise, so its training t_logit_mean gains
     # 0.5 * log(n / ref) and the sampler's shift is multiplied by sqrt(n / ref). t_logit_mean and
@@ -280,6 +283,7 @@ class TrainConfig:
                 "the latent positions T x H x W at which t_logit_mean and sample_shift apply)"
             )
         _positive("train.sample_steps", self.sample_steps)
+        _choice("train.sample_solver", self.sample_solver, ("euler", "unipc"))
         _positive("train.ckpt_every", self.ckpt_every)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every", self.log_every)
@@ -516,7 +520,8 @@ def _wan(name: str, hidden: int, depth: int, heads: int, mlp_width: int) -> Conf
     """Wan 2.1's text-to-video transformer, exactly (docs/guide/wan.md): import its weights with
     `dsv-jax import-weights`. Text: umT5-XXL embeddings (4096 wide) of up to 512 tokens, precomputed with the
     data. Tiles of 1 x 8 x 8 tokens pad 480p's 21 x 30 x 52 grid by 15% and 720p's 21 x 45 x 80 by 7%
-    (4 x 4 x 4 tiles: 22% and 22%); sampling follows Wan's defaults (50 steps, guidance 5, shift 3 at 480p)."""
+    (4 x 4 x 4 tiles: 22% and 22%). Sampling follows Wan's defaults: UniPC, 50 steps, guidance 5, shift 3
+    (Wan's value at 480p; 5 at 720p: pass --shift 5)."""
     return Config(
         name=name,
         model=ModelConfig(
@@ -546,6 +551,7 @@ def _wan(name: str, hidden: int, depth: int, heads: int, mlp_width: int) -> Conf
             sample_steps=50,
             guidance=5.0,
             sample_shift=3.0,
+            sample_solver="unipc",
         ),
     )
 

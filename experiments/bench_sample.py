@@ -1,7 +1,7 @@
 """Sampling speed on Wan 2.1's shapes: the DiT's time for a guided sampling run through dsv_jax.generate's
-compiled loop (dsv_jax.sample._euler: one program for all steps, the conditional and the unconditional
-branch batched), full attention (cuDNN) against DSV stage 2 at a set sparsity, the predictor's selection
-included. Random weights: these are speed figures.
+compiled loop (dsv_jax.sample._sample with the preset's solver, UniPC for Wan: one program for all steps, the
+conditional and the unconditional branch batched), full attention (cuDNN) against DSV stage 2 at a set
+sparsity, the predictor's selection included. Random weights: these are speed figures.
 
     python -m experiments.bench_sample --preset wan2.1-t2v-1.3b --length 480p --steps 50
     python -m experiments.bench_sample --preset wan2.1-t2v-14b --length 720p --steps 2   # x 25 for 50 steps
@@ -37,7 +37,8 @@ from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.policy import make_policy
 from dsv_jax.model.flops import forward_flops
 from dsv_jax.model.t2v import TextToVideo
-from dsv_jax.sample import _euler, time_grid
+from dsv_jax.sample import _sample
+from dsv_jax.solvers import make_schedule
 from experiments import harness
 from experiments.training import stage2_controller
 
@@ -94,11 +95,14 @@ def attention_for(cfg, shape, name: str):
 
 
 def compile_loop(cfg, graphdef, params, batch, shape, steps, attention, inputs):
-    t_grid = time_grid(steps, cfg.train.sample_shift)
-    args = (graphdef, params, batch, jax.random.key(0), inputs, t_grid, jnp.float32(cfg.train.guidance))
-    kw = dict(attention=attention, shape=tuple(shape), channels=cfg.model.in_channels)
+    schedule = make_schedule(cfg.train.sample_solver, steps, cfg.train.sample_shift)
+    noise = jax.random.normal(jax.random.key(0), (1, *shape, cfg.model.in_channels))
+    grid = [jnp.asarray(schedule.sigmas), jnp.asarray(schedule.timesteps)]
+    grid.append(None if schedule.coefficients is None else jnp.asarray(schedule.coefficients))
+    args = (graphdef, params, batch, noise, inputs, *grid, jnp.float32(cfg.train.guidance), jnp.int32(steps))
+    kw = dict(attention=attention, solver=schedule.solver, guided=True)
     t0 = time.perf_counter()
-    exe = _euler.lower(*args, **kw).compile()
+    exe = _sample.lower(*args, **kw).compile()
     return exe, args[1:], time.perf_counter() - t0
 
 
