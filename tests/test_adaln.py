@@ -203,6 +203,13 @@ def test_triton_lowering_at_model_widths(c):
     for call, args, static in calls:
         traced = jax.jit(lambda *a, call=call, static=static: call(*a, *static)).trace(*args)
         assert traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
+    # a gradient through either op runs one forward and one backward kernel, nothing else
+    loss = lambda outs: sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in jax.tree.leaves(outs))
+    plain = jax.grad(lambda *a: loss(adaln_modulate_pallas(*a, interpret=False)), argnums=(0, 1, 2))
+    gated = jax.grad(lambda *a: loss(gated_residual_adaln_pallas(*a, interpret=False)), argnums=(0, 1, 2, 3, 4))
+    for fn, args in [(plain, (x, vec, vec)), (gated, (x, x, vec, vec, vec))]:
+        eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+        assert [e.primitive.name for e in eqns].count("custom_partitioning") == 2
 
 
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
