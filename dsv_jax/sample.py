@@ -1,12 +1,14 @@
-"""Euler sampler of the rectified flow, and video files (GIF; MP4 through PyAV's FFmpeg).
+"""Sampler of the rectified flow, and video files (GIF; MP4 through PyAV's FFmpeg).
 
     frames = dsv_jax.generate(dsv_jax.load_model("models/tiny"), ["a red circle moving left"], seed=0)
     # uint8 [N, T, H, W, 3]; `dsv-jax sample` writes the same videos (generate -> save_video)
 
-The flow runs from noise at t = 1 to data at t = 0: x <- x + (t_next - t) * v(x, t), on a uniform grid
-of t moved towards noise by the run's train.sample_shift (dsv_jax/train/loss.py: shift_timesteps). With
-guidance g, v = v(empty caption) + g * (v(caption) - v(empty caption)). The sampling loop is compiled once
-per model, shape, prompt count and step count, and reused by later calls.
+The flow runs from noise at t = 1 to data at t = 0 on a grid of t moved towards noise by the run's
+train.sample_shift (dsv_jax/train/loss.py: shift_timesteps), with the run's train.sample_solver: Euler,
+x <- x + (t_next - t) * v(x, t), or Wan's second-order UniPC (dsv_jax/solvers.py). With guidance g,
+v = v(negative) + g * (v(caption) - v(negative)), where the negative is the empty caption of training or a
+negative prompt. The sampling loop is compiled once per model, shape, prompt count, step count and solver,
+and reused by later calls.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dsv_jax.config import Config
 from dsv_jax.data.codec import decode_latents, get_text_encoder, is_builtin_text_encoder
 from dsv_jax.data.synthetic import PROMPTS
 from dsv_jax.data.text import tokenize_batch
+from dsv_jax.solvers import SOLVERS, make_schedule, unipc_step
 from dsv_jax.train.loss import resolution_shift, shift_timesteps
 
 log = logging.getLogger(__name__)
@@ -63,28 +66,55 @@ def load_text_encoder(cfg: Config, spec: str | None, hint: str | None = None) ->
     return get_text_encoder(spec)
 
 
-def prompt_batch(cfg: Config, prompts: Sequence[str], text_encoder: Callable | None = None) -> dict[str, np.ndarray]:
-    """The text inputs of guided sampling: the prompts, then as many empty captions (the unconditional
-    half, as caption dropout made it in training)."""
+def prompt_batch(
+    cfg: Config,
+    prompts: Sequence[str],
+    text_encoder: Callable | None = None,
+    negative_prompt: str | Sequence[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """The text inputs of guided sampling: the prompts, then as many unconditional captions. Those are the
+    empty caption, as caption dropout made it in training (negative_prompt None), else the negative prompt
+    (one for all prompts, or one per prompt) encoded like the prompts: tokenized, or by `text_encoder`."""
     n = len(prompts)
+    negatives = _negatives(negative_prompt, n)
     if cfg.text.encoder == "builtin":
-        ids, mask = tokenize_batch(list(prompts) + [""] * n, cfg.text.max_len, cfg.text.hash_buckets)
+        ids, mask = tokenize_batch(list(prompts) + (negatives or [""] * n), cfg.text.max_len, cfg.text.hash_buckets)
         return {"text_ids": ids, "text_mask": mask}
     if text_encoder is None:
         raise ValueError("sampling a text.encoder=precomputed model needs its text encoder (--text-encoder)")
-    emb, mask = (np.asarray(a) for a in text_encoder(list(prompts)))
-    want = (n, cfg.text.max_len, cfg.model.text_dim)
+    captions = list(prompts)
+    if negatives is not None:  # one negative prompt for all is encoded once
+        captions += negatives[:1] if len(set(negatives)) == 1 else negatives
+    emb, mask = (np.asarray(a) for a in text_encoder(captions))
+    want = (len(captions), cfg.text.max_len, cfg.model.text_dim)
     if emb.shape != want or mask.shape != want[:2]:
         raise ValueError(
-            f"the text encoder returned embeddings {emb.shape} and mask {mask.shape} for {n} prompts; "
-            f"the model takes [{n}, text.max_len={want[1]}, model.text_dim={want[2]}] "
-            f"and [{n}, {want[1]}]"
+            f"the text encoder returned embeddings {emb.shape} and mask {mask.shape} for {len(captions)} captions; "
+            f"the model takes [{len(captions)}, text.max_len={want[1]}, model.text_dim={want[2]}] "
+            f"and [{len(captions)}, {want[1]}]"
         )
-    dropped = np.arange(want[1]) == 0  # a dropped caption: zero embeddings, one valid token
-    return {
-        "text_emb": np.concatenate([emb.astype(np.float32), np.zeros(want, np.float32)]),
-        "text_mask": np.concatenate([mask.astype(bool), np.broadcast_to(dropped, (n, want[1]))]),
-    }
+    emb, mask = emb.astype(np.float32), mask.astype(bool)
+    if negatives is None:  # a dropped caption: zero embeddings, one valid token
+        emb = np.concatenate([emb, np.zeros_like(emb)])
+        mask = np.concatenate([mask, np.broadcast_to(np.arange(want[1]) == 0, mask.shape)])
+    elif len(captions) == n + 1:  # one negative prompt, encoded once, for every prompt
+        emb = np.concatenate([emb[:n], np.repeat(emb[n:], n, axis=0)])
+        mask = np.concatenate([mask[:n], np.repeat(mask[n:], n, axis=0)])
+    return {"text_emb": emb, "text_mask": mask}
+
+
+def _negatives(negative_prompt: str | Sequence[str] | None, n: int) -> list[str] | None:
+    """`negative_prompt` as one caption per prompt (None stays None: the empty caption of training)."""
+    if negative_prompt is None:
+        return None
+    if isinstance(negative_prompt, str):
+        return [negative_prompt] * n
+    negatives = list(negative_prompt)
+    if len(negatives) != n or not all(isinstance(c, str) for c in negatives):
+        raise ValueError(
+            f"negative_prompt must be a caption or a list of one caption per prompt ({n}), got {negative_prompt!r}"
+        )
+    return negatives
 
 
 def time_grid(steps: int, shift: float = 1.0) -> jax.Array:
@@ -98,6 +128,14 @@ def sampler_shift(cfg: Config, shape: tuple[int, int, int], shift: float | None 
     if shift is not None:
         return shift
     return cfg.train.sample_shift * resolution_shift(cfg.train, math.prod(shape))
+
+
+def sampler_solver(cfg: Config, solver: str | None = None) -> str:
+    """The flow ODE solver: `solver` as given, else the run's train.sample_solver (dsv_jax/solvers.py)."""
+    solver = cfg.train.sample_solver if solver is None else solver
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} is not one of {', '.join(SOLVERS)}")
+    return solver
 
 
 def generate_latents(
@@ -114,46 +152,108 @@ def generate_latents(
     attention_inputs=None,
     text_encoder: Callable | None = None,
     shift: float | None = None,
+    negative_prompt: str | Sequence[str] | None = None,
+    solver: str | None = None,
+    noise=None,
+    stop_after: int | None = None,
 ) -> np.ndarray:
-    """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`: see `prompt_batch`; `shift`: of
-    the time grid, see `sampler_shift`)."""
-    batch = {k: jnp.asarray(v) for k, v in prompt_batch(cfg, prompts, text_encoder).items()}
-    t_grid = time_grid(steps, sampler_shift(cfg, shape, shift))
+    """Latents [len(prompts), T, H, W, C] for `prompts` (`text_encoder`, `negative_prompt`: see `prompt_batch`;
+    `shift`: of the time grid, see `sampler_shift`; `solver`: "euler" or "unipc", default the run's
+    train.sample_solver). `noise`: the initial latents [len(prompts), T, H, W, C] (default: drawn from `seed`).
+    `stop_after`: run only the first that many of the `steps` steps and return the latents there (still
+    noisy): for checks against another sampler's steps. Guidance 1 runs the conditional branch alone."""
+    n = len(prompts)
+    shape = tuple(int(s) for s in shape)
+    schedule = make_schedule(sampler_solver(cfg, solver), steps, sampler_shift(cfg, shape, shift))
+    guided = guidance != 1.0
+    batch = prompt_batch(cfg, prompts, text_encoder, negative_prompt if guided else None)
+    batch = {k: jnp.asarray(v if guided else v[:n]) for k, v in batch.items()}
+    if noise is None:
+        noise = jax.random.normal(jax.random.key(seed), (n, *shape, cfg.model.in_channels))
+    elif np.shape(noise) != (n, *shape, cfg.model.in_channels):
+        raise ValueError(f"noise has shape {np.shape(noise)}; sampling takes {(n, *shape, cfg.model.in_channels)}")
+    run = schedule.steps if stop_after is None else int(stop_after)
+    if not 0 <= run <= schedule.steps:
+        raise ValueError(f"stop_after={stop_after} must be between 0 and steps={schedule.steps}")
     if isinstance(attention, list):  # a plan per block: static, so hashable
         attention = tuple(attention)
-    latents = _euler(
+    latents = _sample(
         graphdef,
         params,
         batch,
-        jax.random.key(seed),
+        jnp.asarray(noise, jnp.float32),
         attention_inputs,
-        t_grid,
+        jnp.asarray(schedule.sigmas),
+        jnp.asarray(schedule.timesteps),
+        None if schedule.coefficients is None else jnp.asarray(schedule.coefficients),
         jnp.float32(guidance),
+        jnp.int32(run),
         attention=attention,
-        shape=tuple(int(s) for s in shape),
-        channels=cfg.model.in_channels,
+        solver=schedule.solver,
+        guided=guided,
     )
     return np.asarray(latents)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention", "shape", "channels"))
-def _euler(graphdef, params, batch, key, attention_inputs, t_grid, guidance, *, attention, shape, channels):
-    """The guided Euler loop over `t_grid` (module-level, so that jax caches its program between calls)."""
-    n = batch["text_mask"].shape[0] // 2  # the prompts, then as many empty captions
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention", "solver", "guided"))
+def _sample(
+    graphdef,
+    params,
+    batch,
+    noise,
+    attention_inputs,
+    sigmas,
+    timesteps,
+    coefficients,
+    guidance,
+    run,
+    *,
+    attention,
+    solver,
+    guided,
+):
+    """The sampling loop: `run` steps of `solver` on the levels `sigmas` from `noise` (module-level, so that jax
+    caches its program between calls; one program per model, shape, prompt count, step count and solver)."""
+    n = noise.shape[0]
     model = nnx.merge(graphdef, params)
     text, text_mask = model.encode_text(batch)
-    x = jax.random.normal(key, (n, *shape, channels))
 
     def velocity(x, t):
-        both = jnp.concatenate([x, x])
-        v = model(both, t, text, text_mask, attention=attention, attention_inputs=attention_inputs)
-        cond, uncond = v[:n].astype(jnp.float32), v[n:].astype(jnp.float32)
-        return uncond + guidance * (cond - uncond)
+        if not guided:
+            v = model(x, t, text, text_mask, attention=attention, attention_inputs=attention_inputs, time_scale=1.0)
+            return v.astype(jnp.float32)
+        # Both branches in one call on 2n rows rather than two calls on n rows: the same FLOPs, and at small n
+        # the taller matmuls fill the hardware better and the weights stream once per step instead of twice
+        # (at long clips the two are equally fast). The price, twice one call's transient activations
+        # (nothing is kept for a backward pass), is small next to the weights: Wan 14B at 480p holds about
+        # 1 GB in a block's widest activation per clip, against 28 GB of bf16 weights.
+        v = model(
+            jnp.concatenate([x, x]),
+            t,
+            text,
+            text_mask,
+            attention=attention,
+            attention_inputs=attention_inputs,
+            time_scale=1.0,
+        )
+        positive, negative = v[:n].astype(jnp.float32), v[n:].astype(jnp.float32)
+        return negative + guidance * (positive - negative)  # Wan's order of operations
 
-    def body(i, x):
-        return x + (t_grid[i + 1] - t_grid[i]) * velocity(x, t_grid[i])
+    if solver == "euler":
 
-    return jax.lax.fori_loop(0, t_grid.shape[0] - 1, body, x)
+        def euler(i, x):
+            return x + (sigmas[i + 1] - sigmas[i]) * velocity(x, timesteps[i])
+
+        return jax.lax.fori_loop(0, run, euler, noise)
+
+    def unipc(i, carry):
+        x, x_last, m_prev2, m_prev = carry
+        m = x - sigmas[i] * velocity(x, timesteps[i])  # the prediction of the clean latents
+        corrected, x_next = unipc_step(x, x_last, m_prev2, m_prev, m, coefficients[i])
+        return x_next, corrected, m_prev, m
+
+    zeros = jnp.zeros_like(noise)
+    return jax.lax.fori_loop(0, run, unipc, (noise, zeros, zeros, zeros))[0]
 
 
 def latent_shape(cfg: Config, frames: int | None = None, height: int | None = None, width: int | None = None):
@@ -201,11 +301,13 @@ def generate(
     frames: int | None = None,
     height: int | None = None,
     width: int | None = None,
-    steps: int = 30,
+    steps: int | None = None,
     guidance: float | None = None,
     seed: int = 0,
     shift: float | None = None,
     text_encoder: Callable | str | None = None,
+    negative_prompt: str | Sequence[str] | None = None,
+    solver: str | None = None,
 ) -> np.ndarray:
     """Videos of `prompts` from a loaded model: uint8 frames [len(prompts), frames, height, width, 3].
 
@@ -213,11 +315,13 @@ def generate(
     directory. The prompts are tokenized with the model's text config (text.encoder=builtin); a model
     trained on precomputed embeddings needs `text_encoder`, the hook its data was prepared with
     (`f(captions) -> (embeddings, mask)`, or its "pkg.module:make" or "umt5:DIR" spec; a umt5:DIR spec
-    is used by default). The latents are decoded with the run's codec (data.codec, e.g. wan2.1-vae:DIR).
-    `frames`, `height`, `width`: the video's size in pixels (default: the config's longest bucket,
-    decoded); `guidance` (default: the
-    run's train.guidance) and `shift` (default: the run's, see `sampler_shift`) as `dsv-jax sample`'s.
-    The same arguments give the same videos; `dsv-jax sample` writes these frames."""
+    the data was prepared with is used by default). The latents are decoded with the run's codec (data.codec,
+    e.g. wan2.1-vae:DIR). `frames`, `height`, `width`:
+    the video's size in pixels (default: the config's longest bucket, decoded); `steps`, `guidance`,
+    `solver` (default: the run's train.sample_steps, train.guidance, train.sample_solver) and `shift`
+    (default: the run's, see `sampler_shift`) as `dsv-jax sample`'s. `negative_prompt`: the caption that
+    guidance steers away from (one, or one per prompt), encoded like the prompts; default the empty caption
+    of training. The same arguments give the same videos; `dsv-jax sample` writes these frames."""
     if isinstance(model, (str, os.PathLike)):
         from dsv_jax.export import load_model
 
@@ -236,11 +340,13 @@ def generate(
         prompts,
         latent_shape(cfg, frames, height, width),
         controller_state=model.dsv_state,
-        steps=steps,
+        steps=cfg.train.sample_steps if steps is None else steps,
         guidance=cfg.train.guidance if guidance is None else guidance,
         seed=seed,
         text_encoder=text_encoder,
         shift=shift,
+        negative_prompt=negative_prompt,
+        solver=solver,
     )
 
 
@@ -257,6 +363,8 @@ def sample_frames(
     seed: int = 0,
     text_encoder: Callable | None = None,
     shift: float | None = None,
+    negative_prompt: str | Sequence[str] | None = None,
+    solver: str | None = None,
 ) -> np.ndarray:
     """uint8 videos [N, T', H', W', 3] of `prompts` at latent `shape`, with the attention the run's
     controller state decided (DSV stage-2 plans, windows): what `generate` and every sampling command run."""
@@ -276,6 +384,8 @@ def sample_frames(
         attention_inputs=policy.inputs(shape, train=False),
         text_encoder=text_encoder,
         shift=shift,
+        negative_prompt=negative_prompt,
+        solver=solver,
     )
     if not np.isfinite(latents).all():
         raise ValueError("the sampled videos hold NaN/Inf: the model's parameters are not usable; nothing written")
@@ -354,7 +464,7 @@ def sample_from_workdir(
     out: str | Sequence[str],
     *,
     prompts: Sequence[str] | None = None,
-    steps: int = 30,
+    steps: int | None = None,
     guidance: float | None = None,
     seed: int = 0,
     shape=None,
@@ -362,12 +472,14 @@ def sample_from_workdir(
     text_encoder: str | None = None,
     weights: str = "auto",
     shift: float | None = None,
+    negative_prompt: str | None = None,
+    solver: str | None = None,
 ) -> list[str]:
     """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
     written. `text_encoder` (umt5:DIR or pkg.module:make) encodes the prompts for a model trained on
-    precomputed text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the weights
-    where the run kept one. `shift`: of the sampler's time grid (default: the run's, see `sampler_shift`)."""
+    precomputed text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the
+    weights where the run kept one. `shift`, `steps`, `guidance`, `solver`, `negative_prompt`: see `generate`."""
     from dsv_jax.data.codec import get_codec
     from dsv_jax.export import load_model
     from dsv_jax.model.tokens import grid_shape
@@ -388,5 +500,7 @@ def sample_from_workdir(
         seed=seed,
         shift=shift,
         text_encoder=load_text_encoder(cfg, text_encoder, model.info.get("text_encoder")),
+        negative_prompt=negative_prompt,
+        solver=solver,
     )
     return [save_video(frames, p) for p in ([out] if isinstance(out, str) else list(out))]

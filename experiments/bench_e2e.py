@@ -12,7 +12,8 @@ Data: B = 1, random latents (16 channels, patch 1x2x2, 3D tile 4x4x4, so no padd
 the preset's max_len through the built-in text encoder. Variants are (length, attention, AdaLN impl):
 full = `attention="auto"` (cuDNN); WA-M / WA-L = AttentionPlan(mode="window", window=1/3, 2/3); DSV = the
 stage-2 plans and runtime inputs (per-head keep ratios [depth, H], predictor lr) that `DSVController`
-produces for a uniform head sparsity (0.9, 0.95; kv_block = the 3D tile), predictor loss included.
+produces for a uniform head sparsity (0.9, 0.95; kv_block: the plans', dsv.kv_block or the 3D tile), predictor
+loss included; the variant reports the top_k and kept share of the blocks its plans select (selection_geometry).
 
 Order = priority; a wall-clock guard (--budget-s, counted from process start) skips what its estimate says
 will not fit and records why:
@@ -64,7 +65,7 @@ from dsv_jax.attention.rope import rotary
 from dsv_jax.config import get_config
 from dsv_jax.dsv.plan import AttentionPlan
 from dsv_jax.dsv.predictor import LowRankPredictor, predictor_loss, sample_positions, true_logits
-from dsv_jax.dsv.selection import head_counts, select_kv, window_selection
+from dsv_jax.dsv.selection import select_kv, window_selection
 from dsv_jax.model.flops import mfu_metrics, peak_flops, train_step_flops
 from dsv_jax.model.tokens import grid_shape, token_layout
 from dsv_jax.train.loss import noised
@@ -97,6 +98,8 @@ SETUPS = {
             "64k": (64, 64, 64),
             "128k": (128, 64, 64),
             "480p": (21, 60, 104),
+            # Wan 2.1's 81-frame 720p clip: 21 x 90 x 160 latents, 21 x 45 x 80 = 75,600 tokens
+            "720p": (21, 90, 160),
         },
     },
     "quick": {
@@ -174,6 +177,11 @@ PRIORITY = {
             ("128k", "full", "main"),
             ("480p", "full", "main"),
             ("480p", "dsv0.9", "main"),
+            # Wan 2.1's shapes (--preset wan2.1-t2v-1.3b --only 480p,720p)
+            ("480p", "dsv0.95", "main"),
+            ("720p", "full", "main"),
+            ("720p", "dsv0.9", "main"),
+            ("720p", "dsv0.95", "main"),
         ],
         11,
     ),
@@ -228,6 +236,24 @@ def measured_sparsity(path: str) -> dict | None:
     except (OSError, KeyError, ValueError, TypeError):
         return None
     return {"source": os.path.relpath(path), "per_block": values, "mean": float(np.mean(values))}
+
+
+def selection_geometry(plans, keep, layout) -> dict:
+    """What DSV plans select on `layout`, from the plans themselves (their kv_block, e.g. `--set
+    dsv.kv_block=16`, not the layout's tile): q_tile, kv_block, top_k (static blocks a query tile keeps, of the
+    first block's plan), keep_rung (that plan's keep ceiling) and kept (the share of the video keys attended,
+    mean over the blocks of each plan's kept_fraction with its per-head runtime keep ratios [depth, H]: the
+    FLOPs count's)."""
+    plan = plans[0]
+    kv_block = plan.kv_block_for(layout)
+    keep = np.asarray(keep, np.float64)
+    return {
+        "q_tile": plan.q_tile_for(layout),
+        "kv_block": kv_block,
+        "top_k": plan.top_k(layout.seq_len // kv_block),
+        "keep_rung": plan.keep,
+        "kept": float(np.mean([p.kept_fraction(layout, keep[i]) for i, p in enumerate(plans)])),
+    }
 
 
 # -- the benchmark --------------------------------------------------------------------------------------
@@ -300,7 +326,7 @@ class Bench:
             return self.setups[key]
         mode, param = ATTENTIONS[name]
         layout, shape = self.layout(length), self.setup["lengths"][length]
-        n_blocks = layout.seq_len // layout.tile_size
+        n_tiles = layout.seq_len // layout.tile_size  # window plans select whole 3D tiles
         out = {"mode": mode}
         if mode == "full":
             out.update(attention="auto", inputs=None, kept=1.0)
@@ -309,7 +335,7 @@ class Bench:
             out.update(
                 attention=AttentionPlan(mode="window", sparse=True, window=param, backend=self.cfg.dsv.dense_backend),
                 inputs=None,
-                kept=k / n_blocks,
+                kept=k / n_tiles,
                 window=param,
             )
         else:
@@ -328,15 +354,11 @@ class Bench:
             step = 1 if name in SKIP else 0  # step 0 trains the predictor; step 1 does not (every > 1)
             plans, inputs = ctl.plans(shape, step=step), ctl.inputs(shape, step=step)
             decision = ctl.decide(np.full(self.cfg.model.heads, 1.0 - sparsity), 0.0)
-            top_k = plans[0].top_k(n_blocks)
-            counts = np.asarray(head_counts(inputs["keep"], n_blocks, top_k))
             out.update(
                 attention=plans,
                 inputs=jax.device_put({k: jnp.asarray(v) for k, v in inputs.items()}),
-                kept=float(counts.mean()) / n_blocks,
+                **selection_geometry(plans, inputs["keep"], layout),
                 sparsity=float(sparsity),
-                top_k=top_k,
-                keep_rung=plans[0].keep,
                 predictor_lr=float(inputs["predictor_lr"]),
                 predictor_queries=plans[0].max_queries if plans[0].predictor else 0,
                 predictor_every=cfg.dsv.stage2_predictor_every,
@@ -564,21 +586,22 @@ class Bench:
                     pred_loss = self.predictor_loss_fn(layout, args["pred_graphdef"], queries)
                     add(f"pred_f/q{queries}", pred_loss, args["pred_params"], args["x"], *qkv[:2])
                     add(f"pred_fb/q{queries}", jax.value_and_grad(pred_loss), args["pred_params"], args["x"], *qkv[:2])
-                kv_block = cfg.dsv.kv_block or layout.tile_size
-                sel = lambda q_lr, k_lr, keep, top_k=st["top_k"]: select_kv(
+                # the geometry of the plans the step runs (selection_geometry), not the config's
+                q_tile, kv_block = st["q_tile"], st["kv_block"]
+                sel = lambda q_lr, k_lr, keep, top_k=st["top_k"], q_tile=q_tile, kv_block=kv_block: select_kv(
                     q_lr,
                     k_lr,
                     top_k,
                     keep,
-                    q_tile=layout.tile_size,
+                    q_tile=q_tile,
                     kv_block=kv_block,
                     block_reduce=cfg.dsv.block_reduce,
                 )
                 keep = st["inputs"]["keep"][0]
                 add(f"sel/{name}", sel, args["q_lr"], args["k_lr"], keep)
                 idx = jax.eval_shape(sel, args["q_lr"], args["k_lr"], keep)
-                fn = lambda q, k, v, i, c: attention(
-                    q, k, v, backend="dsv", kv_index=i, kv_count=c, q_tile=layout.tile_size, kv_block=kv_block
+                fn = lambda q, k, v, i, c, q_tile=q_tile, kv_block=kv_block: attention(
+                    q, k, v, backend="dsv", kv_index=i, kv_count=c, q_tile=q_tile, kv_block=kv_block
                 )
                 add(f"attn_f/{name}", fn, *qkv[:3], *idx)
                 add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv[:3], *idx, qkv[3])
@@ -800,7 +823,7 @@ class Bench:
             "state_gib": sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**30,
         }
         log(f"train state: {n_params / 1e9:.2f}B params, {self.model_info['state_gib']:.1f} GiB")
-        if not self.args.only:
+        if not self.args.only or self.args.check:
             self.run_check()
         i = 0
         while i < len(self.entries):  # consecutive entries of one length form a group
@@ -1055,7 +1078,10 @@ def main():
         default=None,
         help="threads compiling one length's programs (default 4 on the GPU, 2 with --quick)",
     )
-    p.add_argument("--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check)")
+    p.add_argument(
+        "--only", default="", help="comma-separated variant id prefixes, e.g. 64k/full,16k (no check unless --check)"
+    )
+    p.add_argument("--check", action="store_true", help="run the correctness check with --only too")
     p.add_argument("--preset", default="", help="model preset (default 2.7b on the GPU), e.g. 2.7b-mmdit")
     p.add_argument("--name", default="bench_e2e", help="results file experiments/results/NAME.json")
     p.add_argument(

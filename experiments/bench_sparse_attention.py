@@ -61,6 +61,7 @@ FULL = dict(
     token_group=16,
     full_check_max=16384,
     iters=3,
+    calls=2,  # back-to-back calls per timed repetition of cuDNN and the sparse programs alike (`timed`)
     budget_s=235.0,
     mosaic_timeout_s=60,
     sweep_seq=32768,
@@ -84,6 +85,7 @@ QUICK = dict(
     token_group=16,
     full_check_max=256,
     iters=1,
+    calls=1,
     budget_s=120.0,
     sweep_seq=256,
     padded_grid=(5, 7, 9),
@@ -97,6 +99,13 @@ QUICK = dict(
 SECTIONS = ("main", "padded", "lse")
 HEADLINE = (65536, 64)  # (S, kv_block) of the goals
 LOCAL_SHARE = 0.2  # of a selection: the blocks around the query tile (about the +-1% band of earlier runs at 90%)
+
+
+def timed(fn, *args, cfg):
+    """harness.time_fn with cfg's warmup, iters and calls: how cuDNN and the sparse programs whose times are
+    compared (speedups, rates against cuDNN's) are all timed, with the same number of back-to-back calls per
+    repetition whatever their length."""
+    return harness.time_fn(fn, *args, warmup=1, iters=cfg["iters"], calls=cfg["calls"])
 
 
 def budget_from_now(seconds: float) -> harness.Budget:
@@ -262,8 +271,8 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
     try:
         f_c, _ = compile_timed(dense_fwd, q, k, v)
         fb_c, _ = compile_timed(dense_fwd_bwd, q, k, v, do)
-        entry["dense_fwd_ms"] = harness.time_fn(f_c, q, k, v, warmup=1, iters=iters)["median_ms"]
-        entry["dense_fwd_bwd_ms"] = harness.time_fn(fb_c, q, k, v, do, warmup=1, iters=iters)["median_ms"]
+        entry["dense_fwd_ms"] = timed(f_c, q, k, v, cfg=cfg)["median_ms"]
+        entry["dense_fwd_bwd_ms"] = timed(fb_c, q, k, v, do, cfg=cfg)["median_ms"]
         flops = ATTENTION_FWD_BWD * attention_flops(seq, h, d, seq)
         entry["dense_tflops"] = flops / entry["dense_fwd_bwd_ms"] / 1e9
         del f_c, fb_c
@@ -312,8 +321,8 @@ def run_size(seq, cfg, budget, tunings, interpret, out):
 
         def time_sparse(idx, cnt, label, extra=None):
             keys_per_query = float(jnp.mean(cnt.astype(jnp.float32))) * kv_block
-            f_ms = harness.time_fn(fwd_c, q, k, v, idx, cnt, warmup=1, iters=iters)["median_ms"]
-            fb_ms = harness.time_fn(fwd_bwd_c, q, k, v, idx, cnt, do, warmup=1, iters=iters)["median_ms"]
+            f_ms = timed(fwd_c, q, k, v, idx, cnt, cfg=cfg)["median_ms"]
+            fb_ms = timed(fwd_bwd_c, q, k, v, idx, cnt, do, cfg=cfg)["median_ms"]
             flops = attention_flops(seq, h, d, keys_per_query)
             row = {
                 **base,
@@ -421,9 +430,7 @@ def headline(q, k, v, do, q_lr, k_lr, cfg, tuning, select_tuning, dense_ms, budg
                 return fwd_bwd(q, k, v, ids, count, do)
 
             step_c, _ = compile_timed(step, q, k, v, q_lr, k_lr, do)
-            row["select_fwd_bwd_ms"] = harness.time_fn(step_c, q, k, v, q_lr, k_lr, do, warmup=1, iters=cfg["iters"])[
-                "median_ms"
-            ]
+            row["select_fwd_bwd_ms"] = timed(step_c, q, k, v, q_lr, k_lr, do, cfg=cfg)["median_ms"]
             if dense_ms:
                 row["speedup_vs_dense"] = dense_ms / row["select_fwd_bwd_ms"]
         except Exception as e:

@@ -150,17 +150,43 @@ def answer(result: dict[str, Any]) -> None:
 def in_child(module: str, args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `python -m module *args` with a time limit and return what it `answer`ed, or {"error": ...}: a
     crash or a deadlock there (e.g. of an experimental kernel) costs at most timeout_s, never the caller."""
+    answers, error = in_child_answers(module, args, timeout_s, env)
+    if answers and not error.startswith(NO_ANSWER):
+        return answers[-1]
+    return {"error": error}
+
+
+NO_ANSWER = "no answer within"  # how in_child_answers' error begins when the child ran out of time
+
+
+def in_child_answers(
+    module: str, args: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Run `python -m module *args` with a time limit: (everything it `answer`ed, in order, also what it
+    answered before it crashed or ran out of time; why it ended: "" after a clean exit, else
+    "no answer within ..." or "child exited N: " and the tail of its output (crash_text)). A child that answers
+    as it goes (one line per finished measurement) loses only the one it was in."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    text = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
     try:
         proc = subprocess.run(
             [sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, timeout=timeout_s
         )
-    except subprocess.TimeoutExpired:
-        return {"error": f"no answer within {timeout_s:.0f} s (deadlock, hang or slow compile)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]
-    if not lines:
-        return {"error": f"child exited {proc.returncode}: {crash_text(proc.stderr or proc.stdout)}"}
-    return json.loads(lines[-1][len(CHILD_TAG) :])
+        out, err = proc.stdout, proc.stderr
+        error = "" if proc.returncode == 0 else f"child exited {proc.returncode}: {crash_text(err or out)}"
+    except subprocess.TimeoutExpired as e:  # what it wrote so far comes with the exception (bytes)
+        out, err = text(e.stdout), text(e.stderr)
+        error = f"{NO_ANSWER} {timeout_s:.0f} s (deadlock, hang or slow compile)"
+    answers = []
+    for line in out.splitlines():
+        if line.startswith(CHILD_TAG):
+            try:
+                answers.append(json.loads(line[len(CHILD_TAG) :]))
+            except json.JSONDecodeError:  # a line cut short where the child was killed
+                pass
+    if not answers and not error:
+        error = f"child exited 0: {crash_text(err or out)}"
+    return answers, error
 
 
 # The line that says why a process died: a glog FATAL (XLA's checks), LLVM's or Python's fatal error, C++'s
@@ -222,17 +248,31 @@ def time_fn(
     min_ms: float = 20.0,
     max_calls: int = 200,
     agree: Callable[[int], int] = int,
+    calls: int | None = None,
 ) -> dict:
     """Device time per call of fn(*args) in ms (see the module docstring): median / min / max / spread over
     `iters` repetitions of n back-to-back calls, n sized so that a repetition lasts about min_ms (by one
     blocked call after at least one warm-up call); `agree` makes n the same on every process of a
-    multi-process run (their collectives must match). With n > 1 also blocking_median_ms."""
-    for _ in range(max(warmup, 1)):
+    multi-process run (their collectives must match). With n > 1 also blocking_median_ms.
+
+    calls: a fixed n instead (no sizing call, no blocking_median_ms): `warmup` calls each blocked on, then
+    `iters` repetitions of exactly `calls` back-to-back calls blocked once. Programs whose times are compared
+    (a kernel against cuDNN) are timed so with the same warmup, iters and calls, whatever their lengths: the
+    sized n gave a 200 ms cuDNN call one call a repetition and a 25 ms kernel eight, whose back-to-back calls
+    hide launch and synchronisation gaps the single call pays (and may find their inputs in L2)."""
+    if calls is not None:
+        if calls < 1:
+            raise ValueError(f"time_fn: calls={calls} must be >= 1")
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        n = calls
+    else:
+        for _ in range(max(warmup, 1)):
+            jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = (time.perf_counter() - t0) * 1e3
-    n = agree(max(1, min(max_calls, int(min_ms / max(one, 1e-3)))))
+        one = (time.perf_counter() - t0) * 1e3
+        n = agree(max(1, min(max_calls, int(min_ms / max(one, 1e-3)))))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -249,8 +289,9 @@ def time_fn(
         "spread_pct": 100.0 * (max(times) - min(times)) / med,
         "runs": iters,
         "calls_per_run": n,
+        "warmup": warmup,
     }
-    if n > 1:
+    if n > 1 and calls is None:
         single = []
         for _ in range(iters):
             t0 = time.perf_counter()

@@ -34,18 +34,25 @@ FAST_COMPILE = " ".join(
     + [f for f in os.environ["XLA_FLAGS"].split() if f.startswith("--xla_cpu_use_fusion_emitters")]
 )
 
-import importlib.metadata  # noqa: E402
-
 import pytest  # noqa: E402
 
 from dsv_jax.config import get_config  # noqa: E402
 
-JAXLIB_VERSION = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3])
-# Lowering a Pallas kernel to Triton for CUDA needs no GPU up to jaxlib 0.10.2 (CI's); later jaxlibs compile the
-# PTX while lowering and refuse without one ("No supported GPU devices found"): those check it on the GPU.
-triton_lowering_on_cpu = pytest.mark.skipif(
-    JAXLIB_VERSION > (0, 10, 2), reason="Triton lowering for CUDA on the CPU is checked with jaxlib <= 0.10.2"
-)
+
+@pytest.fixture
+def abstract_gpu():
+    """The test lowers for an abstract H100. Lowering a Pallas kernel to Triton for CUDA asks for the GPU's
+    compute capability from jaxlib 0.11 on ("No supported GPU devices found" on a CPU); an abstract mesh
+    whose device is a GPU answers it without one (jaxlib 0.10.2 accepts the same context)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=device)):
+        yield
+
+
+# Tests that lower Pallas kernels to Triton for CUDA (no GPU needed)
+triton_lowering_on_cpu = pytest.mark.usefixtures("abstract_gpu")
 
 # A model small enough to compile in seconds; two buckets so bucket scheduling is exercised.
 SMALL = [

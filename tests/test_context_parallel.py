@@ -426,6 +426,31 @@ def test_selective_capacity_overflow_is_counted_and_exact(mesh, inputs, selectio
     assert int(stats["fallback"]) == int(want_overflow > 0)
 
 
+def _empty_shard_map_inputs(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            yield from (v.aval for v in eqn.invars if 0 in getattr(v.aval, "shape", ()))
+        for _, sub in _subjaxprs(eqn):
+            yield from _empty_shard_map_inputs(sub)
+
+
+def test_selective_under_remat_in_a_scan_passes_no_empty_residuals(mesh, inputs, selection, sparse_ref):
+    """Selective SCP as the model's blocks run it (remat inside a scan), with a buffer that needs no
+    padding (q_tile = kv_block). A 0-row padding piece once became a residual of the gradient's shard_map;
+    on jax 0.11.2 XLA then left that shard_map with an unread input and Shardy segfaulted removing it."""
+    q, k, v, cot = inputs
+    idx, cnt = selection
+    att = jax.checkpoint(
+        lambda q, k, v: context_attention(
+            q, k, v, mesh=mesh, strategy="selective", kv_index=idx, kv_count=cnt, q_tile=QT, kv_block=KB
+        )
+    )
+    f = lambda q, k, v: jax.lax.scan(lambda c, _: (c, att(q, k, v)), 0, None, length=1)[1][0]
+    run = lambda q, k, v, c: fwd_and_grads(f, q, k, v, c)
+    assert not list(_empty_shard_map_inputs(jax.make_jaxpr(run)(q, k, v, cot).jaxpr))
+    assert_close(jax.jit(run)(q, k, v, cot), sparse_ref)
+
+
 # -- communication accounting ---------------------------------------------------------------------
 
 

@@ -98,7 +98,7 @@ def forward_flops(
     m, b = cfg.model, float(batch)
     layout = layout_of(cfg, shape)
     s, lt, c, depth = float(layout.seq_len), float(cfg.text.max_len), float(m.hidden), m.depth
-    f = float(int(round(m.hidden * m.mlp_ratio)))
+    f = float(m.mlp_hidden)
     mmdit, per_block = m.arch == "mmdit", m.adaln == "per_block"
 
     cond = 2 * b * (256 * c + c * c) + 2 * b * lt * (m.text_dim * c + c * c)
@@ -107,7 +107,7 @@ def forward_flops(
     if per_block:
         cond += 2 * b * c * 6 * c * depth * (2 if mmdit else 1) + 2 * b * c * 2 * c
     else:
-        cond += 2 * b * c * (14 if mmdit else 8) * c
+        cond += 2 * b * c * m.shared_modulation_rows * c
     embed = 2 * b * s * m.patch_dim * c * 2  # patch embedding and final projection
     if mmdit:
         ft = float(int(round(m.hidden * m.text_mlp_ratio)))

@@ -40,11 +40,13 @@ def gated_modulate(residual, branch, gate, scale, shift, cfg: ModelConfig):
     return gated_residual_adaln(residual, branch, gate, scale, shift, impl=cfg.adaln_impl)
 
 
-def timestep_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:
-    """Sinusoidal features of t in [0, 1] (scaled to [0, 1000] as diffusion models do)."""
+def timestep_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0, scale: float = 1000.0) -> jax.Array:
+    """Sinusoidal features [cos | sin] of scale x t: t in [0, 1] scaled to [0, 1000] as diffusion models do
+    (scale 1: t is already in those units, as diffusers' Wan passes it)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-    args = 1000.0 * t.astype(jnp.float32)[:, None] * freqs[None]
+    time = t.astype(jnp.float32) if scale == 1 else scale * t.astype(jnp.float32)
+    args = time[:, None] * freqs[None]
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 
@@ -68,8 +70,8 @@ class TimestepEmbedder(nnx.Module):
         self.fc1 = linear(256, cfg.hidden, cfg, rngs, dtype=jnp.float32)
         self.fc2 = linear(cfg.hidden, cfg.hidden, cfg, rngs, dtype=jnp.float32)
 
-    def __call__(self, t):
-        return self.fc2(nnx.silu(self.fc1(timestep_features(t))))
+    def __call__(self, t, scale: float = 1000.0):
+        return self.fc2(nnx.silu(self.fc1(timestep_features(t, scale=scale))))
 
 
 class Modulation(nnx.Module):
@@ -95,8 +97,7 @@ class Modulation(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, ratio: float, rngs: nnx.Rngs):
-        width = int(round(cfg.hidden * ratio))
+    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs):
         self.fc1 = linear(cfg.hidden, width, cfg, rngs)
         self.fc2 = linear(width, cfg.hidden, cfg, rngs)
 
@@ -105,7 +106,8 @@ class MLP(nnx.Module):
 
 
 class QKV(nnx.Module):
-    """Projections to per-head q, k, v [B, S, H, Dh], with RMS-normalised q and k (stable in bf16)."""
+    """Projections to per-head q, k, v [B, S, H, Dh], with RMS-normalised q and k (stable in bf16): over each
+    head's channels, or over all heads' together (model.qk_norm_scope=all_heads, Wan's)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, kv_from: int | None = None):
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
@@ -115,9 +117,12 @@ class QKV(nnx.Module):
             self.kv = linear(kv_from, 2 * cfg.hidden, cfg, rngs)
         else:
             self.qkv = linear(cfg.hidden, 3 * cfg.hidden, cfg, rngs)
+        self.norm_width = cfg.hidden if cfg.qk_norm_scope == "all_heads" else cfg.head_dim
 
         def qk_norm():
-            return nnx.RMSNorm(cfg.head_dim, epsilon=1e-6, dtype=compute_dtype(cfg), rngs=rngs) if cfg.qk_norm else None
+            if cfg.qk_norm:
+                return nnx.RMSNorm(self.norm_width, epsilon=1e-6, dtype=compute_dtype(cfg), rngs=rngs)
+            return None
 
         self.q_norm, self.k_norm = qk_norm(), qk_norm()
 
@@ -130,8 +135,12 @@ class QKV(nnx.Module):
         else:
             q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, s, 3, self.heads, self.head_dim), 2, 0)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
         return q, k, v
+
+    def _norm(self, norm, x):
+        """x [B, S, H, Dh] normalised over the norm's width: one head's channels, or all heads'."""
+        return norm(x.reshape(*x.shape[:-2], -1, self.norm_width)).reshape(x.shape)
 
 
 def merge_heads(o):

@@ -25,19 +25,20 @@ def parameter_count(cfg: Config) -> int:
         return _linear(d, n * d) if m.adaln == "per_block" else n * d
 
     def qkv(kv_from: int | None = None) -> int:
-        norms = 2 * m.head_dim if m.qk_norm else 0  # RMSNorm scales of q and k
+        norms = 2 * (d if m.qk_norm_scope == "all_heads" else m.head_dim) if m.qk_norm else 0  # q, k RMSNorm scales
         projections = _linear(d, d) + _linear(kv_from, 2 * d) if kv_from is not None else _linear(d, 3 * d)
         return projections + norms
 
-    def mlp(ratio: float) -> int:
-        width = int(round(d * ratio))
+    def mlp(width: int) -> int:
         return _linear(d, width) + _linear(width, d)
 
     predictor = 2 * _linear(d, m.heads * cfg.predictor_rank, bias=False)  # W_Q^lr, W_K^lr
     if mmdit:
-        block = 2 * (modulation(6) + qkv() + _linear(d, d)) + mlp(m.mlp_ratio) + mlp(m.text_mlp_ratio)
+        text_mlp = mlp(int(round(d * m.text_mlp_ratio)))
+        block = 2 * (modulation(6) + qkv() + _linear(d, d)) + mlp(m.mlp_hidden) + text_mlp
     else:
-        block = modulation(6) + qkv() + _linear(d, d) + qkv(kv_from=d) + _linear(d, d) + mlp(m.mlp_ratio)
+        block = modulation(6) + qkv() + _linear(d, d) + qkv(kv_from=d) + _linear(d, d) + mlp(m.mlp_hidden)
+        block += 2 * d if m.cross_norm == "affine" else 0
     total = (
         _linear(m.patch_dim, d)  # patch embedding
         + _linear(256, d)
@@ -45,7 +46,7 @@ def parameter_count(cfg: Config) -> int:
         + _linear(m.text_dim, d)
         + _linear(d, d)  # text projection
         + (_linear(d, d) if mmdit else 0)  # pooled text
-        + (_linear(d, (14 if mmdit else 8) * d) if m.adaln == "single" else 0)
+        + (_linear(d, m.shared_modulation_rows * d) if m.adaln == "single" else 0)
         + m.depth * (block + predictor)
         + modulation(2)
         + _linear(d, m.patch_dim)  # final layer

@@ -35,7 +35,16 @@ class TextToVideo(nnx.Module):
         return emb, mask
 
     def __call__(
-        self, latents, timesteps, text, text_mask, *, attention="auto", attention_inputs=None, return_aux=False
+        self,
+        latents,
+        timesteps,
+        text,
+        text_mask,
+        *,
+        attention="auto",
+        attention_inputs=None,
+        return_aux=False,
+        time_scale=1000.0,
     ):
         return self.dit(
             latents,
@@ -45,4 +54,5 @@ class TextToVideo(nnx.Module):
             attention=attention,
             attention_inputs=attention_inputs,
             return_aux=return_aux,
+            time_scale=time_scale,
         )

@@ -362,8 +362,13 @@ def selective_attention(
         #    bh * nb_loc + p * C + c; padded to whole query tiles.
         n_buf = bh * nb_loc + n * capacity
         pad = -n_buf % (q_tile // math.gcd(q_tile, kv_block))  # whole query tiles
-        k_buf = jnp.concatenate([k_blocks, k_recv.reshape(-1, kv_block, d), jnp.zeros((pad, kv_block, d), k.dtype)])
-        v_buf = jnp.concatenate([v_blocks, v_recv.reshape(-1, kv_block, d), jnp.zeros((pad, kv_block, d), v.dtype)])
+        # The padding is appended only where there is some. An empty (0-row) piece would go into the
+        # gradient's shard_map as a residual of size 0; XLA replaces such values by constants before
+        # Shardy runs, which leaves that shard_map with an input its body never reads, and jax
+        # 0.11.2's Shardy segfaults removing it (ManualComputationUnusedInputsPattern).
+        padding = lambda x: [jnp.zeros((pad, *x.shape[1:]), x.dtype)] if pad else []
+        k_buf = jnp.concatenate([k_blocks, k_recv.reshape(-1, kv_block, d), *padding(k_blocks)])
+        v_buf = jnp.concatenate([v_blocks, v_recv.reshape(-1, kv_block, d), *padding(v_blocks)])
         # 5. Where each (row, group-global block) lives in the buffer.
         rows = jnp.arange(bh)[:, None]
         where = jnp.zeros((bh, nb), jnp.int32)
@@ -382,7 +387,7 @@ def selective_attention(
             row_batch = jnp.arange(bh) // h
             own = kv_valid[row_batch[:, None], me * nb_loc + jnp.arange(nb_loc)[None]].reshape(-1)
             recv = kv_valid[jnp.where(ok, r_row, 0) // h, r_blk] * ok  # [n, C]; empty slots count 0
-            buf_valid = jnp.concatenate([own, recv.reshape(-1), jnp.zeros((pad,), own.dtype)])[None]
+            buf_valid = jnp.concatenate([own, recv.reshape(-1), *padding(own)])[None]
         q_flat = jnp.swapaxes(q, 1, 2).reshape(1, bh * s_loc, 1, d)
         out = local.sparse_local(
             q_flat,

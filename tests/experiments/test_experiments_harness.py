@@ -240,66 +240,6 @@ def test_motion_probe_measures_a_clips_displacement_along_its_direction():
     assert all(c.rsplit(" ", 1)[1] in ("left", "right", "up", "down") for c in captions)
 
 
-def test_bench_sparse_mgpu_reports_selection_plus_attention_against_cudnn():
-    from experiments.bench_sparse_mgpu import plan, summarise
-
-    variants = [{}, {"fwd_stages": 2}]
-    jobs = plan([65536], [0.9, 0.95], variants, check_all=False, triton=False)
-    assert [j["options"] for j in jobs if j["impl"] == "small_check"] == variants  # each variant's kernels checked
-    assert {j["impl"] for j in jobs} == {"small_check", "cudnn", "mgpu"}
-    mgpu = [j for j in jobs if j["impl"] == "mgpu"]
-    assert [(j["sparsity"], j["options"], j["check"]) for j in mgpu] == [
-        (0.9, {}, True),
-        (0.9, {"fwd_stages": 2}, True),
-        (0.95, {}, False),
-        (0.95, {"fwd_stages": 2}, False),
-    ]
-    assert all(j["parts"] and j["select"] for j in mgpu)  # variants compare piece by piece
-
-    t = lambda ms: {"median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.1}
-    results = [
-        {
-            "job": {"seq": 65536, "impl": "cudnn"},
-            "fwd": t(60.0),
-            "fwd_bwd": t(240.0),
-            "fwd_tflops": 500.0,
-            "fwd_bwd_tflops": 560.0,
-        },
-        {
-            "job": mgpu[0],
-            "fwd": t(7.5),
-            "fwd_bwd": t(29.0),
-            "fwd_tflops": 420.0,
-            "fwd_bwd_tflops": 430.0,
-            "with_selection": {"top_k": 102, "select": t(1.0), "select_fwd_bwd": t(30.0)},
-        },
-    ]
-    row = summarise(results)[1]
-    assert row["select_ms"] == 1.0 and row["select_fwd_bwd_ms"] == 30.0
-    assert row["select_fwd_bwd_speedup"] == pytest.approx(8.0)
-    assert row["fwd_bwd_speedup"] == pytest.approx(240.0 / 29.0)
-    results[1]["with_selection"] = {"error": "RuntimeError: no Triton\ntraceback"}
-    row = summarise(results)[1]
-    assert row["select_error"] == "RuntimeError: no Triton" and "select_fwd_bwd_ms" not in row
-    assert row["fwd_bwd_ms"] == 29.0  # the kernel timings stay
-
-
-def test_bench_sparse_mgpu_variants_can_set_the_selection_geometry(monkeypatch):
-    """A variant's q_tile / kv_block set the child's geometry (its random selection and the kernels' call) and
-    are not handed to the kernels as tuning."""
-    import experiments.bench_sparse_mgpu as bench
-
-    monkeypatch.setattr(bench, "Q_TILE", 64)
-    monkeypatch.setattr(bench, "KV_BLOCK", 64)
-    assert bench.set_geometry({"q_tile": 128, "fwd_stages": 2}) == {"fwd_stages": 2}
-    assert (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
-    _, _, _, _, index, count = bench.inputs(1024, 0.75, heads=2, head_dim=16)
-    assert index.shape[:3] == (1, 2, 1024 // 128) and int(count[0, 0, 0]) == 4  # a quarter of the 16 blocks
-    assert bench.set_geometry({}) == {} and (bench.Q_TILE, bench.KV_BLOCK) == (128, 64)
-    jobs = bench.plan([65536], [0.9], [{}, {"q_tile": 128}, {"dq_stages": 3}, {"q_tile": 128, "kv_block": 128}])
-    assert [j["options"] for j in jobs if j["impl"] == "small_check"] == [{}, {"dq_stages": 3}]
-
-
 def test_bench_sparse_mgpu_pieces_compute_the_gradients_in_the_gpu_interpreter(monkeypatch):
     """`pieces` (timed by bench_sparse_mgpu, run under ncu by profile_mgpu): the forward, the transposed index,
     dQ and dK/dV as separate calls give the reference's o, dq, dk, dv (lse2 and delta made as the VJP does)."""
