@@ -6,7 +6,8 @@
         Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
         saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
     dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--negative-prompt TEXT] [--steps N] [--shift S]
-        [--solver euler|unipc] [--checkpoint STEP] [--text-encoder umt5:DIR|pkg.module:fn] [--weights auto|ema|raw]
+        [--solver euler|unipc] [--checkpoint STEP] [--text-encoder umt5:DIR|pkg.module:fn] [--codec SPEC]
+        [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
         [--format dsv|diffusers]
     dsv-jax import-weights --from DIR --out DIR [--dtype bf16|fp32]   (a Wan 2.1 transformer: diffusers or original)
@@ -152,6 +153,7 @@ def _sample(args) -> int:
         shift=args.shift,
         negative_prompt=args.negative_prompt,
         solver=args.solver,
+        codec=args.codec,
     )
     print("wrote " + ", ".join(paths))
     return 0
@@ -463,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--text-encoder",
         help="umt5:DIR or pkg.module:fn, as prepare-data's: encodes the prompts of a model trained on precomputed "
         "text embeddings (default: a umt5:DIR its dataset was prepared with)",
+    )
+    p.add_argument(
+        "--codec",
+        help="decode with this codec instead of the run's data.codec, e.g. wan2.1-vae:DIR (an imported Wan model, "
+        "or the VAE moved)",
     )
     p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto", help=WEIGHTS_HELP)
     p.set_defaults(fn=_sample)

@@ -308,6 +308,7 @@ def generate(
     text_encoder: Callable | str | None = None,
     negative_prompt: str | Sequence[str] | None = None,
     solver: str | None = None,
+    codec: str | None = None,
 ) -> np.ndarray:
     """Videos of `prompts` from a loaded model: uint8 frames [len(prompts), frames, height, width, 3].
 
@@ -321,12 +322,13 @@ def generate(
     `solver` (default: the run's train.sample_steps, train.guidance, train.sample_solver) and `shift`
     (default: the run's, see `sampler_shift`) as `dsv-jax sample`'s. `negative_prompt`: the caption that
     guidance steers away from (one, or one per prompt), encoded like the prompts; default the empty caption
-    of training. The same arguments give the same videos; `dsv-jax sample` writes these frames."""
+    of training. `codec`: decode with this codec spec instead of the run's data.codec (see `with_codec`).
+    The same arguments give the same videos; `dsv-jax sample` writes these frames."""
     if isinstance(model, (str, os.PathLike)):
         from dsv_jax.export import load_model
 
         model = load_model(os.fspath(model))
-    cfg = model.config
+    cfg = with_codec(model.config, codec)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"prompts must be a caption or a non-empty list of captions, got {prompts!r}")
@@ -348,6 +350,25 @@ def generate(
         negative_prompt=negative_prompt,
         solver=solver,
     )
+
+
+def with_codec(cfg: Config, codec: str | None) -> Config:
+    """`cfg` decoding with `codec` (a spec of data/codec.py) in place of its data.codec: the same VAE at another
+    folder, or the VAE of a model whose config names none (an imported Wan 2.1 transformer: wan2.1-vae:DIR).
+    The codec's latent channels must be the model's."""
+    if not codec:
+        return cfg
+    import dataclasses
+
+    from dsv_jax.data.codec import get_codec
+
+    channels = get_codec(codec).channels
+    if channels != cfg.model.in_channels:
+        raise ValueError(
+            f"codec {codec!r} has {channels} latent channels; this model takes "
+            f"model.in_channels={cfg.model.in_channels}"
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, codec=codec))
 
 
 def sample_frames(
@@ -474,12 +495,14 @@ def sample_from_workdir(
     shift: float | None = None,
     negative_prompt: str | None = None,
     solver: str | None = None,
+    codec: str | None = None,
 ) -> list[str]:
     """Load an exported model (`dsv-jax export`) or the newest readable (or `step`) checkpoint of a
     training workdir and write a video of `prompts` to `out` (one path or several); nothing else is
     written. `text_encoder` (umt5:DIR or pkg.module:make) encodes the prompts for a model trained on
     precomputed text embeddings. `weights` (a training workdir): see `load_trained`; default the EMA of the
-    weights where the run kept one. `shift`, `steps`, `guidance`, `solver`, `negative_prompt`: see `generate`."""
+    weights where the run kept one. `shift`, `steps`, `guidance`, `solver`, `negative_prompt`, `codec`: see
+    `generate`."""
     from dsv_jax.data.codec import get_codec
     from dsv_jax.export import load_model
     from dsv_jax.model.tokens import grid_shape
@@ -488,7 +511,7 @@ def sample_from_workdir(
     cfg = model.config
     if shape:
         grid_shape(tuple(shape), cfg.model.patch)  # a latent --shape the patch does not divide: said in latents
-    size = get_codec(cfg.data.codec).pixel_shape(tuple(shape)) if shape else (None, None, None)
+    size = get_codec(codec or cfg.data.codec).pixel_shape(tuple(shape)) if shape else (None, None, None)
     frames = generate(
         model,
         list(prompts or default_prompts(cfg)),
@@ -502,5 +525,6 @@ def sample_from_workdir(
         text_encoder=load_text_encoder(cfg, text_encoder, model.info.get("text_encoder")),
         negative_prompt=negative_prompt,
         solver=solver,
+        codec=codec,
     )
     return [save_video(frames, p) for p in ([out] if isinstance(out, str) else list(out))]

@@ -230,7 +230,7 @@ def test_prepare_data_stores_the_vae_latents_and_umt5_embeddings(pipeline, wan_d
 
 
 @needs_torch
-def test_train_and_sample_on_a_wan_dataset(wan_dataset, tmp_path):
+def test_train_and_sample_on_a_wan_dataset(pipeline, wan_dataset, tmp_path):
     """A training step of a small model (16 latent channels, the tiny umT5's width) on the dataset, then
     `dsv-jax sample`'s path and generate: the prompts through the umT5 the data was prepared with, the
     latents decoded by its VAE."""
@@ -273,6 +273,11 @@ def test_train_and_sample_on_a_wan_dataset(wan_dataset, tmp_path):
     assert frames.shape == (1, 9, 32, 80, 3) and frames.dtype == np.uint8
     with pytest.raises(ValueError, match="frames 8 is not a size this model makes"):
         dsv_jax.generate(loaded, ["a red cat"], steps=2, frames=8)  # the VAE's 1 + 4k rule
+    # another spec of the same VAE (the pipeline's root) decodes the same latents: `sample --codec`
+    again = dsv_jax.generate(loaded, ["a red cat"], steps=2, codec=f"wan2.1-vae:{pipeline}")
+    np.testing.assert_array_equal(again, frames)
+    with pytest.raises(ValueError, match="has 12 latent channels; this model takes model.in_channels=16"):
+        dsv_jax.generate(loaded, ["a red cat"], steps=2, codec="pixel:1x2x2")
     text, text_mask = loaded.encode_text(["a red cat"])  # through the dataset's umT5
     assert np.asarray(text).shape == (1, 16, TEXT_DIM) and np.asarray(text_mask).sum() == 4
 
