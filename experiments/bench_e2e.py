@@ -375,7 +375,8 @@ class Bench:
             "length": length,
             "latents": [*shape, self.cfg.model.in_channels],
             "tokens": self.layout(length).n_real,
-            "padded_tokens": self.layout(length).seq_len,
+            # dense steps keep raster order (dsv_jax.dsv.plan.tiled): only sparse ones pad to whole tiles
+            "padded_tokens": self.layout(length).n_real if attn == "full" else self.layout(length).seq_len,
             "attention": attn,
             "adaln": impl,
             "must": must,
@@ -566,9 +567,11 @@ class Bench:
         for name in names:
             st = self.attention_setup(length, name)
             if st["mode"] == "full":
+                # dense steps keep raster order, unpadded (dsv_jax.dsv.plan.tiled): their tokens alone
+                dense = args.setdefault("qkv_dense", tuple(a[:, : layout.n_real] for a in qkv))
                 fn = lambda q, k, v: attention(q, k, v, backend=cfg.dsv.dense_backend)
-                add(f"attn_f/{name}", fn, *qkv[:3])
-                add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *qkv)
+                add(f"attn_f/{name}", fn, *dense[:3])
+                add(f"attn_fb/{name}", harness.fwd_bwd(fn, 3), *dense)
             elif st["mode"] == "window":
                 fn = lambda q, k, v, frac=st["window"]: attention(
                     q, k, v, backend="window", grid=layout.grid, tile=layout.tile, fraction=frac
@@ -644,7 +647,8 @@ class Bench:
                 continue
             kind, _, variant = name.partition("/")
             if kind in ("attn_f", "attn_fb"):
-                args = list(qkv[:3]) + list(selections.get(variant, ())) + ([qkv[3]] if kind == "attn_fb" else [])
+                src = a["qkv_dense"] if self.attention_setup(length, variant)["mode"] == "full" else qkv
+                args = list(src[:3]) + list(selections.get(variant, ())) + ([src[3]] if kind == "attn_fb" else [])
                 if self.attention_setup(length, variant)["mode"] == "dsv" and variant not in selections:
                     comps[name] = {"error": "no selection to attend through"}
                     continue
