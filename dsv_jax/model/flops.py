@@ -2,8 +2,8 @@
 
 Counted: every matrix product of a forward, at 2 FLOPs per multiply-add (elementwise work, norms,
 softmax and gathers are left out, as MFU conventionally does). For B samples of S video tokens (the
-token grid the model computes: padded to whole tiles where a block needs tiles, see `forward_flops`), L text tokens (text.max_len), C hidden, F MLP width,
-H heads x D, P patch dim and Dt the text embedding width, a forward is
+token grid the model computes: padded to whole tiles where a block needs tiles, see `forward_flops`), L text
+tokens (text.max_len), C hidden, F MLP width, H heads x D, P patch dim and Dt the text embedding width, a forward is
 
     conditioning  2 B (256 C + C^2)  timestep MLP    + 2 B L (Dt C + C^2)  text projection
                   + 2 B C 6C per block and 2 B C 2C final (per_block AdaLN) | 2 B C 8C (adaLN-single)
@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.dsv.plan import AttentionPlan, DSVPlan, tiled
+from dsv_jax.dsv.plan import AttentionPlan, DSVPlan
 from dsv_jax.dsv.predictor import sample_positions
 from dsv_jax.model.size import parameter_count  # noqa: F401  (re-exported: callers count parameters here)
 from dsv_jax.model.tokens import grid_shape, token_layout
