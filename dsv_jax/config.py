@@ -235,7 +235,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_checkpoints: int = 3
     eval_every: int = 0  # held-out loss every N steps (0: only at the end)
-    eval_batches: int = 2
+    eval_batches: int = 2  # batches per bucket of each held-out evaluation (0: none)
     sample_at_end: bool = True
     sample_steps: int = 30
     guidance: float = 3.0
@@ -270,6 +270,9 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 0:
             raise ConfigError(f"train.steps={self.steps} must be >= 0")
+        for name in ("eval_every", "eval_batches"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0 (0: none)")
         if self.max_bad_steps < 0:
             raise ConfigError(f"train.max_bad_steps={self.max_bad_steps} must be >= 0 (0: never stop)")
         if self.divergence_factor != 0 and not self.divergence_factor > 1:

@@ -272,3 +272,14 @@ def test_garbage_weights_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path
     assert int(trainer.state.step) == 2
     assert os.listdir(os.path.join(wd, "checkpoints-set-aside")) == ["3"]
     trainer.close()
+
+
+def test_eval_batches_zero_trains_without_a_held_out_loss(tmp_path):
+    """train.eval_batches=0 turns the held-out loss off, at eval_every and at the end of the run (it crashed)."""
+    cfg = small_config("train.steps=2", "train.eval_every=1", "train.eval_batches=0", *ONE_BUCKET)
+    records = train(cfg, str(tmp_path), progress=False)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    logged = read_metrics(str(tmp_path))
+    assert not any(k.startswith(("eval_loss", "train_records_loss")) for r in logged for k in r)
+    with pytest.raises(Exception, match="train.eval_batches=-1 must be >= 0"):
+        small_config("train.eval_batches=-1")

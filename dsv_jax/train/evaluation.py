@@ -37,6 +37,8 @@ def held_out_loss(
     the compiled steps (by plans) across calls."""
     cache = {} if cache is None else cache
     out: dict[str, Any] = {}
+    if batches <= 0:  # train.eval_batches=0: no held-out loss
+        return out
     all_losses = []
     for shape in feed.shapes:
         plans, inputs = attention_for(shape)

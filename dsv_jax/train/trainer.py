@@ -498,7 +498,7 @@ class Trainer:
                     bar.update(1)
                     if save_due:
                         timed(self.save, prefetch.state)
-                    if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    if cfg.train.eval_every and cfg.train.eval_batches and step % cfg.train.eval_every == 0:
                         writer.write(step, timed(self.evaluate))
                 elapsed = time.perf_counter() - window_t0 - aside
                 for rec in self._records(pending, elapsed, window_tokens, window_flops):
@@ -514,7 +514,7 @@ class Trainer:
             self._data_state = prefetch.state
             bar.close()
             self._status = {}
-        if not stopped and step == total and guard.healthy:
+        if not stopped and step == total and guard.healthy and cfg.train.eval_batches:  # 0: no held-out loss
             held_out = self.evaluate()
             writer.write(step, held_out)
             loss = held_out.get("eval_loss", held_out.get("train_records_loss"))
