@@ -169,6 +169,12 @@ class AttentionPlan:
         return False
 
     @property
+    def needs_tiles(self) -> bool:
+        """Whether the block's tokens must lie in 3D tiles: query tiles and KV blocks are what it selects,
+        trains on or measures. A block that only attends densely keeps raster order (see `tiled`)."""
+        return not self.plain_dense
+
+    @property
     def selects(self) -> bool:
         """Whether this plan computes a learned (DSV) selection, to attend through or to measure its recall."""
         return False
@@ -309,6 +315,11 @@ class DSVPlan(AttentionPlan):
     def needs_logits(self) -> bool:
         return self.predictor or self.profile
 
+    @property
+    def needs_tiles(self) -> bool:
+        # a backed-off stage-2 block (nothing kept sparse, no predictor step, no profile) attends densely
+        return self.sparse or self.selects or self.needs_logits or self.capture
+
     def selection(self, q, x, layout, geometry, *, predictor=None, inputs=None, logits=None, positions=None):
         if predictor is None and (self.predictor or self.selects):
             raise ValueError(
@@ -383,6 +394,14 @@ def as_plan(plan: Any) -> Any:
     if isinstance(plan, str) and plan in sparse_modes():
         return PLANS[plan].from_config()
     return plan
+
+
+def tiled(attention: Any) -> bool:
+    """Whether a forward under `attention` (a backend name, a plan, or one per block) lays its tokens out
+    in the model's 3D tiles: where some block needs them. Otherwise tokens stay in raster order (1 x 1 x 1
+    tiles), so a grid that does not divide into tiles is not padded for attention that is dense anyway."""
+    plans = attention if isinstance(attention, (list, tuple)) else [attention]
+    return any(isinstance(p, AttentionPlan) and p.needs_tiles for p in map(as_plan, plans))
 
 
 def static_plans(cfg) -> Any:

@@ -2,7 +2,7 @@
 
 Counted: every matrix product of a forward, at 2 FLOPs per multiply-add (elementwise work, norms,
 softmax and gathers are left out, as MFU conventionally does). For B samples of S video tokens (the
-padded token grid: what the model computes), L text tokens (text.max_len), C hidden, F MLP width,
+token grid the model computes: padded to whole tiles where a block needs tiles, see `forward_flops`), L text tokens (text.max_len), C hidden, F MLP width,
 H heads x D, P patch dim and Dt the text embedding width, a forward is
 
     conditioning  2 B (256 C + C^2)  timestep MLP    + 2 B L (Dt C + C^2)  text projection
@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.dsv.plan import AttentionPlan, DSVPlan
+from dsv_jax.dsv.plan import AttentionPlan, DSVPlan, tiled
 from dsv_jax.dsv.predictor import sample_positions
 from dsv_jax.model.size import parameter_count  # noqa: F401  (re-exported: callers count parameters here)
 from dsv_jax.model.tokens import grid_shape, token_layout
@@ -77,8 +77,10 @@ def attention_flops(seq: float, heads: int, head_dim: int, keys_per_query: float
     return 4.0 * batch * seq * heads * head_dim * keys_per_query
 
 
-def layout_of(cfg: Config, shape: Sequence[int]):
-    return token_layout(grid_shape(tuple(shape), cfg.model.patch), cfg.model.tile)
+def layout_of(cfg: Config, shape: Sequence[int], tiles: bool = True):
+    """The token layout the model computes on: its 3D tiles where some block needs them (`dsv_jax.dsv.plan.tiled`),
+    else raster order, unpadded."""
+    return token_layout(grid_shape(tuple(shape), cfg.model.patch), cfg.model.tile if tiles else (1, 1, 1))
 
 
 def _per_block(kept, depth: int) -> np.ndarray:
@@ -89,14 +91,24 @@ def _per_block(kept, depth: int) -> np.ndarray:
 
 
 def forward_flops(
-    cfg: Config, shape: Sequence[int], batch: int = 1, *, kept: float | Sequence[float] = 1.0, predictor: bool = False
+    cfg: Config,
+    shape: Sequence[int],
+    batch: int = 1,
+    *,
+    kept: float | Sequence[float] = 1.0,
+    predictor: bool = False,
+    tiles: bool | None = None,
 ) -> dict[str, float]:
     """FLOPs of one forward of TextToVideo on `batch` samples of latent `shape` (T, H, W), by part:
     linear, video_attention (at `kept`, a fraction or one per block), video_attention_dense,
     text_attention, selection (a DSV model: its block scores) and, with `predictor` (a step that trains the
-    DSV predictors), predictor."""
+    DSV predictors), predictor. tiles: whether the tokens lie in the model's tiles (padded where the grid
+    does not divide); None: as the model lays them out for such a step (tiled where it trains the predictor
+    or some block attends sparsely, raster order where every block is dense)."""
     m, b = cfg.model, float(batch)
-    layout = layout_of(cfg, shape)
+    if tiles is None:
+        tiles = predictor or bool(np.any(_per_block(kept, m.depth) < 1))
+    layout = layout_of(cfg, shape, tiles)
     s, lt, c, depth = float(layout.seq_len), float(cfg.text.max_len), float(m.hidden), m.depth
     f = float(m.mlp_hidden)
     mmdit, per_block = m.arch == "mmdit", m.adaln == "per_block"
@@ -135,7 +147,7 @@ def forward_flops(
         # projections on a step that does not train the predictor (they then serve the selection alone)
         plan = DSVPlan(kv_block=cfg.dsv.kv_block)
         kv_block = plan.kv_block_for(layout)
-        if not layout.padded and layout.seq_len % kv_block == 0:
+        if tiles and not layout.padded and layout.seq_len % kv_block == 0:
             out["selection"] = depth * 2 * b * h * (s // plan.q_tile_for(layout)) * (s // kv_block) * r
             if not predictor:
                 out["selection"] += projections
@@ -150,13 +162,14 @@ def train_step_flops(
     kept: float | Sequence[float] = 1.0,
     predictor: bool | None = None,
     selection: bool | None = None,
+    tiles: bool | None = None,
 ) -> dict[str, float]:
     """{"dense_equiv", "work"} FLOPs of one train step (see the module docstring), the video attention's
     share of the work ("work_video_attention"), and the forward's parts.
     predictor: whether the step trains DSV predictors (default: attention=dsv); selection: whether it
-    selects KV blocks (default: some block attends sparsely, i.e. any kept < 1)."""
+    selects KV blocks (default: some block attends sparsely, i.e. any kept < 1); tiles as `forward_flops`."""
     predictor = cfg.predictor_rank > 0 if predictor is None else predictor
-    fwd = forward_flops(cfg, shape, batch, kept=kept, predictor=predictor)
+    fwd = forward_flops(cfg, shape, batch, kept=kept, predictor=predictor, tiles=tiles)
     if selection is None:
         selection = bool(np.any(_per_block(kept, cfg.model.depth) < 1))
     r = 1.0 if cfg.model.remat else 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsv_jax.config import Config
+from dsv_jax.dsv.plan import tiled
 from dsv_jax.model.flops import kept_fractions, mfu_metrics, peak_flops, train_step_flops
 
 
@@ -30,7 +31,7 @@ class StepFlops:
             # stage-2 steps between the predictor's (dsv.stage2_predictor_every) skip its loss
             blocks = plans if isinstance(plans, (list, tuple)) else (plans,)
             trains = bool(self.cfg.predictor_rank) and any(getattr(p, "predictor", False) for p in blocks)
-            f = train_step_flops(self.cfg, shape, batch, kept=kept, predictor=trains)
+            f = train_step_flops(self.cfg, shape, batch, kept=kept, predictor=trains, tiles=tiled(plans))
             self._cache[key] = np.array([f["dense_equiv"], f["work"]])
         return self._cache[key]
 
