@@ -131,6 +131,7 @@ class DSVController:
         predictor = train and self.trains_predictor(step, profile, shape)
         lower_rate = self.stage == 2 and train and not profile and d.stage2_max_queries
         queries = min(d.stage2_max_queries, d.max_queries) if lower_rate else d.max_queries
+        frozen = train and self.stage == 1 and d.freeze_model_stage1
         out = []
         for rung in self.rungs(shape):
             sparse = self.stage == 2 and rung > 0
@@ -150,6 +151,7 @@ class DSVController:
                     max_queries=queries,
                     theta=d.theta,
                     percentile=d.percentile,
+                    model_frozen=frozen,
                 )
             )
         return tuple(out)
