@@ -9,6 +9,9 @@
              sampled queries on the steps that do not profile, and only on every
              dsv.stage2_predictor_every-th step (and every profile step) at that many times the rate
 
+With dsv.freeze_model_stage1 the stage-1 plans carry `model_frozen`: their steps train the predictors alone
+(retrofitting DSV onto pretrained weights; the train step reads the flag).
+
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
 profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
 profiled sparsity (a low percentile over sampled queries) is smoothed by an EMA; the per-head keep
