@@ -283,3 +283,20 @@ def test_wan_guide_retrofit_commands_run_at_tiny_sizes(wan_folder, monkeypatch):
     assert iio.imread("clip.mp4").shape == (9, 32, 48, 3)  # the VAE decoded the sampled latents
     model = WanTransformer3DModel.from_pretrained("runs/wan-dsv-diffusers")
     assert model.config.num_layers == 2 and model.config.text_dim == 32
+
+
+def test_a_frozen_step_counts_one_forward_of_the_model_in_its_flops():
+    import dataclasses
+    import types
+
+    from dsv_jax.dsv.controller import DSVController
+    from dsv_jax.train.mfu import StepFlops
+
+    cfg = small_config("attention=dsv", "dsv.rank=4", "dsv.freeze_model_stage1=true")
+    plans = DSVController(cfg).plans((4, 16, 16), step=0)
+    assert all(p.model_frozen for p in plans)
+    full = tuple(dataclasses.replace(p, model_frozen=False) for p in plans)
+    meter = StepFlops(cfg, types.SimpleNamespace(devices=np.array([jax.devices()[0]])))
+    frozen, trained = meter((4, 16, 16), 2, plans), meter((4, 16, 16), 2, full)
+    np.testing.assert_allclose(3 * frozen[0], trained[0], rtol=1e-9)  # model FLOPs: one forward of three
+    assert trained[1] / 4 < frozen[1] < trained[1] / 2  # remat's forward and the backward are not run
