@@ -94,7 +94,8 @@ def owned_log_dir(args) -> str | None:
 
 def train_config_source(args) -> str:
     """What `train` builds its config on: --config; else, starting from an export (--init-from DIR, or a
-    train.init_from=DIR override), the export's config, so that its model is the run's; else the tiny preset."""
+    train.init_from=DIR override), the export's config, so that its model is the run's, or, where --workdir
+    already holds a checkpoint (which wins over the export: the run resumes), the run's own; else tiny."""
     if args.config:
         return args.config
     init_from = args.init_from or next(
@@ -103,8 +104,11 @@ def train_config_source(args) -> str:
     )
     if not init_from:
         return "tiny"
-    from dsv_jax.train.init_from import init_config
+    from dsv_jax.train.init_from import has_checkpoints, init_config
 
+    saved = os.path.join(args.workdir or "", "config.json")
+    if args.workdir and has_checkpoints(os.path.join(args.workdir, "checkpoints")) and os.path.isfile(saved):
+        return saved  # the same command resumes even where the export has moved since
     init_config(init_from)  # a folder that is no export stops here, in one line
     return os.path.join(init_from, "config.json")
 

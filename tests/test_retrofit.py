@@ -153,7 +153,8 @@ def test_init_from_config_mismatch_and_non_export_stop_in_one_line_before_writin
 
 def test_init_from_takes_the_exports_config_and_a_checkpoint_wins(exports, tmp_path, caplog):
     """Without --config the run is the export's config (its model, data, train sections) with the overrides;
-    rerun on its checkpoint it resumes, and --init-from (here an export of another model) is ignored."""
+    rerun on its checkpoint it resumes, and --init-from (here an export of another model) is ignored, with
+    --config or without (then the run's own config is the base)."""
     import logging
 
     from dsv_jax.config import load_config
@@ -173,6 +174,11 @@ def test_init_from_takes_the_exports_config_and_a_checkpoint_wins(exports, tmp_p
         )
     assert code == 0, err
     assert f"train.init_from={other} is ignored" in caplog.text and "resumed from step 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsv_jax"):  # without --config: the run's own config, not other's
+        code, err = run_cli("train", "--init-from", other, "--workdir", wd, "--steps", "4", "--no-progress")
+    assert code == 0, err
+    assert f"train.init_from={other} is ignored" in caplog.text and "resumed from step 3" in caplog.text
 
 
 def test_run_summary_reads_each_blocks_recall_at_its_keep_ratio_off_the_curve():

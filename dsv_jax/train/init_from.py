@@ -72,7 +72,7 @@ def load_init_weights(state, path: str, sharding):
     saved = flatten_dict(nnx.to_pure_dict(abstract_model(export_config(path))[1]))
     # every saved array is read (orbax restores whole trees); one the run has no place for (a predictor of
     # another rank, or of a DSV export into a dense run) is read onto one device and dropped
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = {
         k: jax.ShapeDtypeStruct(run[k].shape, run[k].dtype, sharding=run[k].sharding)
         if k in run and run[k].shape == a.shape
