@@ -1,7 +1,7 @@
 """Command line: `dsv-jax <command> ...` (also `python -m dsv_jax <command> ...`).
 
     dsv-jax train --config NAME|FILE.yaml|RUN/config.json [--workdir DIR] [--steps N] [--checkpoint STEP]
-        [--no-progress] [--status-every SECONDS] [key=value ...]
+        [--init-from EXPORT_DIR] [--no-progress] [--status-every SECONDS] [key=value ...]
         [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
         Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
         saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
@@ -50,6 +50,7 @@ PATH_OPTIONS = {
     "gif": "--gif",
     "data": "--data",
     "source": "--from",
+    "init_from": "--init-from",
 }
 
 
@@ -91,11 +92,34 @@ def owned_log_dir(args) -> str | None:
     return path if getattr(args, "log_dir_made", False) or is_run_dir(path) else None
 
 
+def train_config_source(args) -> str:
+    """What `train` builds its config on: --config; else, starting from an export (--init-from DIR, or a
+    train.init_from=DIR override), the export's config, so that its model is the run's, or, where --workdir
+    already holds a checkpoint (which wins over the export: the run resumes), the run's own; else tiny."""
+    if args.config:
+        return args.config
+    init_from = args.init_from or next(
+        (o.split("=", 1)[1] for o in reversed(args.overrides) if o.split("=", 1)[0].strip() == "train.init_from"),
+        "",
+    )
+    if not init_from:
+        return "tiny"
+    from dsv_jax.train.init_from import has_checkpoints, init_config
+
+    saved = os.path.join(args.workdir or "", "config.json")
+    if args.workdir and has_checkpoints(os.path.join(args.workdir, "checkpoints")) and os.path.isfile(saved):
+        return saved  # the same command resumes even where the export has moved since
+    init_config(init_from)  # a folder that is no export stops here, in one line
+    return os.path.join(init_from, "config.json")
+
+
 def _train(args) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    cfg = load_config(args.config, overrides)  # every value checked before anything is made
+    if args.init_from is not None:
+        overrides.append(f"train.init_from={args.init_from}")
+    cfg = load_config(train_config_source(args), overrides)  # every value checked before anything is made
     workdir = args.workdir or os.path.join("runs", cfg.name)
     check_workdir(workdir)
     if not args.status_every > 0:
@@ -394,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume) a model", parents=[common])
-    p.add_argument("--config", default="tiny", help=CONFIG_HELP)
+    p.add_argument("--config", help=CONFIG_HELP + " (default: tiny; with --init-from, the export's config)")
     p.add_argument("--workdir", help="checkpoints, metrics and samples go here (default runs/<config>)")
     p.add_argument("--steps", type=int, help="total training steps (same as train.steps=N)")
     p.add_argument(
@@ -416,6 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="without a progress bar, log the step, loss, tokens/s and ETA (or what it is compiling) at "
         "least this often (default 30)",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start a new run from the model weights of an export (dsv-jax export, import-weights); its model "
+        "config must be the run's (without --config the run takes the export's config); a checkpoint in the "
+        "workdir wins (same as train.init_from=DIR)",
     )
     p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (SLURM / OpenMPI: detected)")
     p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")

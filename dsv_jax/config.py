@@ -266,6 +266,10 @@ class TrainConfig:
     max_bad_steps: int = 20
     divergence_factor: float = 10.0
     divergence_window: int = 100
+    # A new run's model weights from an export folder (`dsv-jax export`, `dsv-jax import-weights`; CLI:
+    # --init-from DIR): its model config must match this one; DSV predictors the export lacks start fresh,
+    # the optimizer and step start afresh. A checkpoint in the workdir wins (the run resumes; this is ignored).
+    init_from: str = ""
 
     def __post_init__(self):
         if self.steps < 0:
@@ -389,6 +393,10 @@ class DSVConfig:
     block_reduce: str = "mean"  # how a KV block's score reduces over its keys (mean | max)
     dense_backend: str = "auto"  # the dense attention used by dense blocks and text tokens
     window: float = 1 / 3  # window baseline: window / grid per dimension (WA-M 1/3, WA-L 2/3)
+    # Stage 1 trains the predictors alone: every other parameter (and its AdamW state) stays as it was, and the
+    # step skips the model's backward pass. For DSV retrofitted onto pretrained weights (train.init_from):
+    # the predictors learn the pretrained attention before stage 2 fine-tunes everything with sparse attention.
+    freeze_model_stage1: bool = False
 
     def __post_init__(self):
         _positive("dsv.rank", self.rank)
@@ -443,6 +451,11 @@ class Config:
 
     def __post_init__(self):
         _choice("attention", self.attention, known_attention_backends())
+        if self.dsv.freeze_model_stage1 and self.attention != "dsv":
+            raise ConfigError(
+                f"dsv.freeze_model_stage1=true freezes the model during DSV's stage 1: it needs attention=dsv, "
+                f"got attention={self.attention} (or pass dsv.freeze_model_stage1=false)"
+            )
 
     @property
     def predictor_rank(self) -> int:

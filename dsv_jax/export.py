@@ -211,6 +211,15 @@ def _read_export(path: str) -> dict:
     return info
 
 
+def export_config(path: str):
+    """The config an export folder's model was built with (its config.json), after checking the folder is one."""
+    from dsv_jax.config import Config
+
+    _read_export(path)
+    with open(os.path.join(path, "config.json")) as f:
+        return Config.from_dict(json.load(f))
+
+
 def load_params(path: str, dtype: str | None = None):
     """(config, graphdef, params nnx.State, DSV controller state or None, export.json) of an export,
     the parameters on the default device in `dtype` (default: as exported)."""

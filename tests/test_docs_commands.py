@@ -133,7 +133,10 @@ def check_cli(argv: list[str], files: dict[str, str]) -> str | None:
         overrides = list(args.overrides)
         if args.command == "train" and args.steps is not None:
             overrides.append(f"train.steps={args.steps}")
-        config = files.get(args.config, args.config)
+        if args.command == "train" and args.init_from is not None:
+            overrides.append(f"train.init_from={args.init_from}")
+        # train without --config builds on tiny, or on an export's config (--init-from): checked as tiny
+        config = files.get(args.config, args.config) or "tiny"
         if config not in PRESETS and not os.path.isfile(config) and os.path.basename(config) == "config.json":
             config = "tiny"  # a run's resolved config: check the overrides on a preset
         try:

@@ -9,6 +9,9 @@
              sampled queries on the steps that do not profile, and only on every
              dsv.stage2_predictor_every-th step (and every profile step) at that many times the rate
 
+With dsv.freeze_model_stage1 the stage-1 plans carry `model_frozen`: their steps train the predictors alone
+(retrofitting DSV onto pretrained weights; the train step reads the flag).
+
 Sparsity depends on the sequence length, so statistics and decisions are kept per bucket shape. A
 profile runs every dsv.profile_every steps and on the first step of each shape. Per block and head the
 profiled sparsity (a low percentile over sampled queries) is smoothed by an EMA; the per-head keep
@@ -131,6 +134,7 @@ class DSVController:
         predictor = train and self.trains_predictor(step, profile, shape)
         lower_rate = self.stage == 2 and train and not profile and d.stage2_max_queries
         queries = min(d.stage2_max_queries, d.max_queries) if lower_rate else d.max_queries
+        frozen = train and self.stage == 1 and d.freeze_model_stage1
         out = []
         for rung in self.rungs(shape):
             sparse = self.stage == 2 and rung > 0
@@ -150,6 +154,7 @@ class DSVController:
                     max_queries=queries,
                     theta=d.theta,
                     percentile=d.percentile,
+                    model_frozen=frozen,
                 )
             )
         return tuple(out)
@@ -377,6 +382,34 @@ class DSVController:
                 f"({', '.join(parts)}; measured this session)"
             )
         out["dsv/summary"] = "DSV: " + "; ".join(words)
+        out.update(self.block_report())
+        return out
+
+    def block_report(self) -> dict[str, Any]:
+        """Per bucket and block (lists in block order): `dsv/block_keep/<bucket>`, the keep ratio the rule
+        asks for (mean over heads, as `dsv/head_keep`), and `dsv/block_recall/<bucket>`, the predictor's
+        recall there: the attention mass its selection at each head's keep ratio holds, read off the profiled
+        recall curve (None for a block without one yet); `dsv/blocks/<bucket>` says both, and which blocks
+        attend sparsely, in a line."""
+        out = {}
+        for key, entry in sorted(self.shapes.items()):
+            keep = self._keep(entry)
+            recall = [
+                None
+                if curve is None
+                else round(float(np.mean([np.interp(k, RECALL_FRACTIONS, c) for k, c in zip(keep[i], curve)])), 4)
+                for i, curve in enumerate(entry["recall_curve"])
+            ]
+            means = [round(float(np.mean(k)), 4) for k in keep]
+            sparse = [str(i) for i, r in enumerate(entry["rungs"]) if self.stage == 2 and r > 0]
+            out[f"dsv/block_recall/{key}"], out[f"dsv/block_keep/{key}"] = recall, means
+            out[f"dsv/blocks/{key}"] = (
+                f"DSV {key} per block: predictor recall "
+                + " ".join("-" if r is None else f"{r:.3f}" for r in recall)
+                + " at keep "
+                + " ".join(f"{k:.3f}" for k in means)
+                + f"; sparse: {'blocks ' + ', '.join(sparse) if sparse else 'none'}"
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:

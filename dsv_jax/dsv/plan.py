@@ -302,6 +302,9 @@ class DSVPlan(AttentionPlan):
     predictor: bool = False  # compute the predictor loss (training)
     block_reduce: str = "mean"
     center_logits: bool = True  # the predictor loss compares mean-centred logit rows (dsv.center_logits)
+    # stage 1 under dsv.freeze_model_stage1: the step trains the predictor alone (the block itself reads
+    # nothing of it; the train step does, and the flag keeps that step's program apart in the compile cache)
+    model_frozen: bool = False
 
     def top_k(self, n_blocks: int) -> int:
         """Static number of KV blocks selected per query tile for a sequence of `n_blocks` blocks."""

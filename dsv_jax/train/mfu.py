@@ -32,8 +32,20 @@ class StepFlops:
             blocks = plans if isinstance(plans, (list, tuple)) else (plans,)
             trains = bool(self.cfg.predictor_rank) and any(getattr(p, "predictor", False) for p in blocks)
             f = train_step_flops(self.cfg, shape, batch, kept=kept, predictor=trains, tiles=tiled(plans))
+            if any(getattr(p, "model_frozen", False) for p in blocks):
+                f = frozen_model_flops(f, selection=bool(np.any(np.asarray(kept) < 1)))
             self._cache[key] = np.array([f["dense_equiv"], f["work"]])
         return self._cache[key]
 
     def metrics(self, flops: np.ndarray, seconds: float) -> dict[str, float]:
         return mfu_metrics(float(flops[0]), float(flops[1]), seconds, self.devices, self.peak)
+
+
+def frozen_model_flops(f: dict[str, float], selection: bool = False) -> dict[str, float]:
+    """`train_step_flops` `f` of a step that trains the DSV predictors alone (dsv.freeze_model_stage1): the
+    model runs its forward once (no backward, so no remat either); the predictor's forward and backward and
+    the selection (where a block selects) as in any step. Its model FLOPs are that one forward's."""
+    model = f["forward_linear"] + f["forward_text_attention"]
+    dense = model + f["forward_video_attention_dense"]
+    work = model + f["forward_video_attention"] + 3 * f["forward_predictor"] + f["forward_selection"] * selection
+    return {"dense_equiv": dense, "work": work}

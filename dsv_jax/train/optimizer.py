@@ -93,3 +93,13 @@ def keep_predictor(params, opt_state, old_params, old_opt_state):
     )
     inner = dict(opt_state.inner_states, predictor=old_opt_state.inner_states["predictor"])
     return params, opt_state._replace(inner_states=inner)
+
+
+def keep_model(params, opt_state, old_params, old_opt_state):
+    """`keep_predictor`'s mirror for dsv.freeze_model_stage1: everything but the predictor, and the model's
+    AdamW state, taken from the old ones (a zero-gradient step would still move the model by weight decay)."""
+    params = jax.tree.map(
+        lambda new, old, lab: new if lab == "predictor" else old, params, old_params, param_labels(params)
+    )
+    inner = dict(opt_state.inner_states, main=old_opt_state.inner_states["main"])
+    return params, opt_state._replace(inner_states=inner)

@@ -14,7 +14,13 @@ from dsv_jax.config import Config
 from dsv_jax.model.t2v import TextToVideo
 from dsv_jax.parallel.mesh import state_shardings
 from dsv_jax.train.loss import fixed_t_loss, flow_matching_loss
-from dsv_jax.train.optimizer import keep_predictor, make_train_optimizer, param_labels, scale_updates
+from dsv_jax.train.optimizer import (
+    keep_model,
+    keep_predictor,
+    make_train_optimizer,
+    param_labels,
+    scale_updates,
+)
 
 
 @flax.struct.dataclass
@@ -97,6 +103,26 @@ def _norm(tree, labels=None, want="main"):
     return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in leaves)) if leaves else jnp.zeros(())
 
 
+def predictor_value_and_grad(loss_fn, params):
+    """((value, aux), grads) of `loss_fn` (with aux) differentiated in the DSV predictor's parameters alone,
+    zeros for every other parameter: those enter as constants, so the model's backward pass is never built
+    (dsv.freeze_model_stage1; the predictor's inputs are stop-gradient, so its loss reaches only itself)."""
+    leaves, treedef = jax.tree.flatten(params)
+    mine = [i for i, lab in enumerate(jax.tree.leaves(param_labels(params))) if lab == "predictor"]
+
+    def of_predictor(predictor):
+        full = list(leaves)
+        for i, leaf in zip(mine, predictor):
+            full[i] = leaf
+        return loss_fn(jax.tree.unflatten(treedef, full))
+
+    out, grads = jax.value_and_grad(of_predictor, has_aux=True)([leaves[i] for i in mine])
+    full = [jnp.zeros_like(leaf) for leaf in leaves]
+    for i, g in zip(mine, grads):
+        full[i] = g
+    return out, jax.tree.unflatten(treedef, full)
+
+
 def make_train_step(cfg: Config, graphdef, attention="auto"):
     """(state, batch, lr[, attention_inputs]) -> (state, metrics). A step whose loss or gradient is not
     finite leaves the parameters and optimizer state untouched and counts itself in `skipped`.
@@ -110,6 +136,9 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
     # a step whose plans all skip the predictor loss (stage 2 between predictor steps, or a non-DSV
     # attention on a model with predictors) leaves the predictor and its optimizer state as they are
     freeze_predictor = bool(cfg.predictor_rank) and not any(getattr(p, "predictor", False) for p in plans)
+    # DSV stage 1 under dsv.freeze_model_stage1: the predictor alone trains; the model, its AdamW state and
+    # its EMA stay bitwise as they were
+    freeze_model = bool(cfg.predictor_rank) and any(getattr(p, "model_frozen", False) for p in plans)
 
     def train_step(state: TrainState, batch, lr, attention_inputs=None):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -123,7 +152,10 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
             total = loss + jnp.sum(aux["predictor_loss"]) if "predictor_loss" in aux else loss
             return total, (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if freeze_model:
+            (_, (loss, aux)), grads = predictor_value_and_grad(loss_fn, state.params)
+        else:
+            (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         labels = param_labels(grads) if cfg.predictor_rank else None
         grad_norm = _norm(grads, labels)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -131,6 +163,8 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
         params = optax.apply_updates(state.params, scale_updates(updates, lr, predictor_lr))
         if freeze_predictor:
             params, opt_state = keep_predictor(params, opt_state, state.params, state.opt_state)
+        if freeze_model:
+            params, opt_state = keep_model(params, opt_state, state.params, state.opt_state)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if "predictor_loss" in aux:
             finite &= jnp.all(jnp.isfinite(aux["predictor_loss"])) & jnp.isfinite(_norm(grads, labels, "predictor"))
@@ -140,7 +174,12 @@ def make_train_step(cfg: Config, graphdef, attention="auto"):
         ema = state.ema
         if ema is not None:  # a skipped step leaves the EMA as it was, too
             decay = ema_decay_at(cfg.train, state.step)
-            ema = keep(update_ema(ema, new_params, decay), ema)
+            updated = update_ema(ema, new_params, decay)
+            if freeze_model:  # d e + (1 - d) p is not bitwise e where p == e: the frozen leaves keep theirs
+                updated = jax.tree.map(
+                    lambda u, e, lab: u if lab == "predictor" else e, updated, ema, param_labels(ema)
+                )
+            ema = keep(updated, ema)
             metrics["ema_decay"] = decay
         new_state = state.replace(
             step=state.step + 1,

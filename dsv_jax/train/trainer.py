@@ -37,6 +37,7 @@ from dsv_jax.train.checkpoint import Checkpointer, has_ema
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.guard import DivergenceGuard, Verdict, non_finite_part
+from dsv_jax.train.init_from import check_init_from, has_checkpoints, load_init_weights
 from dsv_jax.train.metrics import MetricsWriter
 from dsv_jax.train.mfu import StepFlops
 from dsv_jax.train.optimizer import lr_at
@@ -201,6 +202,17 @@ class Trainer:
         self.mesh = make_mesh(cfg.parallel, devices)  # before any folder is made: sizes that do not fit fail here
         if self.mesh.shape["context"] > 1:
             check_context(cfg, self.mesh, cfg.data.buckets)
+        self.init_from = None  # the export this new run's weights come from (train.init_from)
+        if cfg.train.init_from:  # a checkpoint wins: a run started from an export resumes as any other
+            if resume and has_checkpoints(os.path.join(self.workdir, "checkpoints")):
+                log.info(
+                    "resuming from the checkpoints in %s: train.init_from=%s is ignored",
+                    self.workdir,
+                    cfg.train.init_from,
+                )
+            else:
+                check_init_from(cfg, cfg.train.init_from)  # before anything is written
+                self.init_from = cfg.train.init_from
         check_writable(self.workdir)
         enable_compilation_cache()
         self.is_main = jax.process_index() == 0
@@ -243,6 +255,8 @@ class Trainer:
             log.info("resumed from step %d in %s", latest, self.checkpointer.directory)
         else:
             self.state = create_state(cfg, self.state_sharding)
+            if self.init_from:
+                self.state = load_init_weights(self.state, self.init_from, self.state_sharding)
         self.start_step = int(self.state.step)
         if self.is_main:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
