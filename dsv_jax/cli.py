@@ -5,9 +5,9 @@
         [--coordinator HOST:PORT --num-processes N --process-id I]   (several hosts; SLURM / OpenMPI: detected)
         Exit status: 0 trained to the end; 143 (SIGTERM) or 130 (Ctrl-C) stopped early with a checkpoint
         saved (rerun the same command to resume); 1 failed (a diverged run too); 2 a bad argument or input.
-    dsv-jax sample --model DIR --out FILE.gif [--prompt TEXT ...] [--negative-prompt TEXT] [--steps N] [--shift S]
-        [--solver euler|unipc] [--checkpoint STEP] [--text-encoder umt5:DIR|pkg.module:fn] [--codec SPEC]
-        [--weights auto|ema|raw]
+    dsv-jax sample --model DIR --out FILE.gif|FILE.mp4 [--prompt TEXT ...] [--negative-prompt TEXT] [--steps N]
+        [--shift S] [--solver euler|unipc] [--checkpoint STEP] [--text-encoder umt5:DIR|pkg.module:fn]
+        [--codec SPEC] [--weights auto|ema|raw]
     dsv-jax export --workdir RUN --out DIR [--dtype bf16|fp32] [--checkpoint STEP] [--weights auto|ema|raw]
         [--format dsv|diffusers]
     dsv-jax import-weights --from DIR --out DIR [--dtype bf16|fp32]   (a Wan 2.1 transformer: diffusers or original)
@@ -16,6 +16,7 @@
     dsv-jax prepare-data --input DIR --output DIR [--buckets 1x32x32,8x32x48] [--codec pixel:1x2x2] [...]
         (--codec wan2.1-vae:DIR --text-encoder umt5:DIR: Wan 2.1's VAE and umT5, dsv_jax/data/wan.py)
     dsv-jax fit-cost --config NAME [--out FILE.json] [--batch-sizes 1,2,4] [--target-ms MS] [key=value ...]
+    dsv-jax --version
 
 Options and key=value overrides mix in any order. A failure prints one or two lines; --debug adds
 the traceback (a training run also appends it to WORKDIR/error.log; a failure that looks like a bug in a
@@ -138,11 +139,31 @@ def _train(args) -> int:
         print(f"dsv-jax train: {e}", file=sys.stderr)
         return e.exit_status
     if records:
-        print(
-            f"trained to step {records[-1]['step']}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
-            f" (workdir {workdir})"
-        )
+        print(finished_line(workdir, records))
     return 0
+
+
+def finished_line(workdir: str, records: list[dict]) -> str:
+    """The end of a run in one line: the training loss, the held-out loss of the last step (from the run's
+    metrics.jsonl; with an EMA of the weights that one too, which sample and eval use) and the sample's path."""
+    from dsv_jax.train.metrics import read_metrics
+    from dsv_jax.train.trainer import sample_path
+
+    step = records[-1]["step"]
+    line = f"trained to step {step} in {workdir}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
+    try:
+        held = [r for r in read_metrics(workdir) if r.get("step") == step]
+    except OSError:  # another host of a multi-host run, whose workdir is not shared
+        held = []
+    for key, what in (("eval_loss", "held-out loss"), ("train_records_loss", "loss on training records")):
+        found = [r for r in held if key in r]
+        if found:
+            ema = found[-1].get(f"{key}_ema")
+            line += f", {what} {found[-1][key]:.4f}" + (f" (EMA of the weights {ema:.4f})" if ema is not None else "")
+            break
+    if os.path.isfile(sample_path(workdir, step)):
+        line += f", sample {sample_path(workdir, step)}"
+    return line
 
 
 def _check_shift(shift: float | None) -> None:
@@ -381,8 +402,10 @@ def _fit_cost(args) -> int:
 
 CONFIG_HELP = (
     f"a preset ({', '.join(listed_presets())}; NAME-dit: the DiT preset NAME) or a YAML / JSON config file "
-    "whose 'name:' is the preset it extends (a run's config.json re-runs it)"
+    "whose 'name:' is the preset it extends (a run's config.json re-runs it) (default tiny)"
 )
+
+NO_PROGRESS_HELP = "no progress bar (none is drawn either where stderr is not a terminal)"
 
 
 SHIFT_HELP = (
@@ -394,6 +417,25 @@ WEIGHTS_HELP = (
     "which weights of a training workdir's checkpoint: auto (default) the EMA of the weights where the "
     "run kept one (train.ema_decay > 0), else the trained weights; ema; raw (the trained weights)"
 )
+
+
+def version_line() -> str:
+    """`dsv-jax --version`: the installed package's version, or in a source checkout that pip never installed
+    the one in dsv_jax/__init__.py; with jax's and Python's, which a bug report needs too."""
+    import platform
+    from importlib import metadata
+
+    from dsv_jax import __version__
+
+    try:
+        ours = metadata.version("dsv-jax")
+    except metadata.PackageNotFoundError:
+        ours = f"{__version__} (source checkout, not installed)"
+    try:
+        jax = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        jax = "not installed"
+    return f"dsv-jax {ours}; jax {jax}; Python {platform.python_version()}"
 
 
 class Parser(argparse.ArgumentParser):
@@ -415,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (orbax and absl too)")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of a failure")
+    parser.add_argument("--version", action="version", version=version_line(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume) a model", parents=[common])
@@ -484,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("euler", "unipc"),
         help="flow ODE solver: euler, or unipc (Wan's second-order multistep) (default: train.sample_solver)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default 0)")
     p.add_argument("--shape", help="latent T,H,W (default: the config's longest bucket)")
     p.add_argument(
         "--checkpoint",
@@ -506,15 +549,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_sample)
 
     p = sub.add_parser("eval", help="held-out loss and semantic score of a trained workdir", parents=[common])
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--workdir", required=True, metavar="DIR", help="the training workdir to evaluate")
     p.add_argument(
-        "--clips", type=int, default=8, help="videos generated from held-out captions for the semantic score (0: none)"
+        "--clips",
+        type=int,
+        default=8,
+        help="videos generated from held-out captions for the semantic score (0: none; default 8)",
     )
-    p.add_argument("--steps", type=int, default=30, help="sampling steps per generated video")
+    p.add_argument("--steps", type=int, default=30, help="sampling steps per generated video (default 30)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the config's)")
     p.add_argument("--shift", type=float, help=SHIFT_HELP)
     p.add_argument("--batches", type=int, help="held-out batches per bucket (default: the config's train.eval_batches)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated videos' noise (default 0)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the newest readable one)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--gif", help="also write the generated videos side by side to this .gif or .mp4")
@@ -569,13 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--buckets",
         default="1x32x32,1x32x48,1x48x32,8x32x32,8x32x48,16x32x48",
-        help="latent bucket shapes TxHxW, comma separated (T=1: images)",
+        help="latent bucket shapes TxHxW, comma separated (T=1: images; default %(default)s)",
     )
     p.add_argument(
         "--codec",
         default="pixel:1x2x2",
         help="latent codec: pixel, pixel:FTxFHxFW (space-to-depth), wan2.1-vae:DIR[?dtype=bf16&tiling=1] (Wan 2.1's "
-        "VAE), or pkg.module:fn (your VAE)",
+        "VAE), or pkg.module:fn (your VAE) (default %(default)s)",
     )
     p.add_argument("--captions", help="caption manifest (.jsonl or .csv with file, caption); else NAME.txt")
     p.add_argument(
@@ -584,8 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
         "f(captions) -> (emb [N,L,D], mask [N,L])",
     )
     p.add_argument("--workers", type=int, help="reader processes (default: CPUs - 1)")
-    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
-    p.add_argument("--frame-stride", type=int, default=1, help="take every N-th frame of a video")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default %(default)s)")
+    p.add_argument("--frame-stride", type=int, default=1, help="take every N-th frame of a video (default 1: all)")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --output")
     p.add_argument(
@@ -593,9 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="F",
-        help="hold out this share of the files (by a hash of their names) for evaluation",
+        help="hold out this share of the files (by a hash of their names) for evaluation (default 0: none)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.set_defaults(fn=_prepare_data)
 
     p = sub.add_parser(
@@ -605,16 +651,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON to write (default runs/<config>-cost.json)")
     p.add_argument("--data", help="take the shapes from a prepared dataset's manifest")
     p.add_argument("--shapes", help="latent shapes TxHxW,... (default: the config's data.buckets)")
-    p.add_argument("--batch-sizes", default="1,2,4", help="samples per data-parallel device to time")
+    p.add_argument(
+        "--batch-sizes", default="1,2,4", help="samples per data-parallel device to time (default %(default)s)"
+    )
     p.add_argument(
         "--target-ms",
         type=float,
         help="step time M_comp is set for (default: the most even step times at <= 3%% throughput cost)",
     )
     p.add_argument("--memory-gb", type=float, help="memory per device (default: the device's, or RAM on CPU)")
-    p.add_argument("--mem-fraction", type=float, default=0.9, help="share of the memory M_mem may use")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point (median)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--mem-fraction", type=float, default=0.9, help="share of the memory M_mem may use (default %(default)s)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per grid point (median; default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     p.set_defaults(fn=_fit_cost)
     return parser

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import json
 import logging
 import os
@@ -764,7 +765,8 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
-    """The fields of a YAML or JSON config file as a plain dict."""
+    """The fields of a YAML or JSON config file as a plain dict; an empty or binary file is an error
+    naming it (an empty one would otherwise start a run of the tiny preset)."""
     if not os.path.isfile(path):
         raise ConfigError(
             f"config file {path!r} does not exist"
@@ -773,19 +775,26 @@ def _read_config_file(path: str) -> dict[str, Any]:
         )
     import yaml  # omegaconf's own dependency
 
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path!r} is not a text file (byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8)"
+        ) from None
     is_json = path.lower().endswith(".json")
     try:
         if is_json:  # json: YAML 1.1 would read 1e-05 as a string
-            with open(path, encoding="utf-8") as f:
-                fields = json.load(f)
+            fields = json.loads(text) if text.strip() else None
         else:
-            fields = OmegaConf.to_container(OmegaConf.load(path))
+            fields = OmegaConf.to_container(OmegaConf.load(io.StringIO(text)))
     except (json.JSONDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
         raise ConfigError(
             f"config file {path!r} is not valid {'JSON' if is_json else 'YAML'}: {' '.join(str(e).split())}"
         ) from None
-    if fields is None:
-        fields = {}
+    if not fields:
+        raise ConfigError(f"config file {path!r} is empty: give at least the preset it extends ('name: tiny')")
     if not isinstance(fields, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of config sections, got a {type(fields).__name__}")
     return fields

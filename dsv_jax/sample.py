@@ -459,16 +459,19 @@ def sample_from_state(
     controller_state: dict | None = None,
     text_encoder: Callable | None = None,
     shift: float | None = None,
+    labels: bool = False,
 ) -> list[str]:
     """Generate one video per prompt and write them side by side to `path` (or to each of several
     paths, .gif or .mp4: the same videos). Returns the paths written. A DSV run samples with the sparse
-    plans of its controller state (stage 2 decisions), a window run with its windows."""
+    plans of its controller state (stage 2 decisions), a window run with its windows. `labels`: each video
+    scaled up to a readable size with its prompt under it (dsv_jax/labels.py), as the end-of-run sample is."""
     paths = [path] if isinstance(path, str) else list(path)
+    prompts = list(prompts or default_prompts(cfg))
     frames = sample_frames(
         cfg,
         graphdef,
         params,
-        prompts or default_prompts(cfg),
+        prompts,
         tuple(shape or default_shape(cfg)),
         controller_state=controller_state,
         steps=steps,
@@ -477,6 +480,10 @@ def sample_from_state(
         text_encoder=text_encoder,
         shift=shift,
     )
+    if labels:
+        from dsv_jax.labels import labelled
+
+        frames = labelled(frames, prompts)
     return [save_video(frames, p) for p in paths]
 
 

@@ -270,3 +270,25 @@ def test_shell_lines_split_into_commands():
     assert [classify(s) for s in segments("srun dsv-jax train --config tiny; status=$?")] == [train, None]
     until = "until dsv-jax train --config tiny; do [ $? -eq 143 ] || break; done"
     assert [classify(s) for s in segments(until)] == [train, None, None, None]
+
+
+# the options through which a command writes (or trains into) a file or folder
+WRITES = ("workdir", "out", "output", "json", "gif")
+
+
+def test_the_readme_writes_under_runs_which_git_ignores():
+    """A reader who pastes the README's commands in the checkout leaves nothing that `git status` shows."""
+    written = []
+    for doc, line in documented_commands():
+        kind, _, argv = classify(shlex.split(line))
+        if doc != "README.md" or kind != "cli":
+            continue
+        args = cli.parse_args(cli.build_parser(), argv)
+        for dest in WRITES:
+            value = getattr(args, dest, None)
+            written += [(line, v) for v in (value if isinstance(value, list) else [value]) if v is not None]
+    assert any(dest.endswith(".gif") for _, dest in written)  # the sample, at least
+    outside = [(line, path) for line, path in written if not os.path.normpath(path).startswith("runs" + os.sep)]
+    assert not outside, outside
+    with open(os.path.join(ROOT, ".gitignore"), encoding="utf-8") as f:
+        assert "runs/" in f.read().split()

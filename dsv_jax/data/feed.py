@@ -85,7 +85,7 @@ def _grain_feed(cfg: Config, **kw) -> Feed:
 def _dataset_config(cfg: Config) -> Config:
     """Take the bucket shapes, their sample counts (as weights) and the codec from the dataset's manifest,
     so that the saved config (and the sampler) describe the data trained on."""
-    from dsv_jax.data.manifest import Manifest
+    from dsv_jax.data.manifest import Manifest, check_dataset
 
     manifest = Manifest.load(cfg.data.path)
     if cfg.data.codec and cfg.data.codec != manifest.codec:
@@ -100,7 +100,9 @@ def _dataset_config(cfg: Config) -> Config:
         buckets=tuple(tuple(b["shape"]) for b in kept),
         bucket_weights=tuple(float(b["count"]) for b in kept),
     )
-    return dataclasses.replace(cfg, data=data)
+    resolved = dataclasses.replace(cfg, data=data)
+    check_dataset(resolved, manifest)  # before a run makes its work directory (training.md)
+    return resolved
 
 
 SOURCES: dict[str, Source] = {

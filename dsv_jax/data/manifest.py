@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dsv_jax.config import Config
 
 FORMAT = "dsv-jax-dataset/1"
 MANIFEST = "manifest.json"
@@ -154,3 +157,32 @@ class Manifest:
         if m.records == 0:
             raise ValueError(f"the dataset at {directory!r} holds no samples")
         return m
+
+
+def check_dataset(cfg: Config, manifest: Manifest) -> None:
+    """Everything about the dataset that must agree with the config, checked before any compile."""
+    where = f"the dataset at {manifest.directory!r}"
+    if manifest.channels != cfg.model.in_channels:
+        raise ValueError(
+            f"{where} has {manifest.channels} latent channels (codec {manifest.codec!r}) but "
+            f"model.in_channels={cfg.model.in_channels}: add model.in_channels={manifest.channels}"
+        )
+    for shape in manifest.shapes:
+        if any(s % p for s, p in zip(shape, cfg.model.patch)):
+            raise ValueError(f"{where}: bucket {shape} is not divisible by model.patch {cfg.model.patch}")
+    kind = manifest.text.get("kind")
+    if kind == "caption" and cfg.text.encoder != "builtin":
+        raise ValueError(
+            f"{where} stores captions, not embeddings: use text.encoder=builtin, or prepare it with --text-encoder"
+        )
+    if kind == "embedding":
+        if cfg.text.encoder != "precomputed":
+            raise ValueError(
+                f"{where} stores text embeddings ({manifest.text.get('encoder')}): use text.encoder=precomputed"
+            )
+        if (manifest.text["max_len"], manifest.text["dim"]) != (cfg.text.max_len, cfg.model.text_dim):
+            raise ValueError(
+                f"{where} stores text embeddings of {manifest.text['max_len']} x "
+                f"{manifest.text['dim']}, the config expects text.max_len={cfg.text.max_len} x "
+                f"model.text_dim={cfg.model.text_dim}"
+            )

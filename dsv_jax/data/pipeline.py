@@ -29,7 +29,7 @@ import numpy as np
 from dsv_jax.config import Config
 from dsv_jax.data.bucketing import batch_rule, tokens_per_sample, warn_over_memory
 from dsv_jax.data.codec import latents_from_stored
-from dsv_jax.data.manifest import Manifest
+from dsv_jax.data.manifest import Manifest, check_dataset
 from dsv_jax.data.records import unpack
 from dsv_jax.data.text import tokenize
 
@@ -153,35 +153,6 @@ class ReadSamples:
         if self.with_ids:
             out["record_id"] = np.asarray(ids, np.int64)
         return out
-
-
-def check_dataset(cfg: Config, manifest: Manifest) -> None:
-    """Everything about the dataset that must agree with the config, checked before any compile."""
-    where = f"the dataset at {manifest.directory!r}"
-    if manifest.channels != cfg.model.in_channels:
-        raise ValueError(
-            f"{where} has {manifest.channels} latent channels (codec {manifest.codec!r}) but "
-            f"model.in_channels={cfg.model.in_channels}: add model.in_channels={manifest.channels}"
-        )
-    for shape in manifest.shapes:
-        if any(s % p for s, p in zip(shape, cfg.model.patch)):
-            raise ValueError(f"{where}: bucket {shape} is not divisible by model.patch {cfg.model.patch}")
-    kind = manifest.text.get("kind")
-    if kind == "caption" and cfg.text.encoder != "builtin":
-        raise ValueError(
-            f"{where} stores captions, not embeddings: use text.encoder=builtin, or prepare it with --text-encoder"
-        )
-    if kind == "embedding":
-        if cfg.text.encoder != "precomputed":
-            raise ValueError(
-                f"{where} stores text embeddings ({manifest.text.get('encoder')}): use text.encoder=precomputed"
-            )
-        if (manifest.text["max_len"], manifest.text["dim"]) != (cfg.text.max_len, cfg.model.text_dim):
-            raise ValueError(
-                f"{where} stores text embeddings of {manifest.text['max_len']} x "
-                f"{manifest.text['dim']}, the config expects text.max_len={cfg.text.max_len} x "
-                f"model.text_dim={cfg.model.text_dim}"
-            )
 
 
 def _mark_flags_parsed() -> None:

@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 
 from dsv_jax.config import Config, architecture_diff
 from dsv_jax.errors import DiskFull, is_disk_full, mib
+from dsv_jax.train.orbax_quirks import late_reads_dropped, read_only_quiet
 
 log = logging.getLogger("dsv_jax")
 
@@ -47,6 +48,24 @@ class IncompatibleCheckpoint(ValueError):
 
 class CheckpointError(RuntimeError):
     """No checkpoint could be read (or the one asked for); the message names the file and the reason."""
+
+
+class MissingCheckpoint(ValueError):
+    """The step asked for (`--checkpoint STEP`) is not saved there: a bad argument, not a broken run."""
+
+
+def check_step_saved(directory: str, step: int, steps: list[int] | None = None) -> None:
+    """Raise MissingCheckpoint unless `step` is among the checkpoint steps in `directory` (`steps`: as orbax
+    lists them; default: the step folders on disk, read without opening a manager, so nothing is made)."""
+    if steps is None:
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        steps = sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+    if step in steps:
+        return
+    if not os.path.isdir(directory):
+        raise MissingCheckpoint(f"no checkpoint at step {step}: no such directory {directory}")
+    held = f"steps: {', '.join(map(str, steps))}" if steps else "it holds none"
+    raise MissingCheckpoint(f"no checkpoint at step {step} in {directory} ({held})")
 
 
 def _on_disk(state) -> dict[str, Any]:
@@ -83,13 +102,14 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint in {self.directory} (no such directory)")
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
-            create=not read_only,
-            read_only=read_only,
-            preservation_policy=KeepLatestAndGood(keep, self.is_good),
-        )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with read_only_quiet() if read_only else contextlib.nullcontext():
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                read_only=read_only,
+                preservation_policy=KeepLatestAndGood(keep, self.is_good),
+            )
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: dict[int, tuple[bool, str] | None] = {}  # saved steps -> verdict, until marked
         self._state_bytes = 0
         self._last_saved: int | None = None
@@ -294,10 +314,8 @@ class Checkpointer:
         data state None): what inference needs, without the optimizer moments; `item` (a function of the
         saved config) then names the state's field to read, "params" (default) or "ema"."""
         steps = self.all_steps()
-        if step is not None and step not in steps:
-            raise CheckpointError(
-                f"no checkpoint at step {step} in {self.directory} (steps: {', '.join(map(str, steps)) or 'none'})"
-            )
+        if step is not None:
+            check_step_saved(self.directory, step, steps)
         rejected = {s for s in steps if (self.validation(s) or {}).get("status") == "rejected"}
         if step in rejected:
             log.warning(
@@ -314,17 +332,8 @@ class Checkpointer:
         failed = []
         for s in candidates:
             try:
-                problem = self.verify(s)
-                if problem:
-                    raise CheckpointError(problem)
-                saved = Config.from_dict(self.saved_config(s))
-                if cfg is not None:
-                    self.check_compatible(s, cfg, saved)
-                abstract = abstract_state(saved) if callable(abstract_state) else abstract_state
-                if params_only:
-                    state, data = self.restore_params(s, abstract, item(saved) if item else "params"), None
-                else:
-                    state, data = self.restore(s, abstract)
+                with late_reads_dropped():  # an array that fails leaves the others' reads in flight
+                    restored = self._restore_step(s, abstract_state, cfg, params_only, item)
             except (IncompatibleCheckpoint, NoEMA):  # the request, not the step, is wrong: no older step helps
                 raise
             except Exception as e:  # orbax / tensorstore raise many types; each becomes one line here
@@ -336,13 +345,26 @@ class Checkpointer:
                 continue
             if failed:
                 log.warning("restored checkpoint step %d, the newest readable one", s)
-            return s, saved, state, data
+            return restored
         if failed:
             raise CheckpointError(
                 f"no readable checkpoint in {self.directory} (steps {', '.join(map(str, failed))} "
                 "failed, see above); move the folder away to start afresh"
             )
         return None, None, None, None
+
+    def _restore_step(self, s: int, abstract_state, cfg: Config | None, params_only: bool, item):
+        """(s, saved config, state, data state) of step `s`, as `restore_readable` asks (it raises)."""
+        problem = self.verify(s)
+        if problem:
+            raise CheckpointError(problem)
+        saved = Config.from_dict(self.saved_config(s))
+        if cfg is not None:
+            self.check_compatible(s, cfg, saved)
+        abstract = abstract_state(saved) if callable(abstract_state) else abstract_state
+        if params_only:
+            return s, saved, self.restore_params(s, abstract, item(saved) if item else "params"), None
+        return (s, saved, *self.restore(s, abstract))
 
     def set_aside_after(self, step: int | None) -> None:
         """Move every step newer than `step` to checkpoints-set-aside/ (a run continuing from an older

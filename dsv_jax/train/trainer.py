@@ -33,7 +33,7 @@ from dsv_jax.dsv.policy import make_policy
 from dsv_jax.parallel.mesh import batch_sharding, data_parallel_size, make_mesh
 from dsv_jax.parallel.policy import ContextPolicy, check_context
 from dsv_jax.progress import Heartbeat, duration, on_terminal, tqdm_class
-from dsv_jax.train.checkpoint import Checkpointer, has_ema
+from dsv_jax.train.checkpoint import Checkpointer, check_step_saved, has_ema
 from dsv_jax.train.distributed import any_process, check_same_config, host_copy
 from dsv_jax.train.evaluation import held_out_loss
 from dsv_jax.train.guard import DivergenceGuard, Verdict, non_finite_part
@@ -202,6 +202,8 @@ class Trainer:
         self.mesh = make_mesh(cfg.parallel, devices)  # before any folder is made: sizes that do not fit fail here
         if self.mesh.shape["context"] > 1:
             check_context(cfg, self.mesh, cfg.data.buckets)
+        if resume and checkpoint is not None:  # a step that is not there is a bad argument: nothing made yet
+            check_step_saved(os.path.join(self.workdir, "checkpoints"), checkpoint)
         self.init_from = None  # the export this new run's weights come from (train.init_from)
         if cfg.train.init_from:  # a checkpoint wins: a run started from an export resumes as any other
             if resume and has_checkpoints(os.path.join(self.workdir, "checkpoints")):
@@ -709,6 +711,11 @@ def train(
     return records
 
 
+def sample_path(workdir: str, step: int) -> str:
+    """Where a run's end-of-run sample of `step` goes (written by `sample_at_end`)."""
+    return os.path.join(workdir, "samples", f"step_{step:06d}.gif")
+
+
 def sample_at_end(trainer: Trainer) -> str | None:
     """The end-of-run sample GIF of a finished run, or None: a run that trained successfully never
     fails here; a model that cannot sample (text.encoder=precomputed: no encoder for the prompts)
@@ -728,7 +735,7 @@ def sample_at_end(trainer: Trainer) -> str | None:
     params = host_copy(trainer.inference_params)  # a collective: every process takes part
     if not trainer.is_main:
         return None
-    path = os.path.join(trainer.workdir, "samples", f"step_{int(trainer.state.step):06d}.gif")
+    path = sample_path(trainer.workdir, int(trainer.state.step))
     try:
         sample_from_state(
             cfg,
@@ -738,6 +745,7 @@ def sample_at_end(trainer: Trainer) -> str | None:
             steps=cfg.train.sample_steps,
             guidance=cfg.train.guidance,
             controller_state=trainer.policy.state_dict(),
+            labels=True,  # for a person: each prompt under its video
         )
     except Exception as e:  # the checkpoint is saved: sampling again later is always possible
         log.warning(
