@@ -402,7 +402,7 @@ def _fit_cost(args) -> int:
 
 CONFIG_HELP = (
     f"a preset ({', '.join(listed_presets())}; NAME-dit: the DiT preset NAME) or a YAML / JSON config file "
-    "whose 'name:' is the preset it extends (a run's config.json re-runs it) (default tiny)"
+    "whose 'name:' is the preset it extends (a run's config.json re-runs it; default tiny)"
 )
 
 NO_PROGRESS_HELP = "no progress bar (none is drawn either where stderr is not a terminal)"

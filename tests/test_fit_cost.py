@@ -103,4 +103,9 @@ def test_prepare_fit_cost_train_dual_and_sample(tmp_path):
     import imageio.v3 as iio
 
     frames = iio.imread(os.path.join(wd, "samples", "step_000003.gif"), index=None)
-    assert frames.shape[0] == 4 and frames.shape[1] == 32
+    # the end-of-run GIF draws each frame scaled up to 128 pixels, its caption below (dsv_jax/labels.py): 32-pixel
+    # frames in 4x4 blocks, where 16-pixel ones would be in 8x8 blocks
+    panel = frames[:, :128, :128]
+    assert frames.shape[0] == 4 and frames.shape[1] > 128
+    np.testing.assert_array_equal(panel, panel[:, ::4, ::4].repeat(4, axis=1).repeat(4, axis=2))
+    assert not np.array_equal(panel, panel[:, ::8, ::8].repeat(8, axis=1).repeat(8, axis=2))
