@@ -286,7 +286,7 @@ def test_wan_guide_retrofit_commands_run_at_tiny_sizes(wan_folder, monkeypatch):
     assert [r["dsv/stage"] for r in steps] == [1, 1, 2, 2] and steps[0]["grad_norm"] == 0 < steps[-1]["grad_norm"]
     summary = [r for r in read_metrics("runs/wan-dsv") if "dsv/summary" in r][-1]
     assert len(summary["dsv/block_recall/3x4x6"]) == len(summary["dsv/block_keep/3x4x6"]) == 2
-    assert iio.imread("clip.mp4").shape == (9, 32, 48, 3)  # the VAE decoded the sampled latents
+    assert iio.imread("runs/wan-dsv/clip.mp4").shape == (9, 32, 48, 3)  # the VAE decoded the sampled latents
     model = WanTransformer3DModel.from_pretrained("runs/wan-dsv-diffusers")
     assert model.config.num_layers == 2 and model.config.text_dim == 32
 
