@@ -181,6 +181,25 @@ def test_init_from_takes_the_exports_config_and_a_checkpoint_wins(exports, tmp_p
     assert f"train.init_from={other} is ignored" in caplog.text and "resumed from step 3" in caplog.text
 
 
+def test_resuming_and_checkpoint_step_count_the_same_step_folders(tmp_path):
+    """Whether a workdir resumes (so that --init-from is ignored) and which steps --checkpoint may name: one
+    reading of the checkpoints folder, its step folders (a stray file or orbax's unfinished save is none)."""
+    from dsv_jax.train.checkpoint import check_step_saved
+    from dsv_jax.train.init_from import has_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    assert not has_checkpoints(str(folder))
+    folder.mkdir()
+    (folder / "7").write_text("")
+    (folder / "5.orbax-checkpoint-tmp-1").mkdir()
+    assert not has_checkpoints(str(folder))
+    with pytest.raises(ValueError, match="it holds none"):
+        check_step_saved(str(folder), 7)
+    (folder / "5").mkdir()
+    assert has_checkpoints(str(folder))
+    check_step_saved(str(folder), 5)
+
+
 def test_run_summary_reads_each_blocks_recall_at_its_keep_ratio_off_the_curve():
     from dsv_jax.dsv.controller import DSVController
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS
