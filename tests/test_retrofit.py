@@ -200,6 +200,26 @@ def test_resuming_and_checkpoint_step_count_the_same_step_folders(tmp_path):
     check_step_saved(str(folder), 5)
 
 
+def test_an_export_never_replaces_the_folder_it_reads(tmp_path):
+    """--out --overwrite replaces --out whole: an --out that is the folder read, or holds it (a Wan pipeline
+    folder around its transformer/, a folder of runs), stops in one line before anything is read or written."""
+    from dsv_jax.config import get_config
+    from dsv_jax.export import export
+    from dsv_jax.wan import export_diffusers
+
+    tiny = ["model.hidden=48", "model.heads=2", "model.depth=1", "model.mlp_width=64", "model.text_dim=32"]
+    src = write_export(tmp_path / "models" / "wan", get_config("wan2.1-t2v-1.3b", tiny + ["text.max_len=8"]))
+    for out in (src, str(tmp_path / "models")):
+        with pytest.raises(FileExistsError, match="reads"):
+            export_diffusers(src, out, overwrite=True)
+    assert os.path.isfile(os.path.join(src, "export.json"))
+    run = tmp_path / "runs" / "x"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="reads"):
+        export(str(run), str(tmp_path / "runs"), overwrite=True)
+    assert run.is_dir()
+
+
 def test_run_summary_reads_each_blocks_recall_at_its_keep_ratio_off_the_curve():
     from dsv_jax.dsv.controller import DSVController
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS

@@ -62,7 +62,7 @@ def import_weights(src: str, out: str, *, dtype: str = "bf16", overwrite: bool =
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
     ckpt = open_checkpoint(src)
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, reads=(src, ckpt.folder))
     cfg = ckpt.config
     target = _numpy_dtype(dtype)
     params = jax.tree.map(lambda a: np.empty(a.shape, target), _abstract_params(cfg))
@@ -157,7 +157,7 @@ def export_diffusers(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, reads=(path,))
     loaded = load_model(path, **load)
     cfg = loaded.config
     check_wan(cfg, path)
