@@ -42,7 +42,17 @@ def is_export(path: str) -> bool:
     return os.path.isfile(os.path.join(path, EXPORT_JSON))
 
 
-def _check_out(out: str, overwrite: bool) -> None:
+def _check_out(out: str, overwrite: bool, reads: tuple[str, ...] = ()) -> None:
+    """--out can be written: not a file, empty unless `overwrite`, and (it is replaced whole) neither one of
+    the folders `reads` that the command reads nor a folder holding one."""
+    target = os.path.realpath(out)
+    for source in reads:
+        where = os.path.realpath(source)
+        if where == target or where.startswith(target + os.sep):
+            raise FileExistsError(
+                f"--out {out!r} is or holds {source!r}, which this command reads; writing --out would replace it: "
+                "choose another --out"
+            )
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"--out {out!r} is a file")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -96,7 +106,7 @@ def export(
         raise ValueError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, reads=(workdir,))
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise FileNotFoundError(f"--workdir {workdir!r} has no checkpoints/ (is it a training workdir?)")
     cfg, _, params, controller, step = load_trained(workdir, step, weights)

@@ -90,15 +90,40 @@ def test_patch_must_divide():
 
 
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
-def test_output_independent_of_tile_order_and_padding(arch):
+def test_output_independent_of_tile_order_and_padding(arch, monkeypatch):
     """RoPE on true coordinates and length masks make the tile order (and the padding of grids that
     do not divide into tiles) invisible: outputs match the raster order exactly."""
+    import dsv_jax.model.dit as dit
+
     x, t, text, mask = inputs()
     ref = perturbed_model(small_model_cfg(arch=arch, tile=(1, 1, 1), patch=(1, 4, 4)))(x, t, text, mask)
     assert float(jnp.abs(ref).mean()) > 0.1
+    # dense attention alone keeps raster order (dsv.plan.tiled): lay the tokens out in the model's tiles as a
+    # step with a sparse or profiling block does, so that the tiles and their padding are what is compared
+    monkeypatch.setattr(dit, "tiled", lambda attention: True)
     for tile in [(2, 4, 4), (4, 4, 4)]:  # grid (6, 6, 10): the second needs padding
         out = perturbed_model(small_model_cfg(arch=arch, tile=tile, patch=(1, 4, 4)))(x, t, text, mask)
         np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_tokens_lie_in_tiles_only_where_a_block_needs_them(monkeypatch):
+    """Dense attention runs on the raster order, unpadded; a block that selects, trains a predictor, profiles
+    or attends sparsely needs the model's tiles (dsv.plan.tiled)."""
+    import dsv_jax.model.dit as dit
+    from dsv_jax.dsv.plan import AttentionPlan, tiled
+
+    seen, real = [], dit.patchify
+    monkeypatch.setattr(
+        dit, "patchify", lambda x, patch, tile, multiple=1: seen.append(tile) or real(x, patch, tile, multiple)
+    )
+    x, t, text, mask = inputs()
+    perturbed_model(small_model_cfg(tile=(4, 4, 4), patch=(1, 4, 4)))(x, t, text, mask)
+    assert seen == [(1, 1, 1)]
+    dense, window = AttentionPlan(), AttentionPlan(mode="window", sparse=True)
+    assert not any(tiled(a) for a in ("auto", "xla", dense, [dense, "xla"], AttentionPlan(mode="dsv", keep=0.5)))
+    assert tiled(window) and tiled([dense, window]) and tiled(AttentionPlan(profile=True))
+    for flag in ("sparse", "predictor", "profile", "capture"):
+        assert tiled(AttentionPlan(mode="dsv", keep=0.5, **{flag: True})), flag
 
 
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
@@ -126,7 +151,7 @@ def test_scan_and_loop_agree_and_gradients_flow(arch):
 
 
 @pytest.mark.parametrize("arch", ["dit", "mmdit"])
-def test_absolute_position_adds_fixed_features_and_no_parameters(arch):
+def test_absolute_position_adds_fixed_features_and_no_parameters(arch, monkeypatch):
     """model.absolute_position: a token's sin-cos features of its (t, h, w), added to its embedding. The same
     parameters as without (checkpoints from before the option load with it off, its default); the output
     now tells positions apart (with RoPE alone, a DiT gives every token of a clip of identical tokens the
@@ -160,6 +185,9 @@ def test_absolute_position_adds_fixed_features_and_no_parameters(arch):
         assert spread[False] < 1e-4, spread
     assert spread[True] > 1e-2 and spread[True] > 2 * spread[False], spread
     ref = perturbed_model(placed)(x, t, text, mask)
+    import dsv_jax.model.dit as dit
+
+    monkeypatch.setattr(dit, "tiled", lambda attention: True)  # the tiles as a sparse step lays them out
     padded = perturbed_model(dataclasses.replace(placed, tile=(4, 4, 4)))(x, t, text, mask)  # grid 4 x 6 x 6
     np.testing.assert_allclose(padded, ref, atol=2e-5)
 

@@ -248,6 +248,23 @@ def test_a_closed_loop_drops_what_a_late_read_hands_it():
     assert "error::pytest.PytestUnhandledThreadExceptionWarning" in warnings
 
 
+def test_overlapping_restores_put_the_process_policy_back():
+    """Two restores in two threads overlap (the first ends before the second): the process's event-loop policy
+    is the original once both have ended, not the first one's temporary policy."""
+    from dsv_jax.train.orbax_quirks import late_reads_dropped
+
+    original = asyncio.get_event_loop_policy()
+    first, second = late_reads_dropped(), late_reads_dropped()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    loop = asyncio.new_event_loop()  # the second restore is still running: its loops drop late reads
+    loop.close()
+    loop.call_soon_threadsafe(print)
+    second.__exit__(None, None, None)
+    assert asyncio.get_event_loop_policy() is original
+
+
 def test_the_readme_says_how_fast_the_first_run_is_on_busy_cores_too():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         install = f.read().split("## Install", 1)[1].split("```", 1)[0]

@@ -181,6 +181,45 @@ def test_init_from_takes_the_exports_config_and_a_checkpoint_wins(exports, tmp_p
     assert f"train.init_from={other} is ignored" in caplog.text and "resumed from step 3" in caplog.text
 
 
+def test_resuming_and_checkpoint_step_count_the_same_step_folders(tmp_path):
+    """Whether a workdir resumes (so that --init-from is ignored) and which steps --checkpoint may name: one
+    reading of the checkpoints folder, its step folders (a stray file or orbax's unfinished save is none)."""
+    from dsv_jax.train.checkpoint import check_step_saved
+    from dsv_jax.train.init_from import has_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    assert not has_checkpoints(str(folder))
+    folder.mkdir()
+    (folder / "7").write_text("")
+    (folder / "5.orbax-checkpoint-tmp-1").mkdir()
+    assert not has_checkpoints(str(folder))
+    with pytest.raises(ValueError, match="it holds none"):
+        check_step_saved(str(folder), 7)
+    (folder / "5").mkdir()
+    assert has_checkpoints(str(folder))
+    check_step_saved(str(folder), 5)
+
+
+def test_an_export_never_replaces_the_folder_it_reads(tmp_path):
+    """--out --overwrite replaces --out whole: an --out that is the folder read, or holds it (a Wan pipeline
+    folder around its transformer/, a folder of runs), stops in one line before anything is read or written."""
+    from dsv_jax.config import get_config
+    from dsv_jax.export import export
+    from dsv_jax.wan import export_diffusers
+
+    tiny = ["model.hidden=48", "model.heads=2", "model.depth=1", "model.mlp_width=64", "model.text_dim=32"]
+    src = write_export(tmp_path / "models" / "wan", get_config("wan2.1-t2v-1.3b", tiny + ["text.max_len=8"]))
+    for out in (src, str(tmp_path / "models")):
+        with pytest.raises(FileExistsError, match="reads"):
+            export_diffusers(src, out, overwrite=True)
+    assert os.path.isfile(os.path.join(src, "export.json"))
+    run = tmp_path / "runs" / "x"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="reads"):
+        export(str(run), str(tmp_path / "runs"), overwrite=True)
+    assert run.is_dir()
+
+
 def test_run_summary_reads_each_blocks_recall_at_its_keep_ratio_off_the_curve():
     from dsv_jax.dsv.controller import DSVController
     from dsv_jax.dsv.profiler import RECALL_FRACTIONS

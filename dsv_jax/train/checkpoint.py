@@ -54,12 +54,18 @@ class MissingCheckpoint(ValueError):
     """The step asked for (`--checkpoint STEP`) is not saved there: a bad argument, not a broken run."""
 
 
+def steps_on_disk(directory: str) -> list[int]:
+    """The step folders (orbax names each by its number) in a checkpoints folder, read without opening a
+    manager, so nothing is made; [] where there is no such folder."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 def check_step_saved(directory: str, step: int, steps: list[int] | None = None) -> None:
     """Raise MissingCheckpoint unless `step` is among the checkpoint steps in `directory` (`steps`: as orbax
-    lists them; default: the step folders on disk, read without opening a manager, so nothing is made)."""
+    lists them; default: `steps_on_disk`)."""
     if steps is None:
-        names = os.listdir(directory) if os.path.isdir(directory) else []
-        steps = sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+        steps = steps_on_disk(directory)
     if step in steps:
         return
     if not os.path.isdir(directory):

@@ -26,6 +26,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from dsv_jax.config import Config, ConfigError, architecture_diff
 from dsv_jax.export import export_config
+from dsv_jax.train.checkpoint import steps_on_disk
 from dsv_jax.train.step import abstract_model
 
 log = logging.getLogger("dsv_jax")
@@ -35,11 +36,8 @@ FREE_FIELDS = frozenset({"model.tile"})
 
 
 def has_checkpoints(directory: str) -> bool:
-    """Whether a run's checkpoints/ folder holds a saved step (orbax names each by its number); nothing is made."""
-    try:
-        return any(name.isdigit() for name in os.listdir(directory))
-    except OSError:  # no folder: a new run
-        return False
+    """Whether a run's checkpoints/ folder holds a saved step (`steps_on_disk`); nothing is made."""
+    return bool(steps_on_disk(directory))
 
 
 def init_config(path: str) -> Config:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import warnings
 
 
@@ -56,17 +57,35 @@ class _Policy(asyncio.DefaultEventLoopPolicy):
         return ClosedLoopDropsLateResults()
 
 
+_policy_lock = threading.Lock()
+_policy_users = 0  # restores inside late_reads_dropped now (in any thread)
+_policy_before = None  # the process's policy before the first of them
+
+
+def _set_policy(policy) -> None:
+    with warnings.catch_warnings():  # the policy API is deprecated from Python 3.14 (still there until 3.16)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asyncio.set_event_loop_policy(policy)
+
+
 @contextlib.contextmanager
 def late_reads_dropped():
     """orbax restores inside run on event loops that drop late reads (see the module docstring). The event
-    loop policy is the process's: it is put back on the way out (the loops made meanwhile stay as made)."""
-    with warnings.catch_warnings():  # the policy API is deprecated from Python 3.14 (still there until 3.16)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        previous = asyncio.get_event_loop_policy()
-        asyncio.set_event_loop_policy(_Policy())
+    loop policy is the process's: the first of overlapping restores (several threads) puts it in, the last to
+    end puts the previous one back (the loops made meanwhile stay as made)."""
+    global _policy_users, _policy_before
+    with _policy_lock:
+        if _policy_users == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                _policy_before = asyncio.get_event_loop_policy()
+            _set_policy(_Policy())
+        _policy_users += 1
     try:
         yield
     finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            asyncio.set_event_loop_policy(previous)
+        with _policy_lock:
+            _policy_users -= 1
+            if _policy_users == 0:
+                _set_policy(_policy_before)
+                _policy_before = None

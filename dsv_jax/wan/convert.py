@@ -62,7 +62,7 @@ def import_weights(src: str, out: str, *, dtype: str = "bf16", overwrite: bool =
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
     ckpt = open_checkpoint(src)
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, reads=(src, ckpt.folder))
     cfg = ckpt.config
     target = _numpy_dtype(dtype)
     params = jax.tree.map(lambda a: np.empty(a.shape, target), _abstract_params(cfg))
@@ -77,7 +77,8 @@ def import_weights(src: str, out: str, *, dtype: str = "bf16", overwrite: bool =
         log.info("read %s", shard.path)
     assert filled == len(where), (filled, len(where))
     # On the host CPU device the arrays alias the numpy buffers (no copy), and orbax then writes from them
-    # without a second numpy copy of its own: 1.3B in bf16, peak 5.5 GiB this way, 7.5 GiB from numpy leaves
+    # without a second numpy copy of its own: 1.3B in bf16, peak RSS 5.0 GiB this way, 7.5 GiB from numpy
+    # leaves (experiments/results/wan_import_memory.json)
     cpu = jax.devices("cpu")[0]
     params = jax.tree.map(lambda a: jax.device_put(a, cpu), params)
     meta = {
@@ -157,7 +158,7 @@ def export_diffusers(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of bf16, fp32")
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, reads=(path,))
     loaded = load_model(path, **load)
     cfg = loaded.config
     check_wan(cfg, path)
