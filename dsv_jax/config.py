@@ -128,6 +128,11 @@ class ModelConfig:
         return self.mlp_width or int(round(self.hidden * self.mlp_ratio))
 
     @property
+    def text_mlp_hidden(self) -> int:
+        """The MMDiT text stream's MLP hidden width."""
+        return int(round(self.hidden * self.text_mlp_ratio))
+
+    @property
     def shared_modulation_rows(self) -> int:
         """Rows of adaLN-single's shared projection: 6 per stream (video, MMDiT's text), 2 for the final layer
         unless it takes the timestep embedding itself (final_modulation=timestep)."""

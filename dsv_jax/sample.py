@@ -28,8 +28,8 @@ from dsv_jax.config import Config
 from dsv_jax.data.codec import decode_latents, get_text_encoder, is_builtin_text_encoder
 from dsv_jax.data.synthetic import PROMPTS
 from dsv_jax.data.text import tokenize_batch
-from dsv_jax.solvers import SOLVERS, make_schedule, unipc_step
-from dsv_jax.train.loss import resolution_shift, shift_timesteps
+from dsv_jax.solvers import SOLVERS, make_schedule, time_grid, unipc_step  # noqa: F401  (time_grid: public here)
+from dsv_jax.train.loss import resolution_shift
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,6 @@ def _negatives(negative_prompt: str | Sequence[str] | None, n: int) -> list[str]
             f"negative_prompt must be a caption or a list of one caption per prompt ({n}), got {negative_prompt!r}"
         )
     return negatives
-
-
-def time_grid(steps: int, shift: float = 1.0) -> jax.Array:
-    """The sampler's `steps + 1` timesteps, from 1 (noise) down to 0 (data)."""
-    return shift_timesteps(jnp.linspace(1.0, 0.0, steps + 1), shift)
 
 
 def sampler_shift(cfg: Config, shape: tuple[int, int, int], shift: float | None = None) -> float:

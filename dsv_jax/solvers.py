@@ -74,6 +74,15 @@ def wan_sigmas(steps: int, shift: float) -> tuple[np.ndarray, np.ndarray]:
     return np.append(sigmas, 0.0).astype(np.float32), timesteps
 
 
+def time_grid(steps: int, shift: float = 1.0):
+    """Euler's `steps + 1` levels, from 1 (noise) down to 0 (data), shifted; in jax's float32."""
+    import jax.numpy as jnp
+
+    from dsv_jax.train.loss import shift_timesteps
+
+    return shift_timesteps(jnp.linspace(1.0, 0.0, steps + 1), shift)
+
+
 def make_schedule(solver: str, steps: int, shift: float) -> Schedule:
     """The grid and coefficients of `steps` steps of `solver` with time shift `shift`."""
     if solver not in SOLVERS:
@@ -81,12 +90,7 @@ def make_schedule(solver: str, steps: int, shift: float) -> Schedule:
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps={steps!r} must be a whole number >= 1")
     if solver == "euler":
-        import jax.numpy as jnp
-
-        from dsv_jax.train.loss import shift_timesteps
-
-        # in jax's float32, as the grid always was (dsv_jax.sample.time_grid)
-        sigmas = np.asarray(shift_timesteps(jnp.linspace(1.0, 0.0, int(steps) + 1), shift), np.float32)
+        sigmas = np.asarray(time_grid(int(steps), shift), np.float32)
         # the model's own scaling of t in [0, 1] (time_scale 1000), done here in the same float32 product
         return Schedule("euler", sigmas, np.float32(TRAIN_TIMESTEPS) * sigmas[:-1])
     sigmas, timesteps = wan_sigmas(int(steps), shift)

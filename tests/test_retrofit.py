@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from dsv_jax.config import ConfigError
 from tests.conftest import small_config
 
 FREEZE_RUN = [
@@ -345,3 +346,18 @@ def test_a_frozen_step_counts_one_forward_of_the_model_in_its_flops():
     frozen, trained = meter((4, 16, 16), 2, plans), meter((4, 16, 16), 2, full)
     np.testing.assert_allclose(3 * frozen[0], trained[0], rtol=1e-9)  # model FLOPs: one forward of three
     assert trained[1] / 4 < frozen[1] < trained[1] / 2  # remat's forward and the backward are not run
+
+
+def test_init_from_lets_precomputed_text_change_its_length(tmp_path):
+    """Precomputed text embeddings (Wan's umT5): no weight depends on their length, so a run may pad them to
+    another text.max_len than the export's; a built-in text encoder's length must match."""
+    from dsv_jax.train.init_from import check_init_from
+
+    pre = ("text.encoder=precomputed", "model.text_dim=16")
+    src = write_export(tmp_path / "pre", small_config(*pre, "text.max_len=8"))
+    check_init_from(small_config(*pre, "text.max_len=12"), src)  # no error
+    with pytest.raises(ConfigError, match="model.text_dim=24"):
+        check_init_from(small_config("text.encoder=precomputed", "model.text_dim=24", "text.max_len=8"), src)
+    builtin = write_export(tmp_path / "builtin", small_config("text.max_len=8"))
+    with pytest.raises(ConfigError, match="text.max_len=12"):
+        check_init_from(small_config("text.max_len=12"), builtin)

@@ -89,7 +89,7 @@ class MMDiTBlock(nnx.Module):
         self.out_video = linear(cfg.hidden, cfg.hidden, cfg, rngs)
         self.out_text = linear(cfg.hidden, cfg.hidden, cfg, rngs)
         self.mlp_video = MLP(cfg, cfg.mlp_hidden, rngs)
-        self.mlp_text = MLP(cfg, int(round(cfg.hidden * cfg.text_mlp_ratio)), rngs)
+        self.mlp_text = MLP(cfg, cfg.text_mlp_hidden, rngs)
         self.predictor = _predictor(cfg, predictor_rank, predictor_rope, rngs)  # video tokens only
 
     def __call__(self, x, ctx: BlockContext, plan, inputs=None):

@@ -122,7 +122,7 @@ def forward_flops(
         cond += 2 * b * c * m.shared_modulation_rows * c
     embed = 2 * b * s * m.patch_dim * c * 2  # patch embedding and final projection
     if mmdit:
-        ft = float(int(round(m.hidden * m.text_mlp_ratio)))
+        ft = float(m.text_mlp_hidden)
         block_linear = 2 * b * (s + lt) * c * 4 * c + 2 * b * c * 2 * (s * f + lt * ft)
         text_attention = 4 * b * c * (2 * s * lt + lt * lt)
     else:

@@ -34,7 +34,7 @@ def parameter_count(cfg: Config) -> int:
 
     predictor = 2 * _linear(d, m.heads * cfg.predictor_rank, bias=False)  # W_Q^lr, W_K^lr
     if mmdit:
-        text_mlp = mlp(int(round(d * m.text_mlp_ratio)))
+        text_mlp = mlp(m.text_mlp_hidden)
         block = 2 * (modulation(6) + qkv() + _linear(d, d)) + mlp(m.mlp_hidden) + text_mlp
     else:
         block = modulation(6) + qkv() + _linear(d, d) + qkv(kv_from=d) + _linear(d, d) + mlp(m.mlp_hidden)

@@ -229,8 +229,9 @@ class ContextPolicy:
         return (ph, ps, strategy), parts
 
     def _seq_len(self, shape) -> int:
+        """Tokens a device group attends over densely: dense steps keep raster order, unpadded (dsv.plan.tiled)."""
         m = self.cfg.model
-        s = token_layout(grid_shape(tuple(shape), m.patch), m.tile).seq_len
+        s = token_layout(grid_shape(tuple(shape), m.patch), (1, 1, 1)).seq_len
         if m.arch == "mmdit":  # joint video + text sequence
             s += self.cfg.text.max_len
         return s + (-s % self.n)

@@ -27,6 +27,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from dsv_jax.config import Config, ConfigError, architecture_diff
 from dsv_jax.export import export_config
 from dsv_jax.train.checkpoint import steps_on_disk
+from dsv_jax.train.orbax_quirks import late_reads_dropped
 from dsv_jax.train.step import abstract_model
 
 log = logging.getLogger("dsv_jax")
@@ -53,7 +54,9 @@ def check_init_from(cfg: Config, path: str) -> Config:
     from the run's, with both values."""
     saved = init_config(path)
     for key, ours, theirs in architecture_diff(cfg, saved):
-        if key.startswith(("model.", "text.")) and key not in FREE_FIELDS:
+        # precomputed text embeddings: their length is the data's, no weight depends on it
+        free = key == "text.max_len" and cfg.text.encoder == saved.text.encoder == "precomputed"
+        if key.startswith(("model.", "text.")) and key not in FREE_FIELDS and not free:
             raise ConfigError(
                 f"--init-from {path}: the run has {key}={ours!r}, the export {key}={theirs!r} ({path}/config.json); "
                 f"a run starts from weights of its own model: without --config it takes the export's"
@@ -77,7 +80,7 @@ def load_init_weights(state, path: str, sharding):
         else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device)
         for k, a in saved.items()
     }
-    with ocp.StandardCheckpointer() as ckpt:
+    with ocp.StandardCheckpointer() as ckpt, late_reads_dropped():  # a failing array leaves reads in flight
         restored = flatten_dict(ckpt.restore(os.path.join(os.path.abspath(path), "params"), unflatten_dict(target)))
     taken = {k for k in run if k in restored and restored[k].shape == run[k].shape}
     params = jax.tree.map(lambda x: x, state.params)  # a new State: the fresh one's arrays where nothing is taken

@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 
 import numpy as np
 
 from dsv_jax.config import Config
-from dsv_jax.export import DTYPES, _check_out, plan_summary, write_export
+from dsv_jax.export import DTYPES, _check_out, plan_summary, staged_folder, write_export
 from dsv_jax.wan.files import WanCheckpointError, open_checkpoint
 from dsv_jax.wan.layout import expected_shapes, tensor_places, to_wan
 from dsv_jax.wan.layout import place_tensor as _place
@@ -168,10 +166,7 @@ def export_diffusers(
         log.info("leaving out the DSV predictors (Wan's model has no place for them)")
     tensors = dict(to_wan(params, cfg.model))
     shards = shard_plan(cfg, target.itemsize, max_shard_bytes)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
-    try:
+    with staged_folder(out) as staging:
         weight_map, total = {}, 0
         for k, names in enumerate(shards):
             fname = (
@@ -188,12 +183,6 @@ def export_diffusers(
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(diffusers_config(cfg), f, indent=1)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     log.info("wrote %s in diffusers' Wan layout (%d shards) to %s", path, len(shards), out)
     return out
 
