@@ -28,18 +28,18 @@ calls, waited for with torch.cuda.synchronize, on torch's GPU (else the CPU; $DS
 - VAE: diffusers' AutoencoderKLWan() (its default config is Wan 2.1's VAE) with random weights, decoding
   random latents of the sampled shape [1, 16, 21, 60, 104] (480p) or [1, 16, 21, 90, 160] (720p) to 81
   frames, to uint8 frames on the host; fp32 (--vae-dtype): what WanPipeline's documented example, Wan's own
-  generate.py and the wan2.1-vae: spec use (WanPipeline.from_pretrained(torch_dtype=bf16) without a separate
-  VAE would give bf16). No tiling (WanPipeline's default). The latents' un-normalisation and their copy
-  from jax (10-20 MB) are left out.
+  WanVAE and the wan2.1-vae: spec use (WanPipeline.from_pretrained(torch_dtype=bf16) without a separate VAE
+  would give bf16). No tiling (WanPipeline's default). The latents' un-normalisation and their copy from jax
+  (10-20 MB) are left out. The decode runs 1 + --repeats times: budget the run's time for it at 720p.
 End to end per variant: text + the DiT's 50 steps (projected) + VAE decode, and its ratio to full attention.
 --quick builds tiny random umT5 and VAE models from configs (as tests/test_wan_data.py), seconds on a CPU.
 
-On the GPU image (see the device notes' package list, last read 2026-11-17): torch, transformers, tokenizers,
-huggingface_hub, safetensors, accelerate and sentencepiece are there; diffusers is not. Carry the diffusers
-wheel (pure Python; 0.42.1's needs are huggingface-hub >= 1.32, safetensors >= 0.8, filelock, numpy, regex,
-requests, Pillow, all in the image, and importlib_metadata, used only on Python < 3.8), e.g.
-`pip download --no-deps -d .whl diffusers==0.42.1`, and check `python3 -m pip show transformers huggingface_hub
-safetensors` there first.
+On the GPU machines' image (its package list as read 2026-11-17, Python 3.12): torch, transformers, tokenizers,
+huggingface_hub, safetensors, accelerate and sentencepiece are there; diffusers is not (nor ftfy, which only
+cleans real captions: not needed here). Carry the diffusers wheel: pure Python (py3-none-any), 0.42.1 needs
+huggingface-hub >= 1.32, safetensors >= 0.8, filelock, numpy, regex, requests and Pillow, all in the image
+(its importlib_metadata is imported on Python < 3.8 only): `pip download --no-deps -d .whl diffusers==0.42.1`
+here, and there `python3 -m pip show huggingface_hub safetensors transformers` first.
 """
 
 from __future__ import annotations
