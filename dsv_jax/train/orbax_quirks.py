@@ -52,9 +52,15 @@ class ClosedLoopDropsLateResults(asyncio.SelectorEventLoop):
             return None  # a read that finished after the restore awaiting it failed
 
 
-class _Policy(asyncio.DefaultEventLoopPolicy):
-    def new_event_loop(self):
-        return ClosedLoopDropsLateResults()
+def _dropping_policy():
+    """An event loop policy whose new loops are ClosedLoopDropsLateResults; its base class is looked up here,
+    not at import: the policy API is deprecated from Python 3.14, and importing dsv_jax must not warn."""
+
+    class Policy(asyncio.DefaultEventLoopPolicy):
+        def new_event_loop(self):
+            return ClosedLoopDropsLateResults()
+
+    return Policy()
 
 
 _policy_lock = threading.Lock()
@@ -79,7 +85,8 @@ def late_reads_dropped():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 _policy_before = asyncio.get_event_loop_policy()
-            _set_policy(_Policy())
+                policy = _dropping_policy()
+            _set_policy(policy)
         _policy_users += 1
     try:
         yield
