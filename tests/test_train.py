@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv_jax.config import ConfigError
 from dsv_jax.data.feed import tokens_per_sample
 from dsv_jax.model.flops import PEAK_ENV, train_step_flops
 from dsv_jax.train.checkpoint import Checkpointer, CheckpointError, IncompatibleCheckpoint, load_trained
@@ -281,5 +282,5 @@ def test_eval_batches_zero_trains_without_a_held_out_loss(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     logged = read_metrics(str(tmp_path))
     assert not any(k.startswith(("eval_loss", "train_records_loss")) for r in logged for k in r)
-    with pytest.raises(Exception, match="train.eval_batches=-1 must be >= 0"):
+    with pytest.raises(ConfigError, match="train.eval_batches=-1 must be >= 0"):
         small_config("train.eval_batches=-1")

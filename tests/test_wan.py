@@ -15,7 +15,9 @@ import pytest
 torch = pytest.importorskip(
     "torch", reason="torch (CPU build) + diffusers are the parity oracle; the test extra installs them on Python 3.11"
 )
-diffusers = pytest.importorskip("diffusers")
+diffusers = pytest.importorskip(
+    "diffusers", reason="diffusers 0.42 is the parity oracle; the test extra installs it on Python < 3.12 (main leg)"
+)
 
 from dsv_jax.config import get_config  # noqa: E402
 from dsv_jax.model.size import parameter_count  # noqa: E402
